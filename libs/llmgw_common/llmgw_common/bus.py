@@ -1,0 +1,299 @@
+"""Bus helpers: connect with reconnects, ensure buckets and streams, typed subscriptions, KV followers.
+
+Everything here follows shared/design/NATS-NOTES.md: a short ping interval, endless reconnects,
+bind-before-create for buckets, callbacks rather than ``sub.messages``, and a periodic full resync
+behind every KV watch because the watcher's end-of-initial-values marker can arrive early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError, NotFoundError
+from nats.js.kv import KeyValue
+from pydantic import BaseModel
+
+from llmgw_common.codec import DecodeError, decode
+from llmgw_common.settings import BusSettings
+from llmgw_common.subjects import Subjects
+
+log = logging.getLogger("llmgw.bus")
+M = TypeVar("M", bound=BaseModel)
+
+
+def _tls_context(s: BusSettings) -> ssl.SSLContext | None:
+    if not (s.nats_tls_ca or s.nats_tls_cert):
+        return None
+    ctx = ssl.create_default_context(cafile=s.nats_tls_ca)
+    if s.nats_tls_cert:
+        ctx.load_cert_chain(s.nats_tls_cert, s.nats_tls_key)
+    return ctx
+
+
+async def connect(s: BusSettings, name: str, *, connect_timeout: float = 5.0, wait: bool = True) -> NATS:
+    """A NATS client that reconnects forever and notices a dead server within seconds.
+
+    With ``wait`` (the default for services) the first connection is retried until it succeeds, so a
+    service started before NATS waits for it instead of exiting; the CLI passes ``wait=False``.
+    """
+
+    async def error_cb(e: Exception) -> None:
+        log.warning("nats (%s): %s", name, e)
+
+    async def disconnected_cb() -> None:
+        log.warning("nats (%s): disconnected", name)
+
+    async def reconnected_cb() -> None:
+        log.info("nats (%s): reconnected", name)
+
+    opts: dict[str, Any] = dict(
+        servers=s.nats_urls,
+        name=name,
+        ping_interval=2,
+        max_outstanding_pings=3,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        connect_timeout=connect_timeout,
+        allow_reconnect=True,
+        error_cb=error_cb,
+        disconnected_cb=disconnected_cb,
+        reconnected_cb=reconnected_cb,
+    )
+    if s.nats_user:
+        opts["user"], opts["password"] = s.nats_user, s.nats_password
+    if s.nats_token:
+        opts["token"] = s.nats_token
+    if s.nats_creds:
+        opts["user_credentials"] = s.nats_creds
+    if s.nats_inbox_prefix:
+        opts["inbox_prefix"] = s.nats_inbox_prefix
+    tls = _tls_context(s)
+    if tls is not None:
+        opts["tls"] = tls
+    if not wait:
+        # A client (the CLI) wants a prompt answer when nothing is there, not endless retries.
+        opts["allow_reconnect"] = False
+        opts["max_reconnect_attempts"] = 1  # 0 would mean "forever" inside nats.connect
+    # With reconnects allowed, nats.connect itself retries the first connection forever.
+    return await nats.connect(**opts)
+
+
+async def ensure_kv(
+    js: JetStreamContext,
+    bucket: str,
+    *,
+    history: int = 1,
+    ttl: float | None = None,
+    replicas: int = 1,
+) -> KeyValue:
+    """Bind to a bucket, creating it only when it does not exist (a config mismatch would fail)."""
+    try:
+        return await js.key_value(bucket)
+    except BucketNotFoundError:
+        pass
+    cfg = KeyValueConfig(bucket=bucket, history=history, ttl=ttl, replicas=replicas)
+    try:
+        return await js.create_key_value(config=cfg)
+    except nats.js.errors.BadRequestError:
+        # Someone else created it between our bind and create.
+        return await js.key_value(bucket)
+
+
+async def ensure_stream(
+    js: JetStreamContext, name: str, subjects: list[str], *, max_age_s: float, replicas: int = 1
+) -> None:
+    try:
+        await js.stream_info(name)
+        return
+    except NotFoundError:
+        pass
+    cfg = StreamConfig(
+        name=name,
+        subjects=subjects,
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=max_age_s,
+        num_replicas=replicas,
+    )
+    with contextlib.suppress(nats.js.errors.BadRequestError):
+        await js.add_stream(cfg)
+
+
+async def ensure_all(js: JetStreamContext, subjects: Subjects, replicas: int = 1) -> dict[str, KeyValue]:
+    """Every bucket and stream of the architecture; returns the buckets by name."""
+    buckets = {
+        subjects.bucket_assign: await ensure_kv(js, subjects.bucket_assign, replicas=replicas),
+        subjects.bucket_routing: await ensure_kv(js, subjects.bucket_routing, replicas=replicas),
+        subjects.bucket_desired: await ensure_kv(js, subjects.bucket_desired, history=5, replicas=replicas),
+        subjects.bucket_replicas: await ensure_kv(js, subjects.bucket_replicas, replicas=replicas),
+        subjects.bucket_keys: await ensure_kv(js, subjects.bucket_keys, replicas=replicas),
+        subjects.bucket_leader: await ensure_kv(js, subjects.bucket_leader, ttl=10.0, replicas=replicas),
+    }
+    await ensure_stream(
+        js, subjects.events_stream, [subjects.all_events()], max_age_s=7 * 86400, replicas=replicas
+    )
+    return buckets
+
+
+class DropLog:
+    """Logs one line per dropped message, without a traceback, and counts them."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self.count = 0
+
+    def drop(self, where: str, reason: str) -> None:
+        self.count += 1
+        self.logger.warning("dropped undecodable message on %s: %s", where, reason)
+
+
+async def subscribe(
+    nc: NATS,
+    subject: str,
+    cls: type[M],
+    handler: Callable[[M, Msg], Awaitable[None] | None],
+    drops: DropLog,
+    queue: str = "",
+) -> Subscription:
+    """Subscribe with a typed handler; undecodable payloads are dropped with one log line."""
+
+    async def cb(msg: Msg) -> None:
+        try:
+            m = decode(msg.data, cls)
+        except DecodeError as e:
+            drops.drop(msg.subject, str(e))
+            return
+        r = handler(m, msg)
+        if r is not None:
+            await r
+
+    return await nc.subscribe(subject, queue=queue, cb=cb, pending_msgs_limit=65536)
+
+
+async def kv_get(kv: KeyValue, key: str, cls: type[M], drops: DropLog | None = None) -> tuple[M | None, int]:
+    """A key's decoded value and revision; (None, 0) when absent or undecodable."""
+    try:
+        e = await kv.get(key)
+    except KeyNotFoundError:
+        return None, 0
+    if e.value is None:
+        return None, 0
+    try:
+        return decode(e.value, cls), e.revision or 0
+    except DecodeError as err:
+        if drops is not None:
+            drops.drop(f"{kv._name}/{key}", str(err))
+        return None, e.revision or 0
+
+
+async def kv_keys(kv: KeyValue) -> list[str]:
+    try:
+        return list(await kv.keys())
+    except NoKeysError:
+        return []
+
+
+class KvFollower:
+    """Follows keys of a bucket: a watch for speed plus a periodic full read for truth.
+
+    ``on_change(key, value_or_None, revision)`` is called for every key whose revision changed
+    (``None`` when deleted). Values are raw bytes: decoding is the caller's, so the caller decides
+    what a bad value means.
+    """
+
+    def __init__(
+        self,
+        kv: KeyValue,
+        on_change: Callable[[str, bytes | None, int], Awaitable[None] | None],
+        *,
+        key: str = ">",
+        resync_s: float = 10.0,
+        name: str = "kv",
+    ) -> None:
+        self.kv = kv
+        self.on_change = on_change
+        self.key = key
+        self.resync_s = resync_s
+        self.name = name
+        self.revisions: dict[str, int] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.synced = asyncio.Event()
+
+    async def start(self) -> None:
+        await self.resync()
+        self._tasks = [
+            asyncio.create_task(self._watch(), name=f"{self.name}-watch"),
+            asyncio.create_task(self._resync_loop(), name=f"{self.name}-resync"),
+        ]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks = []
+
+    async def _emit(self, key: str, value: bytes | None, rev: int) -> None:
+        if value is None:
+            if key not in self.revisions:
+                return
+            self.revisions.pop(key, None)
+        else:
+            if self.revisions.get(key, -1) >= rev:
+                return
+            self.revisions[key] = rev
+        r = self.on_change(key, value, rev)
+        if r is not None:
+            await r
+
+    async def resync(self) -> None:
+        keys = await kv_keys(self.kv)
+        if self.key != ">":
+            keys = [k for k in keys if k == self.key]
+        present = set()
+        for k in keys:
+            try:
+                e = await self.kv.get(k)
+            except KeyNotFoundError:
+                continue
+            present.add(k)
+            await self._emit(k, e.value, e.revision or 0)
+        for k in list(self.revisions):
+            if k not in present:
+                await self._emit(k, None, 0)
+        self.synced.set()
+
+    async def _resync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.resync_s)
+            try:
+                await self.resync()
+            except (nats.errors.Error, TimeoutError) as e:
+                log.debug("%s: resync failed: %s", self.name, e)
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                watcher = await self.kv.watch(self.key)
+                async for e in watcher:
+                    if e is None:
+                        continue
+                    deleted = e.operation in ("DEL", "PURGE")
+                    await self._emit(e.key, None if deleted else e.value, e.revision or 0)
+            except asyncio.CancelledError:
+                raise
+            except (nats.errors.Error, TimeoutError) as e:
+                log.debug("%s: watch broke (%s); re-watching", self.name, e)
+                await asyncio.sleep(1.0)

@@ -1,0 +1,185 @@
+"""The catalog: which models to serve, and the profile each replica must be placed with.
+
+A catalog is validated as a whole. :func:`parse_catalog` either returns a valid, immutable
+:class:`Catalog` or raises :class:`CatalogError` listing every problem it found, so an operator fixes
+a file in one round rather than one error at a time.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from llmgw_common.durations import parse_duration
+
+ENGINES = ("vllm", "llamacpp", "sim")
+# Engines that can serve without a GPU.
+CPU_ENGINES = frozenset({"llamacpp", "sim"})
+# Engines that can split one replica across nodes or GPUs.
+PARALLEL_ENGINES = frozenset({"vllm", "sim"})
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
+
+
+class CatalogError(ValueError):
+    """A catalog that cannot be accepted; ``problems`` lists every reason."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("invalid catalog:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WatchSpec(_Strict):
+    """A model people depend on: probed through a router, and alerted on when down."""
+
+    probe_every: float = 30.0
+    budget: float = 20.0
+    failures: int = Field(default=3, ge=1)
+
+    @field_validator("probe_every", "budget", mode="before")
+    @classmethod
+    def _duration(cls, v: Any) -> float:
+        return parse_duration(v)
+
+
+class ModelProfile(_Strict):
+    name: str
+    engine: str
+    replicas: int = Field(default=1, ge=0)
+    gpu_class: str | None = None
+    gpus_per_node: int | None = Field(default=None, ge=0)
+    nodes: int = Field(default=1, ge=1)
+    min_memory_gb: float | None = Field(default=None, ge=0)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    weights: str | None = None
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = Field(default_factory=dict)
+    startup_timeout_s: float = Field(default=600.0, gt=0)
+    # Admission: concurrent requests per router for this model, and the queue beyond them.
+    max_concurrency: int | None = Field(default=None, ge=1)
+    max_queue: int = Field(default=64, ge=0)
+    queue_timeout_s: float = Field(default=30.0, ge=0)
+    watch: WatchSpec | None = None
+    # Engine options, e.g. the simulator's timing: {ttft_ms: 50, tokens_per_s: 80, slots: 8}.
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def weights_name(self) -> str:
+        return self.weights or self.name
+
+    @property
+    def gpus(self) -> int:
+        """GPUs each shard needs: 0 for a CPU profile."""
+        if self.gpu_class is None:
+            return 0
+        return 1 if self.gpus_per_node is None else self.gpus_per_node
+
+
+class Catalog(_Strict):
+    models: tuple[ModelProfile, ...] = ()
+
+    def get(self, name: str) -> ModelProfile | None:
+        for m in self.models:
+            if m.name == name:
+                return m
+        return None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(m.name for m in self.models)
+
+
+def _semantic_problems(p: ModelProfile) -> list[str]:
+    where = f"model {p.name!r}"
+    out: list[str] = []
+    if not _NAME.match(p.name):
+        out.append(f"{where}: name may contain only letters, digits and . _ : / -")
+    if p.engine not in ENGINES:
+        out.append(f"{where}: unknown engine {p.engine!r} (known: {', '.join(ENGINES)})")
+        return out
+    if p.gpu_class is None and p.engine not in CPU_ENGINES:
+        out.append(f"{where}: engine {p.engine} needs a GPU: set gpu_class")
+    if p.gpu_class is None and p.gpus_per_node:
+        out.append(f"{where}: gpus_per_node={p.gpus_per_node} without a gpu_class")
+    if p.gpu_class is not None and p.gpus_per_node == 0:
+        out.append(f"{where}: gpus_per_node must be at least 1 with gpu_class {p.gpu_class}")
+    if p.engine not in PARALLEL_ENGINES:
+        if p.nodes > 1:
+            out.append(f"{where}: engine {p.engine} cannot span nodes (nodes={p.nodes})")
+        if (p.gpus_per_node or 0) > 1:
+            out.append(f"{where}: engine {p.engine} has no tensor parallelism (gpus_per_node={p.gpus_per_node})")
+    if p.watch is not None and p.watch.budget > p.watch.probe_every:
+        out.append(f"{where}: watch budget ({p.watch.budget}s) exceeds probe_every ({p.watch.probe_every}s)")
+    return out
+
+
+def _format_pydantic(prefix: str, err: ValidationError) -> list[str]:
+    out = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        out.append(f"{prefix}: {loc}: {msg}" if loc else f"{prefix}: {msg}")
+    return out
+
+
+def parse_catalog(data: Any) -> Catalog:
+    """A validated catalog from a mapping (or YAML text); CatalogError lists every problem."""
+    if isinstance(data, str | bytes):
+        try:
+            data = yaml.safe_load(data)
+        except yaml.YAMLError as e:
+            raise CatalogError([f"not valid YAML: {e}"]) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise CatalogError(["a catalog is a mapping with a 'models' list"])
+    problems: list[str] = []
+    for key in data:
+        if key != "models":
+            problems.append(f"unknown top-level field {key!r}")
+    raw_models = data.get("models") or []
+    if not isinstance(raw_models, list):
+        raise CatalogError([*problems, "'models' must be a list"])
+    models: list[ModelProfile] = []
+    seen: dict[str, int] = {}
+    for i, raw in enumerate(raw_models):
+        label = f"models[{i}]"
+        if isinstance(raw, dict) and isinstance(raw.get("name"), str):
+            label = f"model {raw['name']!r}"
+        try:
+            p = ModelProfile.model_validate(raw)
+        except ValidationError as e:
+            problems.extend(_format_pydantic(label, e))
+            continue
+        problems.extend(_semantic_problems(p))
+        if p.name in seen:
+            problems.append(f"model {p.name!r}: duplicate name (also models[{seen[p.name]}])")
+        else:
+            seen[p.name] = i
+        models.append(p)
+    if problems:
+        raise CatalogError(problems)
+    return Catalog(models=tuple(models))
+
+
+def load_catalog_file(path: str) -> Catalog:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise CatalogError([f"cannot read {path}: {e.strerror}"]) from None
+    return parse_catalog(text)
+
+
+def catalog_to_yaml(catalog: Catalog) -> str:
+    data = {"models": [m.model_dump(mode="json", exclude_defaults=True) for m in catalog.models]}
+    return yaml.safe_dump(data, sort_keys=False)

@@ -1,0 +1,269 @@
+"""Typed messages that cross the bus. Every payload on a subject or in a bucket is one of these.
+
+Messages are frozen pydantic models that ignore unknown fields (open world: a newer sender never
+breaks an older reader). They are encoded by :mod:`llmgw_common.codec`, which adds the schema version.
+
+Conventions: times are UNIX seconds (float) stamped by the sender; a receiver judges freshness by its
+own clock. ``None`` means "not known" and is never interchangeable with zero (ARCHITECTURE #1, #3).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmgw_common.catalog import Catalog
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+# ---------------------------------------------------------------- inventory
+
+
+class GpuInfo(Message):
+    index: int
+    uuid: str
+    name: str
+    gpu_class: str
+    memory_mb: int
+    healthy: bool = True
+    # Why the GPU is excluded, in an operator's words ("XID 79 seen", "uncorrectable ECC errors: 3").
+    reasons: tuple[str, ...] = ()
+
+
+class WeightsEntry(Message):
+    """One model's weights found on a node."""
+
+    name: str
+    path: str
+    shared: bool
+    # For shared storage: the mount source ("filer1:/models"), so that one filer is counted once.
+    filer_id: str | None = None
+    size_bytes: int | None = None
+
+
+class StorageReport(Message):
+    # False when the agent was told no directories: it did not look, which is not "found nothing".
+    looked: bool = False
+    weights: tuple[WeightsEntry, ...] = ()
+    # Directories that were configured but could not be read, with the reason.
+    problems: tuple[str, ...] = ()
+
+
+class Inventory(Message):
+    node: str
+    boot_id: str
+    sent_at: float
+    address: str = "127.0.0.1"
+    gpus: tuple[GpuInfo, ...] = ()
+    # MemTotal in GB, or None when it could not be read: never 0 for "unknown".
+    memory_gb: float | None = None
+    cpus: int | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    fabric: str | None = None
+    engines: tuple[str, ...] = ()
+    storage: StorageReport = StorageReport()
+    simulated: bool = False
+
+
+# ---------------------------------------------------------------- shards
+
+
+class ShardState(StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class ShardReport(Message):
+    replica_id: str
+    shard: int
+    model: str
+    state: ShardState
+    port: int | None = None
+    pid: int | None = None
+    error: str | None = None
+    since: float | None = None
+
+
+class Heartbeat(Message):
+    node: str
+    boot_id: str
+    seq: int
+    sent_at: float
+    address: str = "127.0.0.1"
+    shards: tuple[ShardReport, ...] = ()
+
+
+class ShardStatus(Message):
+    """A shard's state change, sent when it happens (heartbeats repeat the state every tick)."""
+
+    node: str
+    boot_id: str
+    sent_at: float
+    replica_id: str
+    shard: int
+    model: str
+    state: ShardState
+    port: int | None = None
+    error: str | None = None
+    # The engine's last lines of output when it failed.
+    log_tail: tuple[str, ...] = ()
+
+
+class ReplicaLoad(Message):
+    replica_id: str
+    shard: int = 0
+    # None: the engine does not expose it (a current llama.cpp has no KV metric): blank, never 0.
+    running: float | None = None
+    waiting: float | None = None
+    kv_use: float | None = None
+
+
+class LoadReport(Message):
+    node: str
+    sent_at: float
+    replicas: tuple[ReplicaLoad, ...] = ()
+
+
+# ---------------------------------------------------------------- assignments
+
+
+class ShardAssignment(Message):
+    replica_id: str
+    shard: int
+    shards: int = 1
+    model: str
+    engine: str
+    weights: str | None = None
+    gpus: tuple[int, ...] = ()
+    port: int
+    # host:port of shard 0 for multi-node replicas; None for single-node ones.
+    leader: str | None = None
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = Field(default_factory=dict)
+    startup_timeout_s: float = 600.0
+    # Engine-specific options from the catalog profile (e.g. the simulator's timing).
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class Assignment(Message):
+    """What one node must run. The agent converges to it; it is re-read, never replayed."""
+
+    node: str
+    # The leader lease revision under which this was written: a fencing token.
+    fence: int = 0
+    written_at: float = 0.0
+    shards: tuple[ShardAssignment, ...] = ()
+
+
+# ---------------------------------------------------------------- routing
+
+
+class Endpoint(Message):
+    replica_id: str
+    model: str
+    url: str
+    node: str
+    # Draining endpoints take no new requests but finish what they hold.
+    draining: bool = False
+
+
+class RoutingEndpoints(Message):
+    version: int
+    endpoints: dict[str, tuple[Endpoint, ...]] = Field(default_factory=dict)
+    # For catalog models without a ready endpoint: why, in the user's terms (the 503 reason).
+    unavailable: dict[str, str] = Field(default_factory=dict)
+
+
+class RoutingCatalog(Message):
+    version: int
+    catalog: Catalog
+
+
+class IdleReport(Message):
+    router: str
+    # The router's start: a replica it never routed to is idle for at least (now - since).
+    since: float
+    sent_at: float
+    last_used: dict[str, float] = Field(default_factory=dict)
+
+
+class UsageReport(Message):
+    """Tokens counted by one router since it started, per key id and model."""
+
+    router: str
+    since: float
+    sent_at: float
+    # key id -> model -> [requests, prompt tokens, completion tokens]
+    usage: dict[str, dict[str, tuple[int, int, int]]] = Field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- durable records
+
+
+class ShardPlacement(Message):
+    shard: int
+    node: str
+    gpus: tuple[int, ...] = ()
+    port: int
+
+
+class ReplicaRecord(Message):
+    id: str
+    model: str
+    created: float
+    shards: tuple[ShardPlacement, ...]
+    # True once a drain replaced it: routers stop sending new requests when its replacement serves.
+    draining: bool = False
+    draining_since: float | None = None
+
+
+class ApiKeyRecord(Message):
+    id: str
+    name: str
+    # sha256 of the key; the key itself is printed once and never stored.
+    hash: str
+    models: tuple[str, ...] | None = None
+    created: float
+    expires: float | None = None
+    revoked: bool = False
+
+
+class Marks(Message):
+    """Operator marks on nodes, kept in ``llmgw_desired``."""
+
+    cordoned: tuple[str, ...] = ()
+    # node -> deadline (UNIX seconds) by which its replicas are stopped whatever happens.
+    draining: dict[str, float] = Field(default_factory=dict)
+
+
+class Webhook(Message):
+    url: str
+    format: str = "json"  # "json" or "slack"
+    events: tuple[str, ...] | None = None  # None: every kind
+    secret: str | None = None
+
+
+class ClusterSettings(Message):
+    """Cluster-wide settings in ``llmgw_desired`` key ``settings``."""
+
+    webhooks: tuple[Webhook, ...] = ()
+
+
+# ---------------------------------------------------------------- events
+
+
+class Event(Message):
+    id: str
+    kind: str  # node.lost, node.recovered, model.down, model.recovered, placement.failing
+    subject: str  # the node or model it is about
+    time: float
+    summary: str = ""
+    details: dict[str, Any] = Field(default_factory=dict)

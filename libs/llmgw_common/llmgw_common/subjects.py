@@ -1,0 +1,113 @@
+"""Every NATS subject, KV bucket and stream name llmgw uses, in one place.
+
+All names hang off a prefix (default ``llmgw``) so that two clusters can share one NATS.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def check_token(value: str, what: str = "name") -> str:
+    """A single NATS subject token: no dots, spaces or wildcards. Raise ValueError otherwise."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"{what} {value!r} may contain only letters, digits, '-' and '_'")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    prefix: str = "llmgw"
+
+    def __post_init__(self) -> None:
+        check_token(self.prefix, "subject prefix")
+
+    # agent -> control plane / routers
+    def heartbeat(self, node: str) -> str:
+        return f"{self.prefix}.node.{node}.heartbeat"
+
+    def inventory(self, node: str) -> str:
+        return f"{self.prefix}.node.{node}.inventory"
+
+    def status(self, node: str) -> str:
+        return f"{self.prefix}.node.{node}.status"
+
+    def load(self, node: str) -> str:
+        return f"{self.prefix}.node.{node}.load"
+
+    def all_nodes(self, kind: str) -> str:
+        """Wildcard over every node for one kind: heartbeat, inventory, status or load."""
+        return f"{self.prefix}.node.*.{kind}"
+
+    # router -> control plane
+    def idle(self, router: str) -> str:
+        return f"{self.prefix}.router.{router}.idle"
+
+    def all_idle(self) -> str:
+        return f"{self.prefix}.router.*.idle"
+
+    def usage(self, router: str) -> str:
+        return f"{self.prefix}.router.{router}.usage"
+
+    def all_usage(self) -> str:
+        return f"{self.prefix}.router.*.usage"
+
+    # ctl micro service
+    @property
+    def ctl_service(self) -> str:
+        return f"{self.prefix}-ctl"
+
+    @property
+    def ctl_prefix(self) -> str:
+        return f"{self.prefix}.ctl"
+
+    def ctl(self, verb: str) -> str:
+        return f"{self.prefix}.ctl.{verb}"
+
+    # events
+    def event(self, kind: str) -> str:
+        return f"{self.prefix}.events.{kind}"
+
+    def all_events(self) -> str:
+        return f"{self.prefix}.events.>"
+
+    # JetStream
+    @property
+    def events_stream(self) -> str:
+        return f"{self.prefix.upper().replace('-', '_')}_EVENTS"
+
+    @property
+    def bucket_assign(self) -> str:
+        return f"{self.prefix}_assign"
+
+    @property
+    def bucket_routing(self) -> str:
+        return f"{self.prefix}_routing"
+
+    @property
+    def bucket_desired(self) -> str:
+        return f"{self.prefix}_desired"
+
+    @property
+    def bucket_replicas(self) -> str:
+        return f"{self.prefix}_replicas"
+
+    @property
+    def bucket_keys(self) -> str:
+        return f"{self.prefix}_keys"
+
+    @property
+    def bucket_leader(self) -> str:
+        return f"{self.prefix}_leader"
+
+
+# Keys inside buckets.
+ROUTING_CATALOG = "catalog"
+ROUTING_ENDPOINTS = "endpoints"
+DESIRED_CATALOG = "catalog"
+DESIRED_SETTINGS = "settings"
+DESIRED_MARKS = "marks"
+LEADER_KEY = "leader"

@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from llmgw_common.natsserver import NatsServer, ensure_on_path
+
+ensure_on_path()
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    """One real nats-server with JetStream for the session (per xdist worker)."""
+    srv = NatsServer(tmp_path_factory.mktemp("nats"))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def prefix(request: pytest.FixtureRequest) -> str:
+    """A subject prefix unique to the test, so tests can share one server without crosstalk."""
+    import re
+
+    name = re.sub(r"[^A-Za-z0-9]", "", request.node.name)[-20:]
+    return f"t{os.getpid()}{name}".lower()
+
+
+@pytest.fixture
+async def nc(nats_server: NatsServer) -> AsyncIterator[object]:
+    import nats
+
+    client = await nats.connect(nats_server.url)
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+def artifacts_dir() -> Path:
+    d = Path(__file__).resolve().parent.parent / "test-artifacts"
+    d.mkdir(exist_ok=True)
+    return d

@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from llmgw_common import bus
+from llmgw_common.codec import encode
+from llmgw_common.messages import Heartbeat
+from llmgw_common.settings import BusSettings
+from llmgw_common.subjects import Subjects
+
+
+async def test_ensure_all_is_idempotent_and_binds(nats_server, prefix):
+    s = BusSettings(nats_urls=[nats_server.url], prefix=prefix)
+    nc = await bus.connect(s, "t", wait=False)
+    try:
+        js = nc.jetstream()
+        subj = Subjects(prefix)
+        b1 = await bus.ensure_all(js, subj)
+        b2 = await bus.ensure_all(js, subj)
+        assert set(b1) == set(b2) == {
+            f"{prefix}_assign", f"{prefix}_routing", f"{prefix}_desired",
+            f"{prefix}_replicas", f"{prefix}_keys", f"{prefix}_leader",
+        }
+        info = await js.stream_info(subj.events_stream)
+        assert info.config.subjects == [subj.all_events()]
+    finally:
+        await nc.close()
+
+
+async def test_typed_subscribe_drops_garbage_with_one_line(nats_server, prefix, caplog):
+    s = BusSettings(nats_urls=[nats_server.url], prefix=prefix)
+    nc = await bus.connect(s, "t", wait=False)
+    got: list[Heartbeat] = []
+    drops = bus.DropLog(logging.getLogger("test"))
+    subj = Subjects(prefix)
+    try:
+        await bus.subscribe(nc, subj.all_nodes("heartbeat"), Heartbeat, lambda m, _: got.append(m), drops)
+        with caplog.at_level(logging.WARNING, logger="test"):
+            await nc.publish(subj.heartbeat("n1"), b"\xc1garbage")
+            await nc.publish(subj.heartbeat("n1"), encode(Heartbeat(node="n1", boot_id="b", seq=1, sent_at=1.0)))
+            await nc.flush()
+            for _ in range(100):
+                if got:
+                    break
+                await asyncio.sleep(0.01)
+        assert [h.node for h in got] == ["n1"]
+        assert drops.count == 1
+        assert len([r for r in caplog.records if "dropped undecodable" in r.message]) == 1
+    finally:
+        await nc.close()
+
+
+async def test_kv_follower_sees_puts_and_deletes(nats_server, prefix):
+    s = BusSettings(nats_urls=[nats_server.url], prefix=prefix)
+    nc = await bus.connect(s, "t", wait=False)
+    try:
+        kv = await bus.ensure_kv(nc.jetstream(), f"{prefix}_f")
+        await kv.put("a", b"1")
+        seen: dict[str, bytes | None] = {}
+        f = bus.KvFollower(kv, lambda k, v, r: seen.__setitem__(k, v), resync_s=0.2)
+        await f.start()
+        assert seen == {"a": b"1"}
+        await kv.put("b", b"2")
+        await kv.delete("a")
+        for _ in range(200):
+            if seen.get("b") == b"2" and seen.get("a", b"") is None:
+                break
+            await asyncio.sleep(0.01)
+        await f.stop()
+        assert seen == {"a": None, "b": b"2"}
+    finally:
+        await nc.close()
+
+
+async def test_connect_without_wait_fails_fast_when_no_server():
+    s = BusSettings(nats_urls=["nats://127.0.0.1:1"])
+    with pytest.raises(Exception):
+        await bus.connect(s, "t", connect_timeout=0.5, wait=False)
