@@ -74,8 +74,9 @@ class AgentSettings(BusSettings):
     fabric: str | None = Field(default=None, description="Network fabric (nodes of one multi-node replica share one)")
     labels: dict[str, str] = Field(default_factory=dict, description="Node labels for node_selector")
     model_dirs: list[str] = Field(default_factory=list, description="Directories scanned for model weights")
-    sim_gpus: str | None = Field(
-        default=None, description="Simulated GPUs, e.g. '8xH100-80GB' or '4xA100-80GB,unhealthy=3:XID 79'"
+    sim_gpus: str | None = Field(default=None, description="Simulated GPUs: '<count>x<CLASS>', e.g. '8xH100-80GB'")
+    sim_unhealthy: dict[int, str] = Field(
+        default_factory=dict, description="Simulated unhealthy GPUs: index -> reason, e.g. {3: 'XID 79'}"
     )
     sim_memory_gb: float | None = Field(default=None, description="Simulated MemTotal (simulated nodes only)")
     simulate_engines: bool = Field(default=False, description="Run every engine as the simulator")
