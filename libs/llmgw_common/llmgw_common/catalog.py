@@ -114,7 +114,9 @@ def _semantic_problems(p: ModelProfile) -> list[str]:
         if p.nodes > 1:
             out.append(f"{where}: engine {p.engine} cannot span nodes (nodes={p.nodes})")
         if (p.gpus_per_node or 0) > 1:
-            out.append(f"{where}: engine {p.engine} has no tensor parallelism (gpus_per_node={p.gpus_per_node})")
+            out.append(
+                f"{where}: engine {p.engine} has no tensor parallelism (gpus_per_node={p.gpus_per_node})"
+            )
     if p.watch is not None and p.watch.budget > p.watch.probe_every:
         out.append(f"{where}: watch budget ({p.watch.budget}s) exceeds probe_every ({p.watch.probe_every}s)")
     return out

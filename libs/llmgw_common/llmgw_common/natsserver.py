@@ -81,7 +81,7 @@ class NatsServer:
             "--ports_file_dir", str(ports_dir),
             *self.extra_args,
         ]  # fmt: skip
-        log = open(self.log_file, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+        log = open(self.log_file, "ab")  # the child owns it for its lifetime
         try:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         finally:

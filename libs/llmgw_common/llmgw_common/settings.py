@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import socket
-from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import Field, field_validator
@@ -33,16 +32,24 @@ class BusSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LLMGW_", env_nested_delimiter="__", extra="ignore")
 
     nats_urls: list[str] = Field(default=["nats://127.0.0.1:4222"], description="NATS servers to connect to")
-    prefix: str = Field(default="llmgw", description="Subject and bucket prefix (two clusters can share a NATS)")
+    prefix: str = Field(
+        default="llmgw", description="Subject and bucket prefix (two clusters can share a NATS)"
+    )
     nats_user: str | None = Field(default=None, description="NATS user name")
     nats_password: str | None = Field(default=None, description="NATS password")
     nats_creds: str | None = Field(default=None, description="Path of a NATS .creds file")
     nats_token: str | None = Field(default=None, description="NATS token")
-    nats_tls_ca: str | None = Field(default=None, description="CA bundle that signs the NATS servers' certificates")
+    nats_tls_ca: str | None = Field(
+        default=None, description="CA bundle that signs the NATS servers' certificates"
+    )
     nats_tls_cert: str | None = Field(default=None, description="Client certificate for NATS mutual TLS")
     nats_tls_key: str | None = Field(default=None, description="Client key for NATS mutual TLS")
-    nats_inbox_prefix: str | None = Field(default=None, description="Reply inbox prefix (for per-role permissions)")
-    kv_replicas: int = Field(default=1, ge=1, le=5, description="Replicas of buckets and streams (3 on a cluster)")
+    nats_inbox_prefix: str | None = Field(
+        default=None, description="Reply inbox prefix (for per-role permissions)"
+    )
+    kv_replicas: int = Field(
+        default=1, ge=1, le=5, description="Replicas of buckets and streams (3 on a cluster)"
+    )
     log_level: str = Field(default="INFO", description="Python log level")
 
     @field_validator("nats_urls", mode="before")
@@ -71,10 +78,14 @@ class BusSettings(BaseSettings):
 class AgentSettings(BusSettings):
     node: str = Field(default_factory=socket.gethostname, description="Node id (a NATS subject token)")
     address: str = Field(default="127.0.0.1", description="Address routers use to reach this node's engines")
-    fabric: str | None = Field(default=None, description="Network fabric (nodes of one multi-node replica share one)")
+    fabric: str | None = Field(
+        default=None, description="Network fabric (nodes of one multi-node replica share one)"
+    )
     labels: dict[str, str] = Field(default_factory=dict, description="Node labels for node_selector")
     model_dirs: list[str] = Field(default_factory=list, description="Directories scanned for model weights")
-    sim_gpus: str | None = Field(default=None, description="Simulated GPUs: '<count>x<CLASS>', e.g. '8xH100-80GB'")
+    sim_gpus: str | None = Field(
+        default=None, description="Simulated GPUs: '<count>x<CLASS>', e.g. '8xH100-80GB'"
+    )
     sim_unhealthy: dict[int, str] = Field(
         default_factory=dict, description="Simulated unhealthy GPUs: index -> reason, e.g. {3: 'XID 79'}"
     )
@@ -99,10 +110,14 @@ class AgentSettings(BusSettings):
 
 
 class ControlPlaneSettings(BusSettings):
-    catalog_file: str | None = Field(default=None, description="Catalog loaded at start when the bus has none")
+    catalog_file: str | None = Field(
+        default=None, description="Catalog loaded at start when the bus has none"
+    )
     admin_host: str = Field(default="127.0.0.1", description="Admin listener (console, debug)")
     admin_port: int = Field(default=8081, description="Admin listener port (0: none)")
-    allow_public_admin: bool = Field(default=False, description="Permit binding the admin listener off loopback")
+    allow_public_admin: bool = Field(
+        default=False, description="Permit binding the admin listener off loopback"
+    )
     tick_s: float = Field(default=1.0, gt=0, description="Reconcile interval")
     heartbeat_interval_s: float = Field(default=2.0, gt=0, description="Expected agent heartbeat interval")
     unreachable_after_missed: int = Field(default=3, ge=1, description="Missed heartbeats before unreachable")
@@ -110,10 +125,14 @@ class ControlPlaneSettings(BusSettings):
     settle_s: float = Field(default=6.0, ge=0, description="Wait for agents to report after a start")
     lease_ttl_s: float = Field(default=10.0, gt=0, description="Leader lease TTL")
     drain_grace_s: float = Field(default=600.0, gt=0, description="Default drain grace period")
-    placement_failing_after_s: float = Field(default=120.0, gt=0, description="Unplaceable for this long: event")
+    placement_failing_after_s: float = Field(
+        default=120.0, gt=0, description="Unplaceable for this long: event"
+    )
     backoff_base_s: float = Field(default=5.0, gt=0, description="First crash-loop backoff")
     backoff_max_s: float = Field(default=300.0, gt=0, description="Crash-loop backoff cap")
-    idle_threshold_s: float = Field(default=3600.0, gt=0, description="Unused for longer than this: shown as idle")
+    idle_threshold_s: float = Field(
+        default=3600.0, gt=0, description="Unused for longer than this: shown as idle"
+    )
 
 
 class RouterSettings(BusSettings):
@@ -123,7 +142,9 @@ class RouterSettings(BusSettings):
     admin_host: str = Field(default="127.0.0.1", description="Admin listener (metrics)")
     admin_port: int = Field(default=0, description="Admin listener port (0: none)")
     auth: bool = Field(default=True, description="Require an API key")
-    auth_exempt: list[str] = Field(default=["/", "/health", "/healthz"], description="Paths served without a key")
+    auth_exempt: list[str] = Field(
+        default=["/", "/health", "/healthz"], description="Paths served without a key"
+    )
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0, description="Largest request body")
     retries: int = Field(default=2, ge=0, description="Other endpoints tried before the first byte")
     connect_timeout_s: float = Field(default=5.0, gt=0)
@@ -136,7 +157,9 @@ class RouterSettings(BusSettings):
 class NotifierSettings(BusSettings):
     router_url: str = Field(default="http://127.0.0.1:8080", description="Router the probes go through")
     probe_key: str | None = Field(default=None, description="API key for probes")
-    group_window_s: float = Field(default=10.0, ge=0, description="Events of one kind within this are grouped")
+    group_window_s: float = Field(
+        default=10.0, ge=0, description="Events of one kind within this are grouped"
+    )
     retry_for_s: float = Field(default=3600.0, gt=0, description="How long a delivery is retried")
 
 
