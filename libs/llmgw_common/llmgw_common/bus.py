@@ -102,7 +102,9 @@ async def ensure_kv(
         return await js.key_value(bucket)
     except BucketNotFoundError:
         pass
-    cfg = KeyValueConfig(bucket=bucket, history=history, ttl=ttl, replicas=replicas)
+    # direct=True: reads of one key go to $JS.API.DIRECT.GET.<stream>.<key subject>, a subject that
+    # per-role permissions can grant key by key (an agent reads only its own assignment).
+    cfg = KeyValueConfig(bucket=bucket, history=history, ttl=ttl, replicas=replicas, direct=True)
     try:
         return await js.create_key_value(config=cfg)
     except nats.js.errors.BadRequestError:
@@ -259,9 +261,11 @@ class KvFollower:
             await r
 
     async def resync(self) -> None:
-        keys = await kv_keys(self.kv)
-        if self.key != ">":
-            keys = [k for k in keys if k == self.key]
+        if self.key != ">" and not any(c in self.key for c in "*>"):
+            # One concrete key: a direct get needs no consumer (and no permission to create one).
+            keys = [self.key]
+        else:
+            keys = await kv_keys(self.kv)
         present = set()
         for k in keys:
             try:
