@@ -1,0 +1,114 @@
+"""What this node is: its GPUs, memory, CPUs, storage and the engines it can run.
+
+What the agent reports decides placement, so "not known" stays ``None`` and never becomes 0
+(ARCHITECTURE #3), and storage that was not looked at says so (#4).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from llmgw_agent.gpus import GpuProbe, NvmlApi
+from llmgw_agent.sim_gpus import sim_gpus
+from llmgw_agent.storage import read_mounts, scan_model_dirs
+from llmgw_common.messages import GpuInfo, Inventory
+from llmgw_common.settings import AgentSettings
+
+log = logging.getLogger(__name__)
+
+SIM_ENGINES: tuple[str, ...] = ("sim", "vllm", "llamacpp")
+
+
+def parse_meminfo_gb(text: str) -> float | None:
+    """MemTotal in GB (GiB, to 0.1) from /proc/meminfo text; None when absent or malformed."""
+    for line in text.splitlines():
+        if line.startswith("MemTotal:"):
+            parts = line.split()
+            try:
+                kib = int(parts[1])
+            except (IndexError, ValueError):
+                return None
+            if kib <= 0:
+                return None
+            unit = parts[2].lower() if len(parts) > 2 else "kb"
+            if unit != "kb":
+                return None
+            return round(kib / (1024 * 1024), 1)
+    return None
+
+
+def read_memory_gb(path: str = "/proc/meminfo") -> float | None:
+    """This machine's MemTotal in GB, or None when it cannot be read (never 0)."""
+    try:
+        return parse_meminfo_gb(Path(path).read_text())
+    except OSError as e:
+        log.warning("cannot read %s (%s): memory not reported", path, e)
+        return None
+
+
+def count_cpus() -> int | None:
+    """CPUs this process may use (its affinity mask, which a container limits), or None."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count()
+
+
+def available_engines(s: AgentSettings, gpus: tuple[GpuInfo, ...], simulated: bool) -> tuple[str, ...]:
+    """Engines this node can run. A simulated node runs every engine as the simulator."""
+    if simulated:
+        return SIM_ENGINES
+    engines = ["sim"]
+    if shutil.which(s.llama_server):
+        engines.append("llamacpp")
+    if gpus and shutil.which(s.vllm):
+        engines.append("vllm")
+    return tuple(engines)
+
+
+def collect_inventory(
+    s: AgentSettings,
+    boot_id: str,
+    now: float,
+    *,
+    nvml: NvmlApi | None = None,
+    probe: GpuProbe | None = None,
+    meminfo_path: str = "/proc/meminfo",
+    mountinfo_path: str = "/proc/self/mountinfo",
+) -> Inventory:
+    """This node's inventory as of ``now``.
+
+    Pass the same ``probe`` on every call (the agent keeps one for its life and closes it on exit):
+    it holds the NVML session, the XIDs seen so far and the once-only "no NVML" log line. Without
+    one, a probe over ``nvml`` (default: the pynvml module) is opened and closed for this call.
+    """
+    simulated = bool(s.sim_gpus)
+    if simulated:
+        gpus = sim_gpus(s.node, s.sim_gpus, s.sim_unhealthy)
+    elif probe is not None:
+        gpus = probe.read()
+    else:
+        once = GpuProbe(nvml=nvml, overrides=dict(s.gpu_class_overrides))
+        try:
+            gpus = once.read()
+        finally:
+            once.close()
+    memory_gb = s.sim_memory_gb if simulated and s.sim_memory_gb is not None else read_memory_gb(meminfo_path)
+    storage = scan_model_dirs(s.model_dirs, read_mounts(mountinfo_path) if s.model_dirs else ())
+    return Inventory(
+        node=s.node,
+        boot_id=boot_id,
+        sent_at=now,
+        address=s.address,
+        gpus=gpus,
+        memory_gb=memory_gb,
+        cpus=count_cpus(),
+        labels=dict(s.labels),
+        fabric=s.fabric,
+        engines=available_engines(s, gpus, simulated),
+        storage=storage,
+        simulated=simulated,
+    )

@@ -1,0 +1,387 @@
+"""Model weights a node can see, and whether they sit on shared or local storage.
+
+Weights are judged by what is on disk, never by a directory's name: an empty directory, a download
+still in progress (partial or temporary files, a safetensors index naming absent shards, a truncated
+safetensors or GGUF file) is not weights (ARCHITECTURE #5). Shared versus local comes from the mount
+table, parsed by a pure function so it can be tested with fixture text (ARCHITECTURE #6).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from llmgw_common.messages import StorageReport, WeightsEntry
+
+log = logging.getLogger(__name__)
+
+# Network and cluster filesystems: one copy seen by many nodes.
+SHARED_FSTYPES: frozenset[str] = frozenset(
+    {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "glusterfs", "ceph-fuse"}
+)
+
+# Names a download leaves behind while it runs (curl/wget/aria2 .part, huggingface_hub .incomplete
+# and .lock, generic .tmp/.download).
+PARTIAL_SUFFIXES: tuple[str, ...] = (".part", ".tmp", ".incomplete", ".download", ".lock", ".partial")
+
+_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+@dataclass(frozen=True)
+class Mount:
+    mount_point: str
+    fstype: str
+    source: str
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as \ooo octal.
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def parse_mountinfo(text: str) -> tuple[Mount, ...]:
+    """The mounts in ``/proc/self/mountinfo`` text, in table order. Malformed lines are skipped."""
+    mounts: list[Mount] = []
+    for line in text.splitlines():
+        fields = line.split(" ")
+        try:
+            sep = fields.index("-", 6)
+            mounts.append(Mount(_unescape(fields[4]), fields[sep + 1], _unescape(fields[sep + 2])))
+        except (ValueError, IndexError):
+            continue
+    return tuple(mounts)
+
+
+def read_mounts(path: str = "/proc/self/mountinfo") -> tuple[Mount, ...]:
+    """The mount table of this process; () when it cannot be read (then everything counts as local)."""
+    try:
+        return parse_mountinfo(Path(path).read_text())
+    except OSError as e:
+        log.warning("cannot read the mount table %s (%s): all weights count as local", path, e)
+        return ()
+
+
+def is_shared_fstype(fstype: str) -> bool:
+    """True for network and cluster filesystems, and FUSE mounts of them ('fuse.glusterfs')."""
+    if fstype in SHARED_FSTYPES:
+        return True
+    kind, _, sub = fstype.partition(".")
+    return kind in ("fuse", "fuseblk") and sub in SHARED_FSTYPES
+
+
+def mount_of(path: str, mounts: Sequence[Mount]) -> Mount | None:
+    """The mount holding ``path``: the longest mount point that is a whole-component prefix.
+
+    Of two mounts on the same point the later one wins, since it hides the earlier.
+    """
+    best: Mount | None = None
+    for m in mounts:
+        mp = m.mount_point.rstrip("/") or "/"
+        inside = mp == "/" or path == mp or path.startswith(mp + "/")
+        if inside and (best is None or len(mp) >= len(best.mount_point.rstrip("/") or "/")):
+            best = m
+    return best
+
+
+def locate(path: str, mounts: Sequence[Mount]) -> tuple[bool, str | None]:
+    """(shared, filer id) for a path: shared storage is named by its mount source."""
+    m = mount_of(path, mounts)
+    if m is not None and is_shared_fstype(m.fstype):
+        return True, m.source
+    return False, None
+
+
+def _is_partial_name(name: str) -> bool:
+    return name.endswith(PARTIAL_SUFFIXES)
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why a .safetensors file is not complete, or None: its header names every tensor's byte range."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{path.name}: truncated ({size} bytes)"
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100 * 1024 * 1024:
+                return f"{path.name}: truncated (header of {n} bytes, file of {size})"
+            header = json.loads(f.read(n))
+    except OSError as e:
+        return f"{path.name}: unreadable ({e.strerror or e})"
+    except (ValueError, UnicodeDecodeError):
+        return f"{path.name}: not a safetensors file (bad header)"
+    if not isinstance(header, dict):
+        return f"{path.name}: not a safetensors file (bad header)"
+    end = 0
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            end = max(end, int(info["data_offsets"][1]))
+        except (KeyError, IndexError, TypeError, ValueError):
+            return f"{path.name}: not a safetensors file (tensor {key} has no data offsets)"
+    if 8 + n + end > size:
+        return f"{path.name}: truncated ({size} of {8 + n + end} bytes)"
+    return None
+
+
+# ggml tensor types: (elements per block, bytes per block), as in llama.cpp's gguf-py constants.
+GGML_BLOCKS: dict[int, tuple[int, int]] = {
+    0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 36),
+    10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292),
+    16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18), 21: (256, 110),
+    22: (256, 82), 23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8),
+    29: (256, 56), 30: (1, 2), 34: (256, 54), 35: (256, 66), 39: (32, 17),
+}  # fmt: skip
+
+# GGUF metadata value types with a fixed size: type -> struct format.
+_GGUF_SCALARS: dict[int, str] = {
+    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
+}  # fmt: skip
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+class _Truncated(Exception):
+    pass
+
+
+class _GgufReader:
+    """Sequential little-endian reads over a buffered file, raising _Truncated at end of file."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+        self.pos = 0
+
+    def take(self, n: int) -> bytes:
+        b = self.f.read(n)
+        if len(b) < n:
+            raise _Truncated
+        self.pos += n
+        return b
+
+    def skip(self, n: int) -> None:
+        self.f.seek(n, os.SEEK_CUR)
+        self.pos += n
+
+    def scalar(self, fmt: str) -> Any:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        if n > 1 << 30:
+            raise ValueError(f"string of {n} bytes")
+        return self.take(n).decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype in _GGUF_SCALARS:
+            return self.scalar(_GGUF_SCALARS[vtype])
+        if vtype == _GGUF_STRING:
+            return self.string()
+        if vtype == _GGUF_ARRAY:
+            etype, count = self.scalar("<I"), self.scalar("<Q")
+            if etype in _GGUF_SCALARS:
+                # Token scores and types can be long: skip them, only their extent matters.
+                self.skip(struct.calcsize(_GGUF_SCALARS[etype]) * count)
+            else:
+                for _ in range(count):
+                    self.value(etype)
+            return None
+        raise ValueError(f"unknown metadata type {vtype}")
+
+
+def gguf_problem(path: Path) -> str | None:
+    """Why a .gguf file is not complete weights, or None.
+
+    Reads the header, the metadata and the tensor table, and checks that the file is as long as its
+    last tensor says. A tensor of a type this table does not know only gets the header checks.
+    """
+    try:
+        size = path.stat().st_size
+        with path.open("rb", buffering=1 << 20) as f:
+            r = _GgufReader(f)
+            if r.take(4) != b"GGUF":
+                return f"{path.name}: not a GGUF file (bad magic)"
+            version = r.scalar("<I")
+            if version not in (2, 3):
+                return f"{path.name}: GGUF version {version} is not supported"
+            n_tensors, n_kv = r.scalar("<Q"), r.scalar("<Q")
+            alignment = 32
+            for _ in range(n_kv):
+                key = r.string()
+                value = r.value(r.scalar("<I"))
+                if key == "general.alignment" and isinstance(value, int) and value > 0:
+                    alignment = value
+            end = 0
+            known = True
+            for _ in range(n_tensors):
+                r.string()
+                dims = [r.scalar("<Q") for _ in range(r.scalar("<I"))]
+                ttype, offset = r.scalar("<I"), r.scalar("<Q")
+                block = GGML_BLOCKS.get(ttype)
+                if block is None:
+                    known = False
+                    continue
+                elements = 1
+                for d in dims:
+                    elements *= d
+                end = max(end, offset + elements // block[0] * block[1])
+            data_start = -(-r.pos // alignment) * alignment
+    except OSError as e:
+        return f"{path.name}: unreadable ({e.strerror or e})"
+    except _Truncated:
+        return f"{path.name}: truncated (ends inside its header, {size} bytes)"
+    except (ValueError, struct.error) as e:
+        return f"{path.name}: not a GGUF file ({e})"
+    if n_tensors == 0:
+        return f"{path.name}: holds no tensors"
+    if known and data_start + end > size:
+        return f"{path.name}: truncated ({size} of {data_start + end} bytes)"
+    if data_start > size:
+        return f"{path.name}: truncated ({size} bytes, data would start at {data_start})"
+    return None
+
+
+def _files(directory: Path) -> list[Path]:
+    """Every file under ``directory`` (following no symlinked directories), raising OSError if unreadable."""
+    found: list[Path] = []
+    for root, dirs, names in os.walk(directory, onerror=_raise):
+        # huggingface_hub keeps its download state in .cache/huggingface: look there too (for
+        # .incomplete files), it is part of a half-written download.
+        dirs.sort()
+        found.extend(Path(root) / n for n in sorted(names))
+    return found
+
+
+def _raise(e: OSError) -> None:
+    raise e
+
+
+def weights_problem(candidate: Path) -> str | None:
+    """Why ``candidate`` (a model directory or a .gguf file) is not usable weights, or None."""
+    if candidate.is_file():
+        if _is_partial_name(candidate.name):
+            return f"{candidate.name}: a partial download"
+        for suffix in PARTIAL_SUFFIXES:
+            if candidate.with_name(candidate.name + suffix).exists():
+                return f"{candidate.name}: still downloading ({candidate.name + suffix} present)"
+        return gguf_problem(candidate)
+    try:
+        files = _files(candidate)
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})"
+    if not files:
+        return "empty"
+    partial = [f for f in files if _is_partial_name(f.name)]
+    if partial:
+        return f"a download in progress ({partial[0].relative_to(candidate)})"
+    top = {f.name: f for f in files if f.parent == candidate}
+    ggufs = [f for n, f in top.items() if n.endswith(".gguf")]
+    if "config.json" not in top:
+        if ggufs:
+            for g in ggufs:
+                problem = gguf_problem(g)
+                if problem:
+                    return problem
+            return None
+        return "no config.json and no .gguf file"
+    for index_name in _INDEX_FILES:
+        if index_name in top:
+            return _index_problem(candidate, top[index_name])
+    shards = [f for n, f in top.items() if n.endswith(".safetensors") or _is_torch_bin(n)]
+    if not shards:
+        return "config.json but no weight files (.safetensors or .bin)"
+    for shard in shards:
+        problem = _shard_problem(shard)
+        if problem:
+            return problem
+    return None
+
+
+def _is_torch_bin(name: str) -> bool:
+    # training_args.bin and optimizer states sit next to weights without being weights.
+    return name.endswith(".bin") and name not in ("training_args.bin", "optimizer.bin", "scheduler.bin")
+
+
+def _shard_problem(shard: Path) -> str | None:
+    try:
+        if shard.stat().st_size == 0:
+            return f"{shard.name}: empty"
+    except OSError as e:
+        return f"{shard.name}: unreadable ({e.strerror or e})"
+    if shard.name.endswith(".safetensors"):
+        return safetensors_problem(shard)
+    return None
+
+
+def _index_problem(directory: Path, index: Path) -> str | None:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shard_names = sorted(set(weight_map.values()))
+    except OSError as e:
+        return f"{index.name}: unreadable ({e.strerror or e})"
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return f"{index.name}: not a weight index (no weight_map)"
+    if not shard_names:
+        return f"{index.name}: names no shards"
+    for name in shard_names:
+        shard = directory / name
+        if not shard.is_file():
+            return f"{index.name} names {name}, which is absent"
+        problem = _shard_problem(shard)
+        if problem:
+            return problem
+    return None
+
+
+def _size(candidate: Path) -> int | None:
+    try:
+        if candidate.is_file():
+            return candidate.stat().st_size
+        return sum(f.stat().st_size for f in _files(candidate))
+    except OSError:
+        return None
+
+
+def _candidates(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.is_dir() or (p.is_file() and p.name.endswith(".gguf")))
+
+
+def scan_model_dirs(dirs: Iterable[str], mounts: Sequence[Mount]) -> StorageReport:
+    """What weights the configured directories hold, each marked shared or local.
+
+    No directories configured: ``looked=False``, which is not "looked and found nothing" (#4).
+    Candidates are each immediate subdirectory and each standalone .gguf file, named by their
+    directory or file name; a candidate that is not complete weights is left out (logged at debug).
+    """
+    dirs = list(dirs)
+    if not dirs:
+        return StorageReport(looked=False)
+    weights: list[WeightsEntry] = []
+    problems: list[str] = []
+    for d in dirs:
+        directory = Path(d)
+        try:
+            candidates = _candidates(directory)
+        except OSError as e:
+            problems.append(f"{d}: {e.strerror or e}")
+            continue
+        for c in candidates:
+            problem = weights_problem(c)
+            if problem:
+                log.debug("%s is not weights: %s", c, problem)
+                continue
+            real = os.path.realpath(c)
+            shared, filer = locate(real, mounts)
+            name = c.name[: -len(".gguf")] if c.name.endswith(".gguf") and c.is_file() else c.name
+            weights.append(
+                WeightsEntry(name=name, path=str(c), shared=shared, filer_id=filer, size_bytes=_size(c))
+            )
+    return StorageReport(looked=True, weights=tuple(weights), problems=tuple(problems))
