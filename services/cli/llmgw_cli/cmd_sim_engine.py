@@ -1,0 +1,95 @@
+"""``llmgw sim-engine``: the simulated OpenAI-compatible engine, as its own process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import typer
+
+from llmgw_agent.sim_options import METRICS_STYLES, SimOptions
+
+_D = SimOptions()
+
+
+def sim_engine(
+    port: int = typer.Option(_D.port, help="Port to listen on (0: any free port, printed on stdout)"),
+    host: str = typer.Option(_D.host, help="Address to listen on"),
+    model: str = typer.Option(_D.model, help="Model name served; other names get a 404"),
+    metrics_style: str = typer.Option(
+        _D.metrics_style, help=f"Metric names of /metrics: {' or '.join(METRICS_STYLES)}"
+    ),
+    ttft_ms: float = typer.Option(_D.ttft_ms, help="Time to first token, milliseconds"),
+    tokens_per_s: float = typer.Option(_D.tokens_per_s, help="Generation speed of one request, tokens/s"),
+    slots: int = typer.Option(_D.slots, help="Requests generated at once; later ones wait in a queue"),
+    startup_s: float = typer.Option(_D.startup_s, help="Simulated model loading: /health is 503 this long"),
+    fail_health: bool = typer.Option(False, "--fail-health", help="Fault: /health always answers 503"),
+    exit_after: int | None = typer.Option(
+        None, help="Fault: exit with code 3 after this many completed requests"
+    ),
+    rank: int = typer.Option(_D.rank, help="This node's rank in a multi-node replica (0: the leader)"),
+    world: int = typer.Option(_D.world, help="Nodes in the replica"),
+    leader: str | None = typer.Option(None, help="host:port of rank 0 (followers)"),
+    embedding_dims: int = typer.Option(_D.embedding_dims, help="Size of /v1/embeddings vectors"),
+    zero: bool = typer.Option(False, "--zero", help="No delay at all (benchmarks)"),
+    default_max_tokens: int = typer.Option(
+        _D.default_max_tokens, help="Completion length when a request gives no max_tokens"
+    ),
+    heartbeat_s: float = typer.Option(_D.heartbeat_s, help="Follower heartbeat period, seconds"),
+    log_level: str = typer.Option("INFO", help="Python log level"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved options as JSON and exit"),
+) -> None:
+    """Run a simulated OpenAI-compatible engine with vLLM- or llama.cpp-style metrics."""
+    try:
+        opts = SimOptions(
+            port=port,
+            host=host,
+            model=model,
+            metrics_style=metrics_style,
+            ttft_ms=ttft_ms,
+            tokens_per_s=tokens_per_s,
+            slots=slots,
+            startup_s=startup_s,
+            fail_health=fail_health,
+            exit_after=exit_after,
+            rank=rank,
+            world=world,
+            leader=leader,
+            embedding_dims=embedding_dims,
+            zero=zero,
+            default_max_tokens=default_max_tokens,
+            heartbeat_s=heartbeat_s,
+        )
+    except ValueError as e:
+        typer.echo(f"llmgw sim-engine: {e}", err=True)
+        raise typer.Exit(2) from None
+    if dry_run:
+        typer.echo(json.dumps(opts.to_dict(), sort_keys=True))
+        return
+
+    from llmgw_agent.sim_engine import FaultExit, serve
+    from llmgw_common.runtime import run_service, setup_logging
+
+    setup_logging(log_level, name="sim-engine")
+    exit_code = 0
+
+    async def main(stop: asyncio.Event) -> None:
+        nonlocal exit_code
+        try:
+            await serve(opts, stop)
+        except FaultExit as e:
+            exit_code = e.code
+        except OSError as e:
+            # Typically the port is taken: say which.
+            typer.echo(f"llmgw sim-engine: cannot listen on {opts.host}:{opts.port}: {e}", err=True)
+            exit_code = 1
+
+    run_service(main)
+    sys.stdout.flush()
+    if exit_code:
+        raise typer.Exit(exit_code)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("sim-engine")(sim_engine)
