@@ -1,0 +1,159 @@
+"""Least privilege on the bus: one NATS user per role, with subject permissions.
+
+``authorization_config()`` renders a nats-server ``authorization { users = [...] }`` block; each role's
+client settings (user, password, inbox prefix) come from :func:`role_credentials`. Config-file users
+cannot use permission templates, so every agent gets a block of its own (NATS-NOTES.md).
+
+What each role may do:
+
+- ``controlplane`` and ``admin`` (ctl, keys, setup): everything. Only they can write ``assign``,
+  ``desired``, ``replicas``, ``keys``, ``routing``.
+- ``agent-<node>``: publish its own ``node.<node>.*`` subjects; read only its own assignment key.
+- ``router``: publish its idle and usage reports; read ``routing`` and ``keys``; hear load reports.
+- ``notifier``: consume the events stream and publish model events; read ``routing`` and ``desired``.
+
+JetStream reads go through the ``$JS.API`` subjects, so a role that may read a bucket is granted the
+stream-info, direct-get and (for watchers) consumer-create subjects of that bucket's stream only.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+
+from llmgw_common.subjects import Subjects, check_token
+
+API = "$JS.API"
+
+
+@dataclass(frozen=True)
+class Role:
+    user: str
+    password: str
+    inbox_prefix: str
+    publish: tuple[str, ...] = ()
+    subscribe: tuple[str, ...] = ()
+    full: bool = False
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+def _kv_read(bucket: str, watch: bool = True) -> list[str]:
+    stream = f"KV_{bucket}"
+    subjects = [f"{API}.STREAM.INFO.{stream}", f"{API}.DIRECT.GET.{stream}", f"{API}.DIRECT.GET.{stream}.>"]
+    if watch:
+        subjects += [
+            f"{API}.CONSUMER.CREATE.{stream}",
+            f"{API}.CONSUMER.CREATE.{stream}.>",
+            f"{API}.CONSUMER.DELETE.{stream}.>",
+            f"{API}.CONSUMER.INFO.{stream}.>",
+            f"{API}.STREAM.MSG.GET.{stream}",
+        ]
+    return subjects
+
+
+def agent_role(subjects: Subjects, node: str, password: str) -> Role:
+    check_token(node, "node")
+    stream = f"KV_{subjects.bucket_assign}"
+    inbox = f"_INBOX_{node}"
+    return Role(
+        user=f"agent-{node}",
+        password=password,
+        inbox_prefix=inbox,
+        publish=(
+            f"{subjects.prefix}.node.{node}.>",
+            f"{API}.STREAM.INFO.{stream}",
+            f"{API}.DIRECT.GET.{stream}.$KV.{subjects.bucket_assign}.{node}",
+        ),
+        subscribe=(f"{inbox}.>",),
+    )
+
+
+def router_role(subjects: Subjects, password: str) -> Role:
+    inbox = "_INBOX_router"
+    return Role(
+        user="router",
+        password=password,
+        inbox_prefix=inbox,
+        publish=(
+            f"{subjects.prefix}.router.*.idle",
+            f"{subjects.prefix}.router.*.usage",
+            *_kv_read(subjects.bucket_routing),
+            *_kv_read(subjects.bucket_keys),
+            "$JS.FC.>",
+        ),
+        subscribe=(f"{inbox}.>", subjects.all_nodes("load")),
+    )
+
+
+def notifier_role(subjects: Subjects, password: str) -> Role:
+    inbox = "_INBOX_notifier"
+    stream = subjects.events_stream
+    return Role(
+        user="notifier",
+        password=password,
+        inbox_prefix=inbox,
+        publish=(
+            f"{subjects.prefix}.events.model.>",
+            f"{API}.STREAM.INFO.{stream}",
+            f"{API}.CONSUMER.CREATE.{stream}.>",
+            f"{API}.CONSUMER.DURABLE.CREATE.{stream}.>",
+            f"{API}.CONSUMER.INFO.{stream}.>",
+            f"{API}.CONSUMER.MSG.NEXT.{stream}.>",
+            f"$JS.ACK.{stream}.>",
+            *_kv_read(subjects.bucket_routing),
+            *_kv_read(subjects.bucket_desired),
+            "$JS.FC.>",
+        ),
+        subscribe=(f"{inbox}.>",),
+    )
+
+
+def full_role(user: str, password: str) -> Role:
+    return Role(user=user, password=password, inbox_prefix="_INBOX", full=True)
+
+
+def new_password() -> str:
+    return secrets.token_urlsafe(24)
+
+
+def all_roles(subjects: Subjects, nodes: list[str]) -> list[Role]:
+    """Fresh credentials for every role: control plane, admin, router, notifier, one agent per node."""
+    roles = [
+        full_role("controlplane", new_password()),
+        full_role("admin", new_password()),
+        router_role(subjects, new_password()),
+        notifier_role(subjects, new_password()),
+    ]
+    roles += [agent_role(subjects, n, new_password()) for n in nodes]
+    return roles
+
+
+def _q(s: str) -> str:
+    return json.dumps(s)
+
+
+def authorization_config(roles: list[Role]) -> str:
+    """A nats-server ``authorization`` block for these roles (include it in each server's config)."""
+    lines = ["authorization {", "  users = ["]
+    for r in roles:
+        if r.full:
+            perms = 'publish: {allow: [">"]}, subscribe: {allow: [">"]}'
+        else:
+            pub = ", ".join(_q(s) for s in r.publish)
+            sub = ", ".join(_q(s) for s in r.subscribe)
+            perms = f"publish: {{allow: [{pub}]}}, subscribe: {{allow: [{sub}]}}"
+        lines.append(f"    {{user: {_q(r.user)}, password: {_q(r.password)}, permissions: {{{perms}}}}}")
+    lines += ["  ]", "}", ""]
+    return "\n".join(lines)
+
+
+def role_credentials(role: Role, nats_urls: list[str], prefix: str) -> dict[str, object]:
+    """The settings a process of this role needs (a YAML file for ``--config``)."""
+    return {
+        "nats_urls": nats_urls,
+        "prefix": prefix,
+        "nats_user": role.user,
+        "nats_password": role.password,
+        "nats_inbox_prefix": role.inbox_prefix,
+    }
