@@ -48,6 +48,8 @@ class NodeView:
     weights: tuple[WeightsEntry, ...] = ()
     cordoned: bool = False
     draining: bool = False
+    # When a drain gives up waiting for replacements (ARCHITECTURE #8); None: the reconciler's default grace.
+    drain_deadline: float | None = None
     address: str = "127.0.0.1"
     last_seen: float = 0.0
 
