@@ -90,3 +90,21 @@ async def test_connect_without_wait_fails_fast_when_no_server():
     s = BusSettings(nats_urls=["nats://127.0.0.1:1"])
     with pytest.raises((OSError, nats.errors.Error)):
         await bus.connect(s, "t", connect_timeout=0.5, wait=False)
+
+
+async def test_single_key_follower_sees_a_delete_on_resync(nats_server, prefix):
+    s = BusSettings(nats_urls=[nats_server.url], prefix=prefix)
+    nc = await bus.connect(s, "t", wait=False)
+    try:
+        kv = await bus.ensure_kv(nc.jetstream(), f"{prefix}_g")
+        await kv.put("n1", b"1")
+        seen: list[tuple[str, bytes | None]] = []
+        f = bus.KvFollower(kv, lambda k, v, r: seen.append((k, v)), key="n1", resync_s=3600)
+        await f.start()
+        await f.stop()  # no watcher: only resync() can see the delete
+        await kv.delete("n1")
+        await f.resync()
+        assert seen == [("n1", b"1"), ("n1", None)]
+        assert await bus.kv_get(kv, "n1", Heartbeat) == (None, 0)
+    finally:
+        await nc.close()

@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError, NotFoundError
+from nats.js.errors import BucketNotFoundError, NoKeysError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
@@ -187,7 +187,7 @@ async def kv_get(kv: KeyValue, key: str, cls: type[M], drops: DropLog | None = N
     """A key's decoded value and revision; (None, 0) when absent or undecodable."""
     try:
         e = await kv.get(key)
-    except KeyNotFoundError:
+    except NotFoundError:  # absent, or deleted (KeyDeletedError is not a KeyNotFoundError)
         return None, 0
     if e.value is None:
         return None, 0
@@ -270,7 +270,7 @@ class KvFollower:
         for k in keys:
             try:
                 e = await self.kv.get(k)
-            except KeyNotFoundError:
+            except NotFoundError:  # absent or deleted
                 continue
             present.add(k)
             await self._emit(k, e.value, e.revision or 0)

@@ -161,7 +161,9 @@ class NotifierSettings(BusSettings):
         default=10.0, ge=0, description="Events of one kind within this are grouped"
     )
     retry_for_s: float = Field(default=3600.0, gt=0, description="How long a delivery is retried")
-    retry_base_s: float = Field(default=1.0, gt=0, description="First delivery retry delay (doubles, jittered)")
+    retry_base_s: float = Field(
+        default=1.0, gt=0, description="First delivery retry delay (doubles, jittered)"
+    )
     retry_max_s: float = Field(default=60.0, gt=0, description="Longest delay between delivery retries")
     http_timeout_s: float = Field(default=10.0, gt=0, description="One webhook request's time limit")
     ack_wait_s: float = Field(

@@ -52,7 +52,7 @@ async def store_webhooks(s: BusSettings, webhooks: list[Webhook], replace: bool)
                 entry = await kv.get(DESIRED_SETTINGS)
                 current = decode(entry.value or b"", ClusterSettings)
                 revision = entry.revision or 0
-            except nats.js.errors.KeyNotFoundError:
+            except nats.js.errors.NotFoundError:  # absent or deleted
                 current, revision = ClusterSettings(), 0
             except DecodeError:
                 # A broken value is replaced rather than merged into.
@@ -69,7 +69,7 @@ async def store_webhooks(s: BusSettings, webhooks: list[Webhook], replace: bool)
                 else:
                     await kv.create(DESIRED_SETTINGS, encode(new))
                 return new
-            except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyAlreadyExistsError):
+            except nats.js.errors.KeyWrongLastSequenceError:  # also what create() raises when taken
                 continue
         raise RuntimeError("the cluster settings kept changing under us; try again")
     finally:
