@@ -1,0 +1,276 @@
+"""Engine adapters: how one shard of a replica becomes a command line, and what each engine refuses.
+
+Each adapter is a pure function of the shard's assignment and the node's settings. It returns either a
+:class:`LaunchSpec` (argv, environment additions, health and metrics URLs, metric names) or a
+:class:`Refusal` whose reason names what was short, in the operator's words.
+
+Command lines, checked against the engines' current sources:
+
+- **vLLM** (``vllm serve``): ``--tensor-parallel-size`` is the number of GPUs given to the shard. A
+  replica over several nodes uses vLLM's native multiprocessing backend (vLLM >= 0.11):
+  ``--distributed-executor-backend mp --pipeline-parallel-size <nodes> --nnodes <nodes>
+  --node-rank <shard> --master-addr <leader host> --master-port <port>``; shards other than 0 add
+  ``--headless`` and serve no HTTP (no health URL: they are ready while they run). Ray is not used.
+- **llama.cpp** (``llama-server``): ``-m <gguf> --host --port --metrics --alias <model> -ngl 999``
+  with a GPU, ``-ngl 0`` on CPU. One GPU at most and one node: anything else is refused.
+- **simulated**: ``python -m llmgw_cli sim-engine`` with the engine's metric style. On a node with
+  ``simulate_engines`` every engine runs as the simulator (profile ``args`` are then dropped: they
+  are flags of the real engine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmgw_agent.metrics import LLAMACPP_METRICS, VLLM_METRICS, MetricNames
+from llmgw_agent.sim_options import SimOptions
+from llmgw_common.messages import ShardAssignment
+from llmgw_common.settings import AgentSettings
+
+# Option keys the agent itself reads from ``assignment.options``; the rest belong to the engine.
+AGENT_OPTIONS = frozenset({"metrics", "model_path", "master_port", "host"})
+DEFAULT_MASTER_PORT = 29500
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchSpec:
+    argv: tuple[str, ...]
+    # Added to the agent's own environment.
+    env: Mapping[str, str]
+    # None: the shard serves no HTTP (a headless vLLM follower); it is ready while it runs.
+    health_url: str | None
+    metrics_url: str | None
+    metrics: MetricNames
+    # Where the engine listens, for the port check before start.
+    bind_host: str = "127.0.0.1"
+    simulated: bool = False
+
+    @property
+    def fingerprint(self) -> str:
+        """A short hash of what the process was started with: a change means restart."""
+        blob = json.dumps([list(self.argv), sorted(self.env.items())]).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    reason: str
+
+
+Adapter = Callable[[ShardAssignment, AgentSettings], "LaunchSpec | Refusal"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Common:
+    host: str
+    url: str
+    names: MetricNames
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def bind_host(s: AgentSettings, a: ShardAssignment) -> str:
+    """Loopback when routers reach this node on loopback; every interface otherwise."""
+    explicit = a.options.get("host")
+    if isinstance(explicit, str) and explicit:
+        return explicit
+    return "127.0.0.1" if s.address in LOOPBACK else "0.0.0.0"
+
+
+def _common(a: ShardAssignment, s: AgentSettings, default_names: MetricNames) -> _Common | Refusal:
+    raw = a.options.get("metrics")
+    if raw is not None and not isinstance(raw, Mapping):
+        return Refusal(
+            f"options.metrics must be a mapping of running/waiting/kv_use, not {type(raw).__name__}"
+        )
+    try:
+        names = MetricNames.from_mapping(raw, default_names)
+    except ValueError as e:
+        return Refusal(f"bad options.metrics: {e}")
+    env = dict(a.env)
+    # An empty CUDA_VISIBLE_DEVICES hides every GPU: a CPU shard must not grab a card it was not given.
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in a.gpus)
+    return _Common(host=bind_host(s, a), url=f"http://127.0.0.1:{a.port}", names=names, env=env)
+
+
+def find_weights(s: AgentSettings, name: str, suffix: str | None = None) -> Path | None:
+    """``<model_dir>/<name>`` (or ``<name><suffix>``) in the node's model directories, first found."""
+    for d in s.model_dirs:
+        base = Path(d)
+        for cand in (base / name, base / f"{name}{suffix}" if suffix else None):
+            if cand is not None and cand.exists():
+                return cand
+    return None
+
+
+def _gguf_in(path: Path) -> Path | None:
+    """The GGUF to pass to ``-m``: the file itself, or the first (split) GGUF in a directory."""
+    if path.is_file():
+        return path
+    files = sorted(p for p in path.glob("*.gguf") if p.is_file())
+    # Split models are named ...-00001-of-0000N.gguf: llama.cpp loads the rest from the first.
+    return files[0] if files else None
+
+
+def vllm_refusal(a: ShardAssignment) -> Refusal | None:
+    """What vLLM cannot do with this shard, whatever node runs it."""
+    if not a.gpus:
+        return Refusal(
+            f"vLLM needs a GPU: shard {a.shard} of {a.replica_id} was given none "
+            "(set gpu_class on the profile, or use engine llamacpp for CPU)"
+        )
+    if a.shards > 1 and not a.leader:
+        return Refusal(f"multi-node vLLM shard {a.shard} of {a.replica_id} has no leader address")
+    return None
+
+
+def llamacpp_refusal(a: ShardAssignment) -> Refusal | None:
+    """What llama.cpp cannot do with this shard: span nodes, or split over GPUs."""
+    if a.shards > 1:
+        return Refusal(
+            f"llama.cpp cannot span nodes: replica {a.replica_id} has {a.shards} shards (use vllm)"
+        )
+    if len(a.gpus) > 1:
+        return Refusal(
+            f"llama.cpp has no tensor parallelism: shard was given {len(a.gpus)} GPUs "
+            "(set gpus_per_node to 1, or use vllm)"
+        )
+    return None
+
+
+def vllm_adapter(a: ShardAssignment, s: AgentSettings) -> LaunchSpec | Refusal:
+    refused = vllm_refusal(a)
+    if refused is not None:
+        return refused
+    c = _common(a, s, VLLM_METRICS)
+    if isinstance(c, Refusal):
+        return c
+    model_path = a.options.get("model_path")
+    found = find_weights(s, a.weights or a.model)
+    model_ref = str(model_path) if model_path else (str(found) if found else (a.weights or a.model))
+    argv = [s.vllm, "serve", model_ref, "--host", c.host, "--port", str(a.port)]
+    argv += ["--served-model-name", a.model, "--tensor-parallel-size", str(len(a.gpus))]
+    headless = False
+    if a.shards > 1 and a.leader:
+        leader_host = a.leader.rsplit(":", 1)[0]
+        master_port = a.options.get("master_port", DEFAULT_MASTER_PORT)
+        argv += ["--distributed-executor-backend", "mp", "--pipeline-parallel-size", str(a.shards)]
+        argv += ["--nnodes", str(a.shards), "--node-rank", str(a.shard)]
+        argv += ["--master-addr", leader_host, "--master-port", str(master_port)]
+        if a.shard > 0:
+            argv.append("--headless")
+            headless = True
+    argv += list(a.args)
+    return LaunchSpec(
+        argv=tuple(argv),
+        env=c.env,
+        health_url=None if headless else f"{c.url}/health",
+        metrics_url=None if headless else f"{c.url}/metrics",
+        metrics=c.names,
+        bind_host=c.host,
+    )
+
+
+def llamacpp_adapter(a: ShardAssignment, s: AgentSettings) -> LaunchSpec | Refusal:
+    refused = llamacpp_refusal(a)
+    if refused is not None:
+        return refused
+    c = _common(a, s, LLAMACPP_METRICS)
+    if isinstance(c, Refusal):
+        return c
+    model_path = a.options.get("model_path")
+    name = a.weights or a.model
+    gguf: Path | None
+    if model_path:
+        given = Path(str(model_path))
+        if not given.exists():
+            return Refusal(f"llama.cpp model_path {model_path} does not exist on this node")
+        gguf = _gguf_in(given)
+        if gguf is None:
+            return Refusal(f"llama.cpp model_path {model_path} holds no .gguf file")
+    else:
+        found = find_weights(s, name, ".gguf")
+        if found is None:
+            dirs = ", ".join(s.model_dirs) or "no model directories configured"
+            return Refusal(
+                f"no GGUF weights for {name} on this node (looked in: {dirs}); set options.model_path"
+            )
+        gguf = _gguf_in(found)
+        if gguf is None:
+            return Refusal(f"{found} holds no .gguf file")
+    argv = [s.llama_server, "-m", str(gguf), "--host", c.host, "--port", str(a.port), "--metrics"]
+    argv += ["--alias", a.model, "-ngl", "999" if a.gpus else "0", *a.args]
+    return LaunchSpec(
+        argv=tuple(argv),
+        env=c.env,
+        health_url=f"{c.url}/health",
+        metrics_url=f"{c.url}/metrics",
+        metrics=c.names,
+        bind_host=c.host,
+    )
+
+
+def sim_adapter(a: ShardAssignment, s: AgentSettings, style: str = "vllm") -> LaunchSpec | Refusal:
+    """The simulator standing in for an engine; ``style`` picks the metric names it serves."""
+    default_names = LLAMACPP_METRICS if style == "llamacpp" else VLLM_METRICS
+    c = _common(a, s, default_names)
+    if isinstance(c, Refusal):
+        return c
+    opts: dict[str, Any] = {k: v for k, v in a.options.items() if k not in AGENT_OPTIONS}
+    if a.engine != "sim":
+        # A real engine's profile simulated: its options are the real engine's, not the simulator's.
+        known = {f.name for f in dataclasses.fields(SimOptions)}
+        opts = {k: v for k, v in opts.items() if k in known}
+    opts["metrics_style"] = style if a.engine != "sim" else opts.get("metrics_style", style)
+    opts.update(port=a.port, host=c.host, model=a.model, rank=a.shard, world=a.shards, leader=a.leader)
+    try:
+        sim_argv = SimOptions.from_dict(opts).to_argv()
+    except (TypeError, ValueError) as e:
+        return Refusal(f"bad simulator options for {a.model}: {e}")
+    argv = [sys.executable, "-m", "llmgw_cli", "sim-engine", *sim_argv]
+    if a.engine == "sim":
+        argv += list(a.args)
+    return LaunchSpec(
+        argv=tuple(argv),
+        env=c.env,
+        health_url=f"{c.url}/health",
+        metrics_url=f"{c.url}/metrics",
+        metrics=c.names,
+        bind_host=c.host,
+        simulated=True,
+    )
+
+
+REFUSALS: dict[str, Callable[[ShardAssignment], Refusal | None]] = {
+    "vllm": vllm_refusal,
+    "llamacpp": llamacpp_refusal,
+    "sim": lambda a: None,
+}
+
+ADAPTERS: dict[str, Adapter] = {
+    "vllm": vllm_adapter,
+    "llamacpp": llamacpp_adapter,
+    "sim": sim_adapter,
+}
+
+
+def launch_spec(a: ShardAssignment, s: AgentSettings) -> LaunchSpec | Refusal:
+    """The command for one shard on this node, or why this node will not run it."""
+    adapter = ADAPTERS.get(a.engine)
+    if adapter is None:
+        return Refusal(f"unknown engine {a.engine!r} (this agent runs: {', '.join(sorted(ADAPTERS))})")
+    if not s.simulate_engines or a.engine == "sim":
+        return adapter(a, s)
+    # Simulated node: the real engine's refusals still hold (a vLLM shard without a GPU is wrong
+    # whatever runs it), then the simulator runs with that engine's metric style.
+    refused = REFUSALS[a.engine](a)
+    if refused is not None:
+        return refused
+    return sim_adapter(a, s, style=a.engine)

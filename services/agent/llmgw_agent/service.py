@@ -1,0 +1,292 @@
+"""The agent process: report this node, follow its assignment, keep its engines as assigned.
+
+Pipeline, once per tick (``load_interval_s``): scrape every ready engine's ``/metrics`` → load report;
+heartbeat when due; inventory when due, changed or after a reconnect; one flush. Beside the tick, a
+KV follower on ``<prefix>_assign`` key ``<node>`` marks the assignment changed, and one converger task
+applies :func:`llmgw_agent.converge.plan_converge` to the supervisor. Shard state changes are published
+as they happen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable
+
+import httpx
+import nats.errors
+from nats.aio.client import Client as NATS
+from pydantic import BaseModel
+
+from llmgw_agent.converge import Running, ShardKey, plan_converge
+from llmgw_agent.engines import LaunchSpec, Refusal, launch_spec
+from llmgw_agent.metrics import extract_load, parse_prometheus
+from llmgw_agent.supervisor import EngineRecord, Shard, Supervisor
+from llmgw_common.bus import DropLog, KvFollower, connect, ensure_kv
+from llmgw_common.codec import DecodeError, decode, encode
+from llmgw_common.messages import (
+    Assignment,
+    Heartbeat,
+    Inventory,
+    LoadReport,
+    ReplicaLoad,
+    ShardAssignment,
+    ShardState,
+    ShardStatus,
+)
+from llmgw_common.settings import AgentSettings
+from llmgw_common.subjects import Subjects
+
+log = logging.getLogger("llmgw.agent")
+
+Collect = Callable[[AgentSettings, str, float], Inventory]
+# Re-collect the inventory this often (capped by inventory_interval_s) to notice a change.
+INVENTORY_CHECK_S = 10.0
+
+
+def _default_collect() -> Collect:
+    from llmgw_agent.inventory import collect_inventory
+
+    return collect_inventory
+
+
+class Agent:
+    """One node's agent, bound to a connected client. ``run()`` returns once ``stop`` is set."""
+
+    def __init__(
+        self,
+        s: AgentSettings,
+        nc: NATS,
+        *,
+        collect: Collect,
+        boot_id: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.s = s
+        self.nc = nc
+        self.collect = collect
+        self.clock = clock
+        self.boot_id = boot_id or uuid.uuid4().hex
+        self.subjects = Subjects(s.prefix)
+        self.drops = DropLog(log)
+        self.supervisor = Supervisor(
+            s.state_dir, self._on_shard_change, stop_grace_s=s.stop_grace_s, clock=clock
+        )
+        # None until a readable assignment (or its absence) is known: nothing is started or stopped.
+        self.desired: dict[ShardKey, ShardAssignment] | None = None
+        self.fence = 0
+        self.adoptable: dict[ShardKey, EngineRecord] = {}
+        self.seq = 0
+        self._wake = asyncio.Event()
+        self._scrape = httpx.AsyncClient(timeout=httpx.Timeout(min(0.8, s.load_interval_s), connect=0.3))
+        self._last_inventory: Inventory | None = None
+        self._inventory_sent_at = float("-inf")
+        self._inventory_checked_at = float("-inf")
+        self._reconnects = 0
+
+    # ---------------------------------------------------------------- publishing
+
+    async def _publish(self, subject: str, msg: BaseModel) -> None:
+        try:
+            await self.nc.publish(subject, encode(msg))
+        except nats.errors.Error as e:
+            log.warning("cannot publish on %s: %s", subject, e)
+
+    async def _on_shard_change(self, sh: Shard) -> None:
+        a = sh.assignment
+        status = ShardStatus(
+            node=self.s.node,
+            boot_id=self.boot_id,
+            sent_at=self.clock(),
+            replica_id=a.replica_id,
+            shard=a.shard,
+            model=a.model,
+            state=sh.state,
+            port=a.port,
+            error=sh.error,
+            log_tail=sh.log_tail if sh.state is ShardState.FAILED else (),
+        )
+        await self._publish(self.subjects.status(self.s.node), status)
+
+    def heartbeat(self) -> Heartbeat:
+        self.seq += 1
+        return Heartbeat(
+            node=self.s.node,
+            boot_id=self.boot_id,
+            seq=self.seq,
+            sent_at=self.clock(),
+            address=self.s.address,
+            shards=self.supervisor.reports(),
+        )
+
+    async def _scrape_one(self, sh: Shard) -> ReplicaLoad:
+        a = sh.assignment
+        assert sh.spec is not None and sh.spec.metrics_url is not None
+        try:
+            r = await self._scrape.get(sh.spec.metrics_url)
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            log.debug("scrape of %s failed: %s", sh.spec.metrics_url, e)
+            return ReplicaLoad(replica_id=a.replica_id, shard=a.shard)
+        load = extract_load(parse_prometheus(r.text), sh.spec.metrics)
+        return ReplicaLoad(
+            replica_id=a.replica_id,
+            shard=a.shard,
+            running=load.running,
+            waiting=load.waiting,
+            kv_use=load.kv_use,
+        )
+
+    async def load_report(self) -> LoadReport:
+        shards = [sh for sh in self.supervisor.ready() if sh.spec is not None and sh.spec.metrics_url]
+        loads = await asyncio.gather(*(self._scrape_one(sh) for sh in shards))
+        return LoadReport(node=self.s.node, sent_at=self.clock(), replicas=tuple(loads))
+
+    async def _inventory_if_due(self, now: float) -> None:
+        reconnects = int(self.nc.stats.get("reconnects", 0))
+        reconnected = reconnects != self._reconnects
+        self._reconnects = reconnects
+        check_every = min(INVENTORY_CHECK_S, self.s.inventory_interval_s)
+        if not reconnected and now - self._inventory_checked_at < check_every:
+            return
+        self._inventory_checked_at = now
+        inv = await asyncio.to_thread(self.collect, self.s, self.boot_id, now)
+        changed = self._last_inventory is None or inv.model_copy(
+            update={"sent_at": 0.0}
+        ) != self._last_inventory.model_copy(update={"sent_at": 0.0})
+        if changed or reconnected or now - self._inventory_sent_at >= self.s.inventory_interval_s:
+            await self._publish(self.subjects.inventory(self.s.node), inv)
+            self._last_inventory = inv
+            self._inventory_sent_at = now
+
+    async def _tick_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_heartbeat = loop.time()
+        while True:
+            started = loop.time()
+            await self._publish(self.subjects.load(self.s.node), await self.load_report())
+            if loop.time() >= next_heartbeat:
+                await self._publish(self.subjects.heartbeat(self.s.node), self.heartbeat())
+                next_heartbeat = loop.time() + self.s.heartbeat_interval_s
+            await self._inventory_if_due(self.clock())
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                await self.nc.flush(timeout=1)
+            await asyncio.sleep(max(0.0, self.s.load_interval_s - (loop.time() - started)))
+
+    # ---------------------------------------------------------------- assignment
+
+    def on_assignment(self, key: str, value: bytes | None, revision: int) -> None:
+        """KV callback: decode, check the fence, mark work. Never starts or stops anything itself."""
+        if key != self.s.node:
+            return
+        if value is None:
+            log.info("assignment deleted (revision %d): stopping every engine", revision)
+            self.desired = {}
+            self._wake.set()
+            return
+        try:
+            assignment = decode(value, Assignment)
+        except DecodeError as e:
+            self.drops.drop(f"{self.subjects.bucket_assign}/{key}", f"{e}; keeping current engines")
+            return
+        if assignment.fence < self.fence:
+            log.warning(
+                "ignoring assignment revision %d with fence %d (seen %d): written by a stale leader",
+                revision, assignment.fence, self.fence,
+            )  # fmt: skip
+            return
+        self.fence = assignment.fence
+        self.desired = {(sa.replica_id, sa.shard): sa for sa in assignment.shards}
+        self._wake.set()
+
+    async def converge(self) -> None:
+        desired = self.desired
+        if desired is None:
+            return
+        specs: dict[ShardKey, LaunchSpec | Refusal] = {k: launch_spec(a, self.s) for k, a in desired.items()}
+        running = {
+            k: Running(fingerprint=sh.fingerprint, error=sh.error) for k, sh in self.supervisor.shards.items()
+        }
+        adoptable = {k: r.fingerprint for k, r in self.adoptable.items()}
+        plan = plan_converge(specs, running, adoptable)
+        if plan.empty:
+            return
+        records, self.adoptable = self.adoptable, {}
+        await asyncio.gather(
+            *(self.supervisor.stop(k) for k in plan.stop),
+            *(self.supervisor.stop_orphan(records[k]) for k in plan.stop_orphans),
+        )
+        for k in plan.adopt:
+            spec = specs[k]
+            assert isinstance(spec, LaunchSpec)
+            await self.supervisor.adopt(records[k], desired[k], spec)
+        for k in plan.refuse:
+            spec = specs[k]
+            assert isinstance(spec, Refusal)
+            await self.supervisor.refuse(desired[k], spec.reason)
+        for k in plan.start:
+            spec = specs[k]
+            assert isinstance(spec, LaunchSpec)
+            await self.supervisor.start(desired[k], spec)
+
+    async def _converge_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self.converge()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.adoptable = {r.key: r for r in self.supervisor.load_state()}
+        js = self.nc.jetstream()
+        kv = await ensure_kv(js, self.subjects.bucket_assign, replicas=self.s.kv_replicas)
+        follower = KvFollower(kv, self.on_assignment, key=self.s.node, name="assign")
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            await self._inventory_if_due(self.clock())
+            await follower.start()
+            if self.desired is None and self.s.node not in follower.revisions:
+                self.desired = {}  # no assignment at all: run nothing (a stored-but-unreadable one is kept)
+                self._wake.set()
+            tasks = [
+                asyncio.create_task(self._tick_loop(), name="agent-tick"),
+                asyncio.create_task(self._converge_loop(), name="agent-converge"),
+            ]
+            await stop.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+            await follower.stop()
+            await self.supervisor.stop_all()
+            await self._publish(self.subjects.heartbeat(self.s.node), self.heartbeat())
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                await self.nc.flush(timeout=1)
+            await self.supervisor.aclose()
+            await self._scrape.aclose()
+
+
+async def serve(
+    s: AgentSettings,
+    stop: asyncio.Event,
+    *,
+    collect: Collect | None = None,
+    clock: Callable[[], float] = time.time,
+) -> None:
+    """Run the agent until ``stop`` is set: engines are stopped, then the NATS connection is closed."""
+    nc = await connect(s, name=f"llmgw-agent-{s.node}")
+    try:
+        agent = Agent(s, nc, collect=collect or _default_collect(), clock=clock)
+        log.info("agent %s up (boot %s, state in %s)", s.node, agent.boot_id, s.state_dir)
+        await agent.run(stop)
+    finally:
+        with contextlib.suppress(nats.errors.Error, TimeoutError):
+            await nc.drain()
+        if not nc.is_closed:
+            await nc.close()
