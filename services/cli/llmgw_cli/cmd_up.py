@@ -1,0 +1,436 @@
+"""``llmgw up``: the whole topology on one machine, until Ctrl-C.
+
+Order: embedded NATS (its store in ``<data-dir>/nats``, so a second run keeps desired state and
+keys), the development key, control plane, router, notifier, the local agent and one agent per
+simulated node of the fleet file. Then it polls a chat completion through the router until one
+succeeds, prints how to use it, and waits. SIGINT or SIGTERM stops everything in reverse order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import IO, Annotated
+
+import httpx
+import typer
+
+from llmgw_cli.devcluster import (
+    Child,
+    Layout,
+    Supervisor,
+    free_port,
+    log_tail,
+    plan_children,
+    port_in_use,
+    write_state,
+)
+from llmgw_cli.devkey import ensure_dev_key
+from llmgw_cli.fleet import Fleet, FleetError, load_fleet_file
+from llmgw_common.bus import connect, ensure_all
+from llmgw_common.catalog import Catalog, CatalogError, load_catalog_file
+from llmgw_common.natsserver import NatsServer, NatsServerError, ensure_on_path
+from llmgw_common.settings import BusSettings
+from llmgw_common.subjects import Subjects
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+STATE_FILE = "up.json"
+
+
+class UpError(Exception):
+    """A reason ``llmgw up`` cannot go on, in the user's terms."""
+
+
+def default_example(name: str) -> Path:
+    """``examples/<name>`` of the working directory if there is one, else of the source tree."""
+    here = Path("examples") / name
+    return here if here.exists() else REPO_ROOT / "examples" / name
+
+
+def out(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def err(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def data_dir_lock(data_dir: Path) -> Iterator[None]:
+    """One ``llmgw up`` per data directory: two would fight over one NATS store."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = data_dir / "up.lock"
+    f: IO[str] = open(path, "a+", encoding="utf-8")
+    try:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            other = f.read().strip() or "?"
+            raise UpError(
+                f"another `llmgw up` (pid {other}) is running with data directory {data_dir}; "
+                "stop it or pass another --data-dir"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        yield
+    finally:
+        f.close()
+
+
+@dataclass
+class StopFlag:
+    """Set by SIGINT, SIGTERM or SIGHUP; the main loop waits on it instead of sleeping."""
+
+    event: threading.Event
+    signum: int | None = None
+
+    def handler(self, signum: int, _frame: FrameType | None) -> None:
+        self.signum = signum
+        self.event.set()
+
+    def install(self) -> None:
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, self.handler)
+
+    def wait(self, seconds: float) -> bool:
+        return self.event.wait(seconds)
+
+    @property
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+
+async def _prepare_bus(nats_url: str, prefix: str, key_file: Path) -> tuple[str, bool]:
+    settings = BusSettings(nats_urls=[nats_url], prefix=prefix)
+    nc = await connect(settings, "llmgw-up", wait=False)
+    try:
+        js = nc.jetstream()
+        buckets = await ensure_all(js, Subjects(prefix))
+        return await ensure_dev_key(buckets[Subjects(prefix).bucket_keys], key_file)
+    finally:
+        await nc.close()
+
+
+def try_chat(client: httpx.Client, base: str, key: str, model: str) -> str | None:
+    """None when a chat completion for ``model`` succeeds through the router, else why not."""
+    try:
+        r = client.post(
+            f"{base}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 4},
+        )
+    except httpx.HTTPError as e:
+        return f"router not answering ({type(e).__name__})"
+    if r.status_code == 200:
+        try:
+            if r.json().get("choices"):
+                return None
+        except ValueError:
+            pass
+        return "200 without choices"
+    try:
+        msg = r.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        msg = r.text[:200]
+    return f"{r.status_code}: {msg}"
+
+
+def report_dead(children: list[Child]) -> None:
+    for c in children:
+        err(
+            f"error: {c.spec.name} exited with code {c.proc.returncode} during start; last lines of {c.log_path}:"
+        )
+        for line in log_tail(c.log_path, 20):
+            err(f"  | {line}")
+
+
+def usage_text(base: str, key: str, model: str, catalog: Catalog, layout: Layout, ready_s: float) -> str:
+    pre = "" if layout.prefix == "llmgw" else f" --prefix {layout.prefix}"
+    nats = "" if layout.nats_url == "nats://127.0.0.1:4222" else f" --nats {layout.nats_url}"
+    console = (
+        f"  console          http://{layout.host}:{layout.controlplane_admin_port}/\n"
+        if layout.controlplane_admin_port
+        else ""
+    )
+    return f"""
+llmgw is up: a chat completion went through the router {ready_s:.1f} s after start.
+
+  OpenAI base URL  {base}/v1
+  API key          {key}
+                   (kept in {layout.data_dir / "dev-key"}; reused by the next run)
+  models           {", ".join(catalog.names)}
+{console}  NATS             {layout.nats_url} (prefix {layout.prefix})
+  logs             {layout.logs_dir}/
+
+Try it with curl:
+
+curl {base}/v1/chat/completions \\
+  -H "Authorization: Bearer {key}" \\
+  -H "Content-Type: application/json" \\
+  -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+
+or with the openai package:
+
+python - <<'EOF'
+from openai import OpenAI
+client = OpenAI(base_url="{base}/v1", api_key="{key}")
+r = client.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Hello!"}}])
+print(r.choices[0].message.content)
+EOF
+
+Look around: llmgw ctl nodes{nats}{pre}   llmgw ctl replicas{nats}{pre}   llmgw ctl models{nats}{pre}
+Ctrl-C stops everything.
+"""
+
+
+def run_up(
+    *,
+    data_dir: Path,
+    fleet_file: Path,
+    catalog_file: Path,
+    host: str,
+    port: int,
+    admin_port: int,
+    nats_port: int,
+    nats_url: str | None,
+    prefix: str,
+    local_agent: bool,
+    ready_timeout_s: float,
+) -> int:
+    """The whole of ``llmgw up``; returns the exit code."""
+    t0 = time.monotonic()
+    stop = StopFlag(threading.Event())
+    stop.install()
+    ensure_on_path()
+    try:
+        fleet: Fleet = load_fleet_file(str(fleet_file))
+        catalog = load_catalog_file(str(catalog_file))
+    except (FleetError, CatalogError) as e:
+        err(f"error: {e}")
+        return 1
+    data_dir = data_dir.resolve()
+    try:
+        with data_dir_lock(data_dir):
+            return _run_locked(
+                stop, t0, data_dir, fleet, catalog, catalog_file.resolve(), host, port, admin_port,
+                nats_port, nats_url, prefix, local_agent, ready_timeout_s,
+            )  # fmt: skip
+    except UpError as e:
+        err(f"error: {e}")
+        return 1
+
+
+def _run_locked(
+    stop: StopFlag,
+    t0: float,
+    data_dir: Path,
+    fleet: Fleet,
+    catalog: Catalog,
+    catalog_file: Path,
+    host: str,
+    port: int,
+    admin_port: int,
+    nats_port: int,
+    nats_url: str | None,
+    prefix: str,
+    local_agent: bool,
+    ready_timeout_s: float,
+) -> int:
+    nats: NatsServer | None = None
+    if nats_url is None:
+        if nats_port > 0 and port_in_use(host, nats_port):
+            raise UpError(
+                f"port {nats_port} for NATS is in use (another llmgw up or a NATS server?): "
+                "pass --nats-port -1 for a free one, or --nats URL to use that server"
+            )
+        (data_dir / "logs").mkdir(parents=True, exist_ok=True)
+        nats = NatsServer(
+            data_dir / "nats", port=nats_port, host=host, log_file=data_dir / "logs" / "nats.log"
+        )
+        try:
+            nats.start()
+        except NatsServerError as e:
+            tail = "\n".join(f"  | {line}" for line in log_tail(nats.log_file, 10))
+            raise UpError(f"{e}\n{tail}") from None
+        nats_url = nats.url
+    for what, p in (("router", port), ("console", admin_port)):
+        if p > 0 and port_in_use(host, p):
+            if nats is not None:
+                nats.stop()
+            raise UpError(
+                f"port {p} for the {what} is in use: pass another (--port/--admin-port) or 0 for a free one"
+            )
+    sup: Supervisor | None = None
+    try:
+        try:
+            key, minted = asyncio.run(_prepare_bus(nats_url, prefix, data_dir / "dev-key"))
+        except (OSError, TimeoutError) as e:
+            raise UpError(f"cannot reach NATS at {nats_url}: {e}") from None
+        layout = Layout(
+            data_dir=data_dir,
+            nats_url=nats_url,
+            prefix=prefix,
+            host=host,
+            router_port=port or free_port(host),
+            router_admin_port=free_port(host),
+            controlplane_admin_port=admin_port or free_port(host),
+            catalog_file=catalog_file,
+            dev_key=key,
+            local_agent=local_agent,
+        )
+        run_token = secrets.token_hex(8)
+        sup = Supervisor(layout, run_token, say=err)
+        out(f"llmgw up: NATS at {nats_url}, data in {data_dir}, logs in {layout.logs_dir}/")
+        if minted:
+            out(f"llmgw up: minted a development key ({data_dir / 'dev-key'})")
+        for spec in plan_children(layout, fleet):
+            if stop.is_set:
+                break
+            sup.start(spec)
+        state: dict[str, object] = {
+            "pid": os.getpid(),
+            "run_token": run_token,
+            "data_dir": str(data_dir),
+            "router_url": layout.router_url,
+            "base_url": f"{layout.router_url}/v1",
+            "console_url": f"http://{host}:{layout.controlplane_admin_port}/",
+            "router_admin_url": f"http://{host}:{layout.router_admin_port}/",
+            "nats_url": nats_url,
+            "nats_pid": nats.pid if nats is not None else None,
+            "prefix": prefix,
+            "key": key,
+            "logs_dir": str(layout.logs_dir),
+            "children": [{"name": c.spec.name, "pid": c.pid, "pgid": c.pgid} for c in sup.children],
+            "ready": False,
+        }
+        write_state(data_dir / STATE_FILE, state)
+        code = _wait_ready_then_serve(stop, t0, sup, nats, layout, catalog, key, state, ready_timeout_s)
+        return code
+    finally:
+        if stop.signum is not None:
+            out(f"\nllmgw up: {signal.Signals(stop.signum).name}: stopping")
+        if sup is not None:
+            sup.stop_all()
+        if nats is not None:
+            nats.stop()
+        if sup is not None:
+            left = sup.sweep()
+            if left:
+                err(f"llmgw up: killed {len(left)} process(es) the run left behind: {sorted(left)}")
+        with contextlib.suppress(FileNotFoundError):
+            (data_dir / STATE_FILE).unlink()
+        out("llmgw up: stopped")
+
+
+def _wait_ready_then_serve(
+    stop: StopFlag,
+    t0: float,
+    sup: Supervisor,
+    nats: NatsServer | None,
+    layout: Layout,
+    catalog: Catalog,
+    key: str,
+    state: dict[str, object],
+    ready_timeout_s: float,
+) -> int:
+    base = layout.router_url
+    deadline = t0 + ready_timeout_s
+    last: dict[str, str] = {}
+    ready_model: str | None = None
+    with httpx.Client(timeout=httpx.Timeout(5.0, connect=1.0)) as client:
+        while ready_model is None:
+            if stop.is_set:
+                return 0
+            dead = sup.dead()
+            if dead:
+                report_dead(dead)
+                return 1
+            if nats is not None and nats.proc is not None and nats.proc.poll() is not None:
+                err(f"error: nats-server exited with code {nats.proc.returncode}; see {nats.log_file}")
+                return 1
+            if time.monotonic() > deadline:
+                err(f"error: no chat completion succeeded within {ready_timeout_s:.0f} s; last answers:")
+                for m, why in last.items():
+                    err(f"  {m}: {why}")
+                err(f"logs: {layout.logs_dir}/")
+                return 1
+            for m in catalog.names:
+                answer = try_chat(client, base, key, m)
+                if answer is None:
+                    ready_model = m
+                    break
+                last[m] = answer
+            else:
+                stop.wait(0.5)
+    ready_s = time.monotonic() - t0
+    state.update(ready=True, ready_s=round(ready_s, 2), model=ready_model)
+    write_state(layout.data_dir / STATE_FILE, state)
+    out(usage_text(base, key, ready_model, catalog, layout, ready_s))
+    reported: set[str] = set()
+    while not stop.wait(1.0):
+        sup.note_descendants()
+        for c in sup.dead():
+            if c.spec.name not in reported:
+                reported.add(c.spec.name)
+                err(f"llmgw up: {c.spec.name} exited with code {c.proc.returncode}; see {c.log_path}")
+        if nats is not None and nats.proc is not None and nats.proc.poll() is not None:
+            err(f"error: nats-server exited with code {nats.proc.returncode}; see {nats.log_file}")
+            return 1
+    return 0
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("up")
+    def up(
+        data_dir: Annotated[
+            Path, typer.Option(help="State (NATS store, key, logs) of this dev cluster")
+        ] = Path(".llmgw"),
+        fleet: Annotated[
+            Path | None, typer.Option(help="Simulated nodes [default: examples/fleet.yaml]")
+        ] = None,
+        catalog: Annotated[
+            Path | None,
+            typer.Option(help="Catalog loaded when the bus has none [default: examples/catalog.yaml]"),
+        ] = None,
+        host: Annotated[str, typer.Option(help="Address every listener binds")] = "127.0.0.1",
+        port: Annotated[int, typer.Option(help="Router (OpenAI API) port; 0: a free one")] = 8080,
+        admin_port: Annotated[int, typer.Option(help="Control plane console port; 0: a free one")] = 8081,
+        nats_port: Annotated[int, typer.Option(help="Embedded NATS port; -1: a free one")] = 4222,
+        nats: Annotated[str | None, typer.Option(help="Use this NATS instead of starting one")] = None,
+        prefix: Annotated[str, typer.Option(help="Subject and bucket prefix")] = "llmgw",
+        local_agent: Annotated[
+            bool, typer.Option(help="Run an agent for this machine (node 'local')")
+        ] = True,
+        ready_timeout: Annotated[
+            float, typer.Option(help="Seconds to wait for a first chat completion")
+        ] = 120.0,
+    ) -> None:
+        """Start NATS, control plane, router, notifier and agents on this machine, until Ctrl-C."""
+        code = run_up(
+            data_dir=data_dir,
+            fleet_file=fleet or default_example("fleet.yaml"),
+            catalog_file=catalog or default_example("catalog.yaml"),
+            host=host,
+            port=port,
+            admin_port=admin_port,
+            nats_port=nats_port,
+            nats_url=nats,
+            prefix=prefix,
+            local_agent=local_agent,
+            ready_timeout_s=ready_timeout,
+        )
+        raise typer.Exit(code)
