@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from pydantic import Field, field_validator
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     YamlConfigSettingsSource,
@@ -31,7 +32,10 @@ class BusSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="LLMGW_", env_nested_delimiter="__", extra="ignore")
 
-    nats_urls: list[str] = Field(default=["nats://127.0.0.1:4222"], description="NATS servers to connect to")
+    # NoDecode: a comma-separated string in the environment, split by the validator below.
+    nats_urls: Annotated[list[str], NoDecode] = Field(
+        default=["nats://127.0.0.1:4222"], description="NATS servers to connect to"
+    )
     prefix: str = Field(
         default="llmgw", description="Subject and bucket prefix (two clusters can share a NATS)"
     )
@@ -82,7 +86,9 @@ class AgentSettings(BusSettings):
         default=None, description="Network fabric (nodes of one multi-node replica share one)"
     )
     labels: dict[str, str] = Field(default_factory=dict, description="Node labels for node_selector")
-    model_dirs: list[str] = Field(default_factory=list, description="Directories scanned for model weights")
+    model_dirs: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Directories scanned for model weights"
+    )
     sim_gpus: str | None = Field(
         default=None, description="Simulated GPUs: '<count>x<CLASS>', e.g. '8xH100-80GB'"
     )
@@ -105,7 +111,7 @@ class AgentSettings(BusSettings):
     @classmethod
     def _split_dirs(cls, v: Any) -> Any:
         if isinstance(v, str):
-            return [d for d in v.split(os.pathsep) if d]
+            return [d for d in v.replace(",", os.pathsep).split(os.pathsep) if d]
         return v
 
 
@@ -142,9 +148,17 @@ class RouterSettings(BusSettings):
     admin_host: str = Field(default="127.0.0.1", description="Admin listener (metrics)")
     admin_port: int = Field(default=0, description="Admin listener port (0: none)")
     auth: bool = Field(default=True, description="Require an API key")
-    auth_exempt: list[str] = Field(
+    auth_exempt: Annotated[list[str], NoDecode] = Field(
         default=["/", "/health", "/healthz"], description="Paths served without a key"
     )
+
+    @field_validator("auth_exempt", mode="before")
+    @classmethod
+    def _split_exempt(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [p.strip() for p in v.split(",") if p.strip()]
+        return v
+
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0, description="Largest request body")
     retries: int = Field(default=2, ge=0, description="Other endpoints tried before the first byte")
     connect_timeout_s: float = Field(default=5.0, gt=0)
