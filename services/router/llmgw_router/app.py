@@ -1,0 +1,173 @@
+"""The router's HTTP surface: the OpenAI API, the landing page, health; metrics on the admin app.
+
+Per request: auth (a dict lookup), the body read with a size limit, one JSON parse for ``model`` and
+``stream``, the catalog check, admission, then :func:`llmgw_router.proxy.forward`. Nothing here
+touches NATS.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from llmgw_common.messages import ApiKeyRecord
+from llmgw_router import landing
+from llmgw_router.admission import AdmissionRefused
+from llmgw_router.auth import bearer_key
+from llmgw_router.context import RouterContext
+from llmgw_router.errors import error_response
+from llmgw_router.keys import allows_model
+from llmgw_router.proxy import CLIENT_GONE, forward, parse_request
+
+CTX = web.AppKey("ctx", RouterContext)
+# Requests without auth (static mode with auth off) count their usage under this key id.
+ANONYMOUS = "-"
+# Metrics label for model names that are not in the catalog (client-chosen: unbounded otherwise).
+UNKNOWN_MODEL = "-"
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _not_found_message(model: str) -> str:
+    # One message for "not in the catalog" and "not allowed for your key", so a key cannot probe the
+    # catalog (ARCHITECTURE #12 in spirit): both are 404 model_not_found, as OpenAI answers.
+    return f"The model '{model}' does not exist or your API key may not use it"
+
+
+def build_app(ctx: RouterContext) -> web.Application:
+    @web.middleware
+    async def auth_mw(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if ctx.auth and not ctx.exemptions.exempt(request.path):
+            check = ctx.keys.check(bearer_key(request.headers), ctx.clock())
+            if check.record is None:
+                return error_response(401, check.problem or "invalid API key")
+            request["key"] = check.record
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status == 413:
+                return error_response(
+                    413, f"the request body exceeds the limit of {ctx.limits.max_body_bytes} bytes"
+                )
+            if e.status in (404, 405):
+                return error_response(
+                    e.status,
+                    f"{request.method} {request.path} is not part of this API",
+                    code="not_found" if e.status == 404 else None,
+                )
+            raise
+
+    app = web.Application(middlewares=[auth_mw], client_max_size=ctx.limits.max_body_bytes)
+    app[CTX] = ctx
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+        app.router.add_post(path, _make_proxy_handler(ctx, path))
+    app.router.add_get("/v1/models", _make_models_handler(ctx))
+    app.router.add_get("/v1/models/{model:.+}", _make_model_handler(ctx))
+    app.router.add_get("/", _landing)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/healthz", _health)
+    return app
+
+
+def build_admin_app(ctx: RouterContext) -> web.Application:
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=ctx.metrics.exposition(), content_type="text/plain", charset="utf-8")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", _health)
+    return app
+
+
+async def _health(_: web.Request) -> web.Response:
+    return web.Response(text='{"status":"ok"}', content_type="application/json")
+
+
+async def _landing(request: web.Request) -> web.Response:
+    base = landing.display_base_url(request.headers, request.scheme, request.host)
+    return web.Response(text=landing.render(base), content_type="text/html")
+
+
+def _key(request: web.Request) -> ApiKeyRecord | None:
+    rec: ApiKeyRecord | None = request.get("key")
+    return rec
+
+
+def _make_models_handler(ctx: RouterContext) -> Handler:
+    async def models(request: web.Request) -> web.Response:
+        rec = _key(request)
+        created = int(ctx.started)
+        data = [
+            {"id": name, "object": "model", "created": created, "owned_by": "llmgw"}
+            for name in ctx.pool.profiles
+            if allows_model(rec, name)
+        ]
+        return web.Response(
+            text=json.dumps({"object": "list", "data": data}), content_type="application/json"
+        )
+
+    return models
+
+
+def _make_model_handler(ctx: RouterContext) -> Handler:
+    async def model(request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name not in ctx.pool.profiles or not allows_model(_key(request), name):
+            return error_response(404, _not_found_message(name), param="model")
+        body = {"id": name, "object": "model", "created": int(ctx.started), "owned_by": "llmgw"}
+        return web.Response(text=json.dumps(body), content_type="application/json")
+
+    return model
+
+
+def _make_proxy_handler(ctx: RouterContext, path: str) -> Handler:
+    metrics = ctx.metrics
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        cl = request.content_length
+        if cl is not None and cl > ctx.limits.max_body_bytes:
+            metrics.request(UNKNOWN_MODEL, 413)
+            return error_response(
+                413, f"the request body exceeds the limit of {ctx.limits.max_body_bytes} bytes"
+            )
+        body = await request.read()
+        parsed = parse_request(body)
+        if isinstance(parsed, str):
+            metrics.request(UNKNOWN_MODEL, 400)
+            return error_response(400, parsed, param=None if "JSON" in parsed else "model")
+        model: str = parsed["model"]
+        rec = _key(request)
+        profile = ctx.pool.profiles.get(model)
+        if profile is None or not allows_model(rec, model):
+            metrics.request(UNKNOWN_MODEL, 404)
+            return error_response(404, _not_found_message(model), param="model")
+        want_usage = False
+        if parsed.get("stream") is True:
+            so = parsed.get("stream_options")
+            want_usage = isinstance(so, dict) and so.get("include_usage") is True
+        if not ctx.pool.by_model.get(model):
+            # Known model, no ready replica: 503 with the control plane's reason, never 429.
+            metrics.request(model, 503)
+            return error_response(503, ctx.pool.why_unavailable(model, ctx.clock()), retry_after=5)
+        gate = ctx.gate(profile)
+        if not gate.try_enter():
+            try:
+                await gate.enter()
+            except AdmissionRefused as e:
+                metrics.request(model, 429)
+                return error_response(429, e.reason, retry_after=e.retry_after)
+        status = CLIENT_GONE
+        try:
+            resp, status = await forward(
+                ctx, request, path, body, model, rec.id if rec is not None else ANONYMOUS, want_usage
+            )
+            return resp
+        finally:
+            gate.leave()
+            metrics.request(model, status, time.perf_counter() - t0)
+
+    return handle

@@ -1,0 +1,85 @@
+"""Everything a request needs, built once per router and passed in (no module-level state)."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from llmgw_common.catalog import ModelProfile
+from llmgw_router.admission import Gate
+from llmgw_router.auth import Exemptions
+from llmgw_router.endpoints import Pool
+from llmgw_router.idle import IdleMap
+from llmgw_router.keys import KeyTable
+from llmgw_router.metrics import RouterMetrics
+from llmgw_router.usage import UsageTable
+
+
+@dataclass(slots=True)
+class Limits:
+    max_body_bytes: int = 8 * 1024 * 1024
+    retries: int = 2
+    load_stale_s: float = 5.0
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0
+
+
+@dataclass(eq=False)
+class RouterContext:
+    router_id: str
+    pool: Pool
+    keys: KeyTable
+    auth: bool
+    exemptions: Exemptions
+    limits: Limits
+    started: float
+    clock: Callable[[], float] = time.time
+    rng: random.Random = field(default_factory=random.Random)
+    gates: dict[str, Gate] = field(default_factory=dict)
+    in_flight: int = 0
+    session: aiohttp.ClientSession | None = None
+    idle: IdleMap = field(init=False)
+    usage: UsageTable = field(init=False)
+    metrics: RouterMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.idle = IdleMap(self.started)
+        self.usage = UsageTable(self.started)
+        self.metrics = RouterMetrics(self.pool, self.gates, lambda: self.in_flight)
+
+    def gate(self, profile: ModelProfile) -> Gate:
+        g = self.gates.get(profile.name)
+        if g is None:
+            g = self.gates[profile.name] = Gate(
+                profile.name, profile.max_concurrency, profile.max_queue, profile.queue_timeout_s
+            )
+        return g
+
+    def refresh_gates(self) -> None:
+        """Apply the catalog's admission settings to existing gates (after a catalog update)."""
+        for name, g in self.gates.items():
+            p = self.pool.profiles.get(name)
+            if p is not None:
+                g.configure(p.max_concurrency, p.max_queue, p.queue_timeout_s)
+
+    def new_session(self) -> aiohttp.ClientSession:
+        lim = self.limits
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=lim.connect_timeout_s,
+            sock_connect=lim.connect_timeout_s,
+            sock_read=lim.read_timeout_s,
+        )
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30.0, ttl_dns_cache=60)
+        # Bytes pass through untouched: no decompression, no cookies, identity encoding upstream.
+        return aiohttp.ClientSession(
+            connector=connector,
+            timeout=timeout,
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            skip_auto_headers=("User-Agent",),
+        )

@@ -1,0 +1,242 @@
+"""Send one admitted request to an endpoint and pass the answer back byte for byte.
+
+A failure before the first byte reaches the client (connect error or refusal, the engine closing
+the connection, a 502/503 from the engine, a stream that dies before its first chunk) is retried on
+another endpoint, up to ``retries`` times. Once the first byte is sent, the client gets whatever the
+engine sends. In-flight counts are released in ``finally`` on every path, cancellation included.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from llmgw_router.context import RouterContext
+from llmgw_router.endpoints import EndpointState
+from llmgw_router.errors import error_response
+from llmgw_router.scheduling import choose
+from llmgw_router.usage import TAIL_BYTES, find_usage
+
+log = logging.getLogger("llmgw.router.proxy")
+
+RETRY_STATUSES = frozenset({502, 503})
+_UPSTREAM_HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
+_DROP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Transfer-Encoding",
+        "Content-Length",
+        "Date",
+        "Server",
+        "Proxy-Connection",
+        "Upgrade",
+        "TE",
+        "Trailer",
+    )
+)
+# Statuses recorded for requests that never got an engine answer to relay.
+CLIENT_GONE = 499
+
+
+class _Retryable(Exception):
+    """The attempt failed before anything reached the client; another endpoint may be tried."""
+
+
+def pick(ctx: RouterContext, model: str, tried: list[EndpointState], now: float) -> EndpointState | None:
+    eps = ctx.pool.by_model.get(model)
+    if not eps:
+        return None
+    cands = [e for e in eps if not e.draining and e not in tried and e.breaker.allows(now)]
+    if not cands and tried:
+        # Every endpoint was tried: a second go at one whose breaker still allows it (a stale
+        # keep-alive connection is the common cause of a one-off failure).
+        cands = [e for e in eps if not e.draining and e.breaker.allows(now)]
+    ep = choose(cands, now, ctx.limits.load_stale_s, ctx.rng)
+    if ep is None or not ep.breaker.acquire(now):
+        return None
+    return ep
+
+
+def _response_headers(up: aiohttp.ClientResponse) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in up.headers.items():
+        if k.lower() not in _DROP:
+            out.add(k, v)
+    return out
+
+
+async def forward(
+    ctx: RouterContext,
+    request: web.Request,
+    path: str,
+    body: bytes,
+    model: str,
+    key_id: str,
+    want_usage: bool,
+) -> tuple[web.StreamResponse, int]:
+    """Proxy the request; return the response and the status to record."""
+    assert ctx.session is not None
+    t0 = time.perf_counter()
+    tried: list[EndpointState] = []
+    problem = ""
+    for attempt in range(ctx.limits.retries + 1):
+        now = ctx.clock()
+        ep = pick(ctx, model, tried, now)
+        if ep is None:
+            break
+        if attempt:
+            ctx.metrics.retry(model)
+        tried.append(ep)
+        ctx.idle.stamp(ep.replica_id, now)
+        ep.in_flight += 1
+        ctx.in_flight += 1
+        verdict: bool | None = None  # breaker outcome: True success, False failure, None unknown
+        try:
+            resp, status, verdict = await _attempt(
+                ctx, request, ep, path, body, model, key_id, want_usage, t0
+            )
+            return resp, status
+        except _Retryable as e:
+            verdict = False
+            problem = str(e)
+            log.debug("attempt %d on %s failed before the first byte: %s", attempt + 1, ep.url, problem)
+        finally:
+            ep.in_flight -= 1
+            ctx.in_flight -= 1
+            if verdict is True:
+                ep.breaker.success()
+            elif verdict is False:
+                ep.breaker.failure(ctx.clock())
+            else:
+                ep.breaker.abandon()
+    if not tried:
+        return error_response(503, ctx.pool.why_unavailable(model, ctx.clock()), retry_after=1), 503
+    n = len(tried)
+    msg = f"model {model!r}: {n} attempt{'s' if n > 1 else ''} failed before an answer: {problem}"
+    return error_response(502, msg), 502
+
+
+async def _attempt(
+    ctx: RouterContext,
+    request: web.Request,
+    ep: EndpointState,
+    path: str,
+    body: bytes,
+    model: str,
+    key_id: str,
+    want_usage: bool,
+    t0: float,
+) -> tuple[web.StreamResponse, int, bool | None]:
+    assert ctx.session is not None
+    try:
+        up = await ctx.session.post(ep.url + path, data=body, headers=_UPSTREAM_HEADERS)
+    except aiohttp.ServerTimeoutError as e:
+        if isinstance(e, aiohttp.ConnectionTimeoutError):
+            raise _Retryable(f"{ep.replica_id}: connect timed out") from None
+        return _gateway_timeout(ep), 504, False
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+        raise _Retryable(f"{ep.replica_id}: {_describe(e)}") from None
+    try:
+        status = up.status
+        if status in RETRY_STATUSES:
+            detail = (await up.content.read(300)).decode("utf-8", "replace")
+            raise _Retryable(f"{ep.replica_id} answered {status}: {detail}")
+        verdict = status < 500
+        ctype = up.headers.get("Content-Type", "")
+        if up.content_length is not None and not ctype.startswith("text/event-stream"):
+            try:
+                data = await up.read()
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+                raise _Retryable(f"{ep.replica_id}: answer cut short: {_describe(e)}") from None
+            except aiohttp.ServerTimeoutError:
+                return _gateway_timeout(ep), 504, False
+            elapsed = time.perf_counter() - t0
+            ep.observe_latency(elapsed)
+            ctx.metrics.first_byte(model, elapsed)
+            if status < 300:
+                ctx.usage.add(key_id, model, find_usage(data))
+            return web.Response(status=status, body=data, headers=_response_headers(up)), status, verdict
+        return await _stream(ctx, request, up, ep, model, key_id, want_usage, t0, verdict)
+    finally:
+        up.close()  # no-op after a full read; drops the connection after a partial one
+
+
+async def _stream(
+    ctx: RouterContext,
+    request: web.Request,
+    up: aiohttp.ClientResponse,
+    ep: EndpointState,
+    model: str,
+    key_id: str,
+    want_usage: bool,
+    t0: float,
+    verdict: bool,
+) -> tuple[web.StreamResponse, int, bool | None]:
+    status = up.status
+    try:
+        first = await up.content.readany()
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+        raise _Retryable(f"{ep.replica_id}: stream ended before its first byte: {_describe(e)}") from None
+    except aiohttp.ServerTimeoutError:
+        return _gateway_timeout(ep), 504, False
+    ctx.metrics.first_byte(model, time.perf_counter() - t0)
+    resp = web.StreamResponse(status=status, headers=_response_headers(up))
+    tail = b""
+    try:
+        try:
+            await resp.prepare(request)
+        except ConnectionResetError:
+            return resp, CLIENT_GONE, None
+        chunk: bytes = first
+        while chunk:
+            if want_usage:
+                tail = (tail + chunk)[-TAIL_BYTES:] if len(chunk) < TAIL_BYTES else chunk[-TAIL_BYTES:]
+            try:
+                await resp.write(chunk)
+            except ConnectionResetError:
+                # The client went away mid-stream; closing the upstream tells the engine to stop.
+                return resp, CLIENT_GONE, None
+            chunk = await up.content.readany()
+        try:
+            await resp.write_eof()
+        except ConnectionResetError:
+            return resp, CLIENT_GONE, None
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ServerTimeoutError) as e:
+        # The engine failed after the first byte: nothing to retry; end the client's stream.
+        log.warning("stream from %s broke after the first byte: %s", ep.replica_id, _describe(e))
+        return resp, 502, False
+    ep.observe_latency(time.perf_counter() - t0)
+    if status < 300:
+        ctx.usage.add(key_id, model, find_usage(tail) if want_usage else None)
+    return resp, status, verdict
+
+
+def _gateway_timeout(ep: EndpointState) -> web.Response:
+    return error_response(504, f"{ep.replica_id} did not answer in time")
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def parse_request(body: bytes) -> dict[str, Any] | str:
+    """The request as a dict, or what is wrong with it (a 400 message)."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"the request body is not valid JSON: {e}"
+    if not isinstance(obj, dict):
+        return "the request body must be a JSON object"
+    model = obj.get("model")
+    if not isinstance(model, str) or not model:
+        return "you must provide a model parameter"
+    return obj

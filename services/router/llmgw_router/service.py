@@ -1,0 +1,200 @@
+"""Wiring: listeners, the bus followers that fill the pool and the key table, the per-tick reports.
+
+Pipeline: KV ``<prefix>_routing`` (catalog, endpoints) and ``<prefix>_keys`` -> in-memory pool and
+key table; ``<prefix>.node.*.load`` -> endpoint load; HTTP -> auth -> admission -> scheduling ->
+proxy. Each tick: one IdleReport and one UsageReport. The HTTP side starts before the bus is reached
+and keeps serving from what it holds when NATS is away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import nats.errors
+from aiohttp import web
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from llmgw_common import bus
+from llmgw_common.codec import DecodeError, decode, encode
+from llmgw_common.messages import LoadReport, RoutingCatalog, RoutingEndpoints
+from llmgw_common.settings import RouterSettings
+from llmgw_common.subjects import ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
+from llmgw_router.app import build_admin_app, build_app
+from llmgw_router.auth import Exemptions
+from llmgw_router.context import Limits, RouterContext
+from llmgw_router.endpoints import Pool
+from llmgw_router.keys import KeyTable
+from llmgw_router.static import load_static
+
+log = logging.getLogger("llmgw.router")
+_ADMIN_LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+class Router:
+    """One router: ``await start()``, then ``port``/``admin_port`` are bound; ``await stop()``."""
+
+    def __init__(self, settings: RouterSettings, *, follow_bus: bool | None = None) -> None:
+        self.settings = settings
+        self.static = load_static(settings.static_file) if settings.static_file else None
+        self.follow_bus = (self.static is None) if follow_bus is None else follow_bus
+        pool = Pool()
+        keys = KeyTable()
+        auth = settings.auth
+        if self.static is not None:
+            pool.set_catalog(self.static.catalog, version=-1)
+            pool.set_endpoints(self.static.routing.model_copy(update={"version": -1}))
+            for r in self.static.keys:
+                keys.put(r)
+            auth = auth and self.static.auth
+        self.ctx = RouterContext(
+            router_id=settings.router_id,
+            pool=pool,
+            keys=keys,
+            auth=auth,
+            exemptions=Exemptions.parse(settings.auth_exempt),
+            limits=Limits(
+                max_body_bytes=settings.max_body_bytes,
+                retries=settings.retries,
+                load_stale_s=settings.load_stale_s,
+                connect_timeout_s=settings.connect_timeout_s,
+                read_timeout_s=settings.read_timeout_s,
+            ),
+            started=time.time(),
+        )
+        self.subjects = Subjects(settings.prefix)
+        self.drops = bus.DropLog(log)
+        self.nc: NATS | None = None
+        self.port = 0
+        self.admin_port = 0
+        self._runners: list[web.AppRunner] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._followers: list[bus.KvFollower] = []
+        self.synced = asyncio.Event()
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        s = self.settings
+        if s.admin_port and s.admin_host not in _ADMIN_LOOPBACK:
+            raise ValueError(f"admin listener must be on loopback, not {s.admin_host}")
+        self.ctx.session = self.ctx.new_session()
+        runner = web.AppRunner(build_app(self.ctx), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, s.host, s.port, backlog=4096, reuse_address=True)
+        await site.start()
+        self._runners.append(runner)
+        self.port = _bound_port(runner)
+        if s.admin_port:
+            admin = web.AppRunner(build_admin_app(self.ctx), access_log=None)
+            await admin.setup()
+            await web.TCPSite(admin, s.admin_host, s.admin_port).start()
+            self._runners.append(admin)
+            self.admin_port = _bound_port(admin)
+        log.info("router %s serving on %s:%d", s.router_id, s.host, self.port)
+        if self.follow_bus:
+            self._tasks.append(asyncio.create_task(self._bus_main(), name="router-bus"))
+        else:
+            self.synced.set()
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+        for f in self._followers:
+            await f.stop()
+        self._followers = []
+        if self.nc is not None:
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                await self._publish_reports()
+                await self.nc.drain()
+            self.nc = None
+        for r in self._runners:
+            await r.shutdown()
+            await r.cleanup()
+        self._runners = []
+        if self.ctx.session is not None:
+            await self.ctx.session.close()
+            self.ctx.session = None
+
+    # ------------------------------------------------------------ bus
+
+    async def _bus_main(self) -> None:
+        s = self.settings
+        nc = await bus.connect(s, f"router-{s.router_id}")
+        self.nc = nc
+        js = nc.jetstream()
+        routing_kv = await bus.ensure_kv(js, self.subjects.bucket_routing, replicas=s.kv_replicas)
+        keys_kv = await bus.ensure_kv(js, self.subjects.bucket_keys, replicas=s.kv_replicas)
+        await bus.subscribe(nc, self.subjects.all_nodes("load"), LoadReport, self._on_load, self.drops)
+        routing = bus.KvFollower(
+            routing_kv, self._on_routing, name="router-routing", resync_s=max(s.tick_s, 2.0)
+        )
+        keyf = bus.KvFollower(keys_kv, self._on_key, name="router-keys", resync_s=max(s.tick_s, 2.0))
+        self._followers = [routing, keyf]
+        await routing.start()
+        await keyf.start()
+        self.synced.set()
+        while True:
+            await asyncio.sleep(s.tick_s)
+            try:
+                await self._publish_reports()
+            except (nats.errors.Error, TimeoutError) as e:
+                log.debug("tick publish failed: %s", e)
+
+    async def _publish_reports(self) -> None:
+        if self.nc is None or not self.nc.is_connected:
+            return
+        now = time.time()
+        rid = self.settings.router_id
+        await self.nc.publish(self.subjects.idle(rid), encode(self.ctx.idle.report(rid, now)))
+        await self.nc.publish(self.subjects.usage(rid), encode(self.ctx.usage.report(rid, now)))
+        await self.nc.flush(timeout=2)
+
+    def _on_load(self, report: LoadReport, _: Msg) -> None:
+        self.ctx.pool.apply_load(report, self.ctx.clock())
+
+    def _on_routing(self, key: str, value: bytes | None, revision: int) -> None:
+        where = f"{self.subjects.bucket_routing}/{key}"
+        if value is None:
+            # A deleted key is not an empty catalog: keep serving from what we hold.
+            log.warning("%s was deleted; keeping the last known value", where)
+            return
+        try:
+            if key == ROUTING_CATALOG:
+                cat = decode(value, RoutingCatalog)
+                self.ctx.pool.set_catalog(cat.catalog, cat.version)
+                self.ctx.refresh_gates()
+            elif key == ROUTING_ENDPOINTS:
+                self.ctx.pool.set_endpoints(decode(value, RoutingEndpoints))
+        except DecodeError as e:
+            self.drops.drop(where, str(e))
+
+    def _on_key(self, key: str, value: bytes | None, revision: int) -> None:
+        try:
+            self.ctx.keys.on_kv_change(key, value, revision)
+        except DecodeError as e:
+            self.drops.drop(f"{self.subjects.bucket_keys}/{key}", str(e))
+
+
+def _bound_port(runner: web.AppRunner) -> int:
+    for addr in runner.addresses:
+        if isinstance(addr, tuple):
+            return int(addr[1])
+    return 0
+
+
+async def serve(settings: RouterSettings, stop: asyncio.Event, *, follow_bus: bool | None = None) -> None:
+    """Run a router until ``stop`` is set."""
+    router = Router(settings, follow_bus=follow_bus)
+    await router.start()
+    try:
+        await stop.wait()
+    finally:
+        await router.stop()
