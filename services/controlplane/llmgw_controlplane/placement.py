@@ -156,6 +156,9 @@ class Fleet:
         self._local: dict[str, set[str]] | None = None
         self._shared: dict[str, set[str]] = {}
         self._static: dict[_Shape, tuple[list[str], list[NodeRejection]]] = {}
+        # Shapes no node could take in this pass. Capacity only shrinks as a pass goes on, so another
+        # model of the same shape cannot fit either: its answer is reused instead of recomputed.
+        self.failed: dict[tuple[_Shape, int, int], Unplaceable] = {}
 
     # ------------------------------------------------------------ queries
 
@@ -254,13 +257,7 @@ class Fleet:
 
     def static(self, profile: ModelProfile, exclude: frozenset[str]) -> tuple[list[str], list[NodeRejection]]:
         """Nodes passing the filters that do not depend on free GPUs, and the rejections; cached per shape."""
-        shape: _Shape = (
-            profile.engine,
-            tuple(sorted(profile.node_selector.items())),
-            profile.min_memory_gb,
-            profile.gpu_class,
-            exclude,
-        )
+        shape = _shape(profile, exclude)
         hit = self._static.get(shape)
         if hit is None:
             ok: list[str] = []
@@ -277,6 +274,17 @@ class Fleet:
 
 
 # ---------------------------------------------------------------- filters
+
+
+def _shape(profile: ModelProfile, exclude: frozenset[str]) -> _Shape:
+    """What the node filters read of a profile: profiles of one shape pass and fail the same nodes."""
+    return (
+        profile.engine,
+        tuple(sorted(profile.node_selector.items())),
+        profile.min_memory_gb,
+        profile.gpu_class,
+        exclude,
+    )
 
 
 def _num(x: float) -> str:
@@ -460,14 +468,21 @@ def _unplaceable(profile: ModelProfile, fleet: Fleet, exclude: frozenset[str]) -
     problem = _profile_problem(profile)
     if problem is not None:
         return Unplaceable(profile.name, (), problem)
+    key = (_shape(profile, exclude), profile.gpus, profile.nodes)
+    seen = fleet.failed.get(key)
+    if seen is not None:
+        summary = summarize(profile.name, profile.nodes, seen.reasons, seen.fabrics)
+        return Unplaceable(profile.name, seen.reasons, summary, seen.fabrics)
     verdicts, fabrics = _verdicts(profile, fleet, exclude)
     rejections = tuple(
         NodeRejection(v.node, v.reason or "", v.stage or 0) for v in verdicts if not v.feasible
     )
     frej = tuple(FabricRejection(f.fabric, f.reason or "") for f in fabrics if not f.feasible)
-    return Unplaceable(
+    out = Unplaceable(
         profile.name, rejections, summarize(profile.name, profile.nodes, rejections, frej), frej
     )
+    fleet.failed[key] = out
+    return out
 
 
 # ---------------------------------------------------------------- select
