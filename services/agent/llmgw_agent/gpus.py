@@ -67,8 +67,9 @@ def marketed_gb(memory_mb: int) -> int:
     """The marketed memory size of a card whose NVML total is ``memory_mb`` MiB."""
     gib = memory_mb / 1024
     for size in MARKETED_GB:
-        # 2% slack: a size reported a hair above the marketed one (rounding) still maps to it.
-        if size >= gib * 0.98:
+        # Half a percent of slack for a size reported a hair above the marketed one. No more: a
+        # GH200's 95.6 GiB must stay a 96 GB card, not become a 94 GB one.
+        if size >= gib * 0.995:
             return size
     return round(gib)
 

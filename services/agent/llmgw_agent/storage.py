@@ -27,9 +27,11 @@ SHARED_FSTYPES: frozenset[str] = frozenset(
     {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "glusterfs", "ceph-fuse"}
 )
 
-# Names a download leaves behind while it runs (curl/wget/aria2 .part, huggingface_hub .incomplete
-# and .lock, generic .tmp/.download).
-PARTIAL_SUFFIXES: tuple[str, ...] = (".part", ".tmp", ".incomplete", ".download", ".lock", ".partial")
+# Names a download leaves behind while it runs (wget/curl scripts .part, aria2 .aria2, huggingface_hub
+# .incomplete and .lock, browsers .crdownload, generic .tmp/.download/.partial).
+PARTIAL_SUFFIXES: tuple[str, ...] = (
+    ".part", ".tmp", ".incomplete", ".download", ".lock", ".partial", ".aria2", ".crdownload",
+)  # fmt: skip
 
 _INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
@@ -100,6 +102,18 @@ def locate(path: str, mounts: Sequence[Mount]) -> tuple[bool, str | None]:
 
 def _is_partial_name(name: str) -> bool:
     return name.endswith(PARTIAL_SUFFIXES)
+
+
+def _is_partial_file(relative: Path) -> bool:
+    """True for a file a running download leaves inside a model directory.
+
+    huggingface_hub keeps ``.cache/huggingface/download/<file>.lock`` after a download completes
+    (filelock does not delete lock files on Unix), so there only ``.incomplete`` files mean a
+    download in progress; anywhere else a ``.lock`` does.
+    """
+    if relative.parts[:2] == (".cache", "huggingface"):
+        return relative.name.endswith(".incomplete")
+    return _is_partial_name(relative.name)
 
 
 def safetensors_problem(path: Path) -> str | None:
@@ -253,8 +267,8 @@ def _files(directory: Path) -> list[Path]:
     """Every file under ``directory`` (following no symlinked directories), raising OSError if unreadable."""
     found: list[Path] = []
     for root, dirs, names in os.walk(directory, onerror=_raise):
-        # huggingface_hub keeps its download state in .cache/huggingface: look there too (for
-        # .incomplete files), it is part of a half-written download.
+        # Hidden directories are walked too: huggingface_hub keeps a download's state in
+        # .cache/huggingface inside the model directory.
         dirs.sort()
         found.extend(Path(root) / n for n in sorted(names))
     return found
@@ -279,7 +293,7 @@ def weights_problem(candidate: Path) -> str | None:
         return f"unreadable ({e.strerror or e})"
     if not files:
         return "empty"
-    partial = [f for f in files if _is_partial_name(f.name)]
+    partial = [f for f in files if _is_partial_file(f.relative_to(candidate))]
     if partial:
         return f"a download in progress ({partial[0].relative_to(candidate)})"
     top = {f.name: f for f in files if f.parent == candidate}
