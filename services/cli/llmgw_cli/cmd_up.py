@@ -18,13 +18,14 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import IO, Annotated
 
 import httpx
 import typer
+from nats import errors as nats_errors
 
 from llmgw_cli.devcluster import (
     Child,
@@ -42,7 +43,7 @@ from llmgw_common.bus import connect, ensure_all
 from llmgw_common.catalog import Catalog, CatalogError, load_catalog_file
 from llmgw_common.natsserver import NatsServer, NatsServerError, ensure_on_path
 from llmgw_common.settings import BusSettings
-from llmgw_common.subjects import Subjects
+from llmgw_common.subjects import Subjects, check_token
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 STATE_FILE = "up.json"
@@ -97,6 +98,7 @@ class StopFlag:
 
     event: threading.Event
     signum: int | None = None
+    saved: dict[int, object] = field(default_factory=dict)
 
     def handler(self, signum: int, _frame: FrameType | None) -> None:
         self.signum = signum
@@ -104,7 +106,12 @@ class StopFlag:
 
     def install(self) -> None:
         for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(s, self.handler)
+            self.saved[s] = signal.signal(s, self.handler)
+
+    def restore(self) -> None:
+        for s, h in self.saved.items():
+            signal.signal(s, h)  # type: ignore[arg-type]
+        self.saved.clear()
 
     def wait(self, seconds: float) -> bool:
         return self.event.wait(seconds)
@@ -120,7 +127,7 @@ async def _prepare_bus(nats_url: str, prefix: str, key_file: Path) -> tuple[str,
     try:
         js = nc.jetstream()
         buckets = await ensure_all(js, Subjects(prefix))
-        return await ensure_dev_key(buckets[Subjects(prefix).bucket_keys], key_file)
+        return await ensure_dev_key(buckets[Subjects(prefix).bucket_keys], prefix, key_file)
     finally:
         await nc.close()
 
@@ -197,100 +204,96 @@ Ctrl-C stops everything.
 """
 
 
-def run_up(
-    *,
-    data_dir: Path,
-    fleet_file: Path,
-    catalog_file: Path,
-    host: str,
-    port: int,
-    admin_port: int,
-    nats_port: int,
-    nats_url: str | None,
-    prefix: str,
-    local_agent: bool,
-    ready_timeout_s: float,
-) -> int:
+@dataclass(frozen=True, slots=True)
+class UpOptions:
+    data_dir: Path = Path(".llmgw")
+    fleet_file: Path = field(default_factory=lambda: default_example("fleet.yaml"))
+    catalog_file: Path = field(default_factory=lambda: default_example("catalog.yaml"))
+    host: str = "127.0.0.1"
+    port: int = 8080
+    admin_port: int = 8081
+    nats_port: int = 4222
+    nats_url: str | None = None
+    prefix: str = "llmgw"
+    local_agent: bool = True
+    ready_timeout_s: float = 120.0
+
+
+def run_up(opts: UpOptions) -> int:
     """The whole of ``llmgw up``; returns the exit code."""
     t0 = time.monotonic()
     stop = StopFlag(threading.Event())
     stop.install()
+    try:
+        return _run(opts, stop, t0)
+    finally:
+        stop.restore()
+
+
+def _run(opts: UpOptions, stop: StopFlag, t0: float) -> int:
     ensure_on_path()
     try:
-        fleet: Fleet = load_fleet_file(str(fleet_file))
-        catalog = load_catalog_file(str(catalog_file))
-    except (FleetError, CatalogError) as e:
+        check_token(opts.prefix, "prefix")
+        fleet = load_fleet_file(str(opts.fleet_file))
+        catalog = load_catalog_file(str(opts.catalog_file))
+    except (FleetError, CatalogError, ValueError) as e:
         err(f"error: {e}")
         return 1
-    data_dir = data_dir.resolve()
+    data_dir = opts.data_dir.resolve()
     try:
         with data_dir_lock(data_dir):
-            return _run_locked(
-                stop, t0, data_dir, fleet, catalog, catalog_file.resolve(), host, port, admin_port,
-                nats_port, nats_url, prefix, local_agent, ready_timeout_s,
-            )  # fmt: skip
+            return _run_locked(opts, stop, t0, data_dir, fleet, catalog)
     except UpError as e:
         err(f"error: {e}")
         return 1
 
 
-def _run_locked(
-    stop: StopFlag,
-    t0: float,
-    data_dir: Path,
-    fleet: Fleet,
-    catalog: Catalog,
-    catalog_file: Path,
-    host: str,
-    port: int,
-    admin_port: int,
-    nats_port: int,
-    nats_url: str | None,
-    prefix: str,
-    local_agent: bool,
-    ready_timeout_s: float,
-) -> int:
-    nats: NatsServer | None = None
-    if nats_url is None:
-        if nats_port > 0 and port_in_use(host, nats_port):
-            raise UpError(
-                f"port {nats_port} for NATS is in use (another llmgw up or a NATS server?): "
-                "pass --nats-port -1 for a free one, or --nats URL to use that server"
-            )
-        (data_dir / "logs").mkdir(parents=True, exist_ok=True)
-        nats = NatsServer(
-            data_dir / "nats", port=nats_port, host=host, log_file=data_dir / "logs" / "nats.log"
+def _start_nats(opts: UpOptions, data_dir: Path) -> NatsServer:
+    if opts.nats_port > 0 and port_in_use(opts.host, opts.nats_port):
+        raise UpError(
+            f"port {opts.nats_port} for NATS is in use (another llmgw up or a NATS server?): "
+            "pass --nats-port -1 for a free one, or --nats URL to use that server"
         )
-        try:
-            nats.start()
-        except NatsServerError as e:
-            tail = "\n".join(f"  | {line}" for line in log_tail(nats.log_file, 10))
-            raise UpError(f"{e}\n{tail}") from None
-        nats_url = nats.url
-    for what, p in (("router", port), ("console", admin_port)):
+    (data_dir / "logs").mkdir(parents=True, exist_ok=True)
+    nats = NatsServer(
+        data_dir / "nats", port=opts.nats_port, host=opts.host, log_file=data_dir / "logs" / "nats.log"
+    )
+    try:
+        nats.start()
+    except NatsServerError as e:
+        tail = "\n".join(f"  | {line}" for line in log_tail(nats.log_file, 10))
+        raise UpError(f"{e}\n{tail}") from None
+    return nats
+
+
+def _run_locked(
+    opts: UpOptions, stop: StopFlag, t0: float, data_dir: Path, fleet: Fleet, catalog: Catalog
+) -> int:
+    host = opts.host
+    for what, flag, p in (("router", "--port", opts.port), ("console", "--admin-port", opts.admin_port)):
         if p > 0 and port_in_use(host, p):
-            if nats is not None:
-                nats.stop()
-            raise UpError(
-                f"port {p} for the {what} is in use: pass another (--port/--admin-port) or 0 for a free one"
-            )
+            raise UpError(f"port {p} for the {what} is in use: pass another {flag}, or 0 for a free one")
+    nats: NatsServer | None = None
     sup: Supervisor | None = None
     try:
+        if opts.nats_url is None:
+            nats = _start_nats(opts, data_dir)
+        nats_url = nats.url if nats is not None else str(opts.nats_url)
         try:
-            key, minted = asyncio.run(_prepare_bus(nats_url, prefix, data_dir / "dev-key"))
-        except (OSError, TimeoutError) as e:
+            key, minted = asyncio.run(_prepare_bus(nats_url, opts.prefix, data_dir / "dev-key"))
+        except (OSError, TimeoutError, nats_errors.Error) as e:
             raise UpError(f"cannot reach NATS at {nats_url}: {e}") from None
         layout = Layout(
             data_dir=data_dir,
             nats_url=nats_url,
-            prefix=prefix,
+            prefix=opts.prefix,
             host=host,
-            router_port=port or free_port(host),
+            router_port=opts.port or free_port(host),
             router_admin_port=free_port(host),
-            controlplane_admin_port=admin_port or free_port(host),
-            catalog_file=catalog_file,
+            controlplane_admin_port=opts.admin_port or free_port(host),
+            catalog_file=opts.catalog_file.resolve(),
             dev_key=key,
-            local_agent=local_agent,
+            local_agent=opts.local_agent,
         )
         run_token = secrets.token_hex(8)
         sup = Supervisor(layout, run_token, say=err)
@@ -311,15 +314,14 @@ def _run_locked(
             "router_admin_url": f"http://{host}:{layout.router_admin_port}/",
             "nats_url": nats_url,
             "nats_pid": nats.pid if nats is not None else None,
-            "prefix": prefix,
+            "prefix": opts.prefix,
             "key": key,
             "logs_dir": str(layout.logs_dir),
             "children": [{"name": c.spec.name, "pid": c.pid, "pgid": c.pgid} for c in sup.children],
             "ready": False,
         }
         write_state(data_dir / STATE_FILE, state)
-        code = _wait_ready_then_serve(stop, t0, sup, nats, layout, catalog, key, state, ready_timeout_s)
-        return code
+        return _wait_ready_then_serve(stop, t0, sup, nats, layout, catalog, key, state, opts.ready_timeout_s)
     finally:
         if stop.signum is not None:
             out(f"\nllmgw up: {signal.Signals(stop.signum).name}: stopping")
@@ -333,7 +335,8 @@ def _run_locked(
                 err(f"llmgw up: killed {len(left)} process(es) the run left behind: {sorted(left)}")
         with contextlib.suppress(FileNotFoundError):
             (data_dir / STATE_FILE).unlink()
-        out("llmgw up: stopped")
+        if sup is not None or nats is not None:
+            out("llmgw up: stopped")
 
 
 def _wait_ready_then_serve(
@@ -420,7 +423,7 @@ def register(app: typer.Typer) -> None:
         ] = 120.0,
     ) -> None:
         """Start NATS, control plane, router, notifier and agents on this machine, until Ctrl-C."""
-        code = run_up(
+        opts = UpOptions(
             data_dir=data_dir,
             fleet_file=fleet or default_example("fleet.yaml"),
             catalog_file=catalog or default_example("catalog.yaml"),
@@ -433,4 +436,4 @@ def register(app: typer.Typer) -> None:
             local_agent=local_agent,
             ready_timeout_s=ready_timeout,
         )
-        raise typer.Exit(code)
+        raise typer.Exit(run_up(opts))

@@ -6,31 +6,23 @@ sha256, never the key) in ``<prefix>_keys``, like any key ``llmgw keys create`` 
 
 from __future__ import annotations
 
-import hashlib
 import os
-import secrets
 import time
 from pathlib import Path
 
 from nats.js.kv import KeyValue
 
-from llmgw_common.bus import kv_get, kv_keys
-from llmgw_common.codec import encode
 from llmgw_common.messages import ApiKeyRecord
+from llmgw_router.keys import create_key, hash_key, list_keys, revoke_key
 
-DEV_KEY_ID = "dev"
 DEV_KEY_NAME = "llmgw up development key"
-
-
-def key_hash(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def record_valid(rec: ApiKeyRecord | None, key: str, now: float) -> bool:
     """Whether ``rec`` still admits ``key``: same hash, not revoked, not expired, every model allowed."""
     return (
         rec is not None
-        and rec.hash == key_hash(key)
+        and rec.hash == hash_key(key)
         and not rec.revoked
         and (rec.expires is None or rec.expires > now)
         and rec.models is None
@@ -53,27 +45,24 @@ def write_key_file(path: Path, key: str) -> None:
     os.replace(tmp, path)
 
 
-async def find_record(kv: KeyValue, key: str) -> ApiKeyRecord | None:
-    """The record in the bucket whose hash is the key's, or None."""
-    want = key_hash(key)
-    for k in await kv_keys(kv):
-        rec, _ = await kv_get(kv, k, ApiKeyRecord)
-        if rec is not None and rec.hash == want:
-            return rec
-    return None
-
-
-async def ensure_dev_key(kv: KeyValue, key_file: Path, *, now: float | None = None) -> tuple[str, bool]:
+async def ensure_dev_key(
+    kv: KeyValue, prefix: str, key_file: Path, *, now: float | None = None
+) -> tuple[str, bool]:
     """The development key: the one in ``key_file`` if its record is valid, else a new one.
 
-    Returns ``(key, minted)``. A new key replaces the record ``dev`` and is written to ``key_file``.
+    Returns ``(key, minted)``. A new key revokes any earlier development key whose file was lost
+    (its name must stay unique) and is written to ``key_file``.
     """
     now = time.time() if now is None else now
+    records = await list_keys(kv, prefix)
     old = read_key_file(key_file)
-    if old is not None and record_valid(await find_record(kv, old), old, now):
-        return old, False
-    key = "sk-llmgw-" + secrets.token_urlsafe(32)
-    rec = ApiKeyRecord(id=DEV_KEY_ID, name=DEV_KEY_NAME, hash=key_hash(key), created=now)
-    await kv.put(DEV_KEY_ID, encode(rec))
+    if old is not None:
+        want = hash_key(old)
+        if any(record_valid(r, old, now) for r in records if r.hash == want):
+            return old, False
+    for r in records:
+        if r.name == DEV_KEY_NAME and not r.revoked:
+            await revoke_key(kv, prefix, r.id)
+    key, _ = await create_key(kv, prefix, DEV_KEY_NAME, now=now)
     write_key_file(key_file, key)
     return key, True

@@ -1,0 +1,271 @@
+"""The process handling of `llmgw up`, with real processes standing in for the services.
+
+Stand-ins behave like the real ones where it matters: each records the SIGTERM it got, some start an
+"engine" in its own session (as agents do) and leave it behind, one ignores SIGTERM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from llmgw_cli.cmd_up import StopFlag, _wait_ready_then_serve
+from llmgw_cli.devcluster import (
+    RUN_MARKER,
+    ChildSpec,
+    Layout,
+    Supervisor,
+    child_env,
+    plan_children,
+    run_processes,
+)
+from llmgw_cli.fleet import parse_fleet
+from llmgw_common.catalog import Catalog
+
+STANDIN = textwrap.dedent(
+    """
+    import os, signal, subprocess, sys, time
+    name, rec = sys.argv[1], sys.argv[2]
+    behave = os.environ.get("BEHAVE", "")
+    def spawn_engine():
+        e = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+        return e.pid
+    if "engine" in behave:
+        pid = spawn_engine()
+        open(f"{rec}.{name}.engine", "w").write(str(pid))
+    if "detached" in behave:
+        # Double fork: the engine is never a descendant of this process once the middle one exits.
+        r, w = os.pipe()
+        if os.fork() == 0:
+            os.close(r)
+            os.write(w, str(spawn_engine()).encode())
+            os._exit(0)
+        os.close(w)
+        pid = int(os.read(r, 64))
+        os.wait()
+        open(f"{rec}.{name}.engine", "w").write(str(pid))
+    if "crash" in behave:
+        print("boom: cannot bind", flush=True)
+        sys.exit(3)
+    def term(*_):
+        with open(rec, "a") as f:
+            f.write(name + "\\n")
+        if "stubborn" not in behave:
+            sys.exit(0)
+    signal.signal(signal.SIGTERM, term)
+    open(f"{rec}.{name}.ready", "w").close()
+    while True:
+        time.sleep(0.2)
+    """
+)
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.02)
+
+
+def make_layout(tmp_path: Path) -> Layout:
+    return Layout(
+        data_dir=tmp_path,
+        nats_url="nats://127.0.0.1:1",
+        prefix="t",
+        host="127.0.0.1",
+        router_port=1,
+        router_admin_port=2,
+        controlplane_admin_port=3,
+        catalog_file=tmp_path / "catalog.yaml",
+        dev_key="k",
+    )
+
+
+@pytest.fixture
+def rec(tmp_path: Path) -> Path:
+    return tmp_path / "terms.txt"
+
+
+@pytest.fixture
+def sup(tmp_path: Path, rec: Path) -> Iterator[Supervisor]:
+    def argv(spec: ChildSpec, _layout: Layout) -> list[str]:
+        return [sys.executable, "-c", STANDIN, spec.name, str(rec)]
+
+    s = Supervisor(make_layout(tmp_path), f"tok{os.getpid()}{time.monotonic_ns()}", argv_for=argv)
+    yield s
+    # Whatever a failing test left: never leave processes behind.
+    s.stop_all()
+    s.sweep()
+
+
+def start_ready(sup: Supervisor, rec: Path, spec: ChildSpec) -> None:
+    sup.start(spec)
+    wait_for(lambda: Path(f"{rec}.{spec.name}.ready").exists())
+
+
+def test_stop_runs_in_reverse_tiers_and_leaves_no_engine(sup: Supervisor, rec: Path) -> None:
+    start_ready(sup, rec, ChildSpec("cp", "x", {}, tier=0))
+    start_ready(sup, rec, ChildSpec("router", "x", {}, tier=1))
+    start_ready(sup, rec, ChildSpec("agent-a", "x", {"BEHAVE": "engine"}, tier=3))
+    start_ready(sup, rec, ChildSpec("agent-b", "x", {"BEHAVE": "engine"}, tier=3))
+    engines = [int(Path(f"{rec}.agent-{n}.engine").read_text()) for n in "ab"]
+    assert all(not gone(p) for p in engines)
+    # Each child and engine is in its own process group, not ours: a terminal's Ctrl-C reaches `up` alone.
+    assert all(os.getpgid(c.pid) == c.pid != os.getpgid(0) for c in sup.children)
+
+    sup.stop_all()
+    order = rec.read_text().split()
+    assert sorted(order[:2]) == ["agent-a", "agent-b"]
+    assert order[2:] == ["router", "cp"]
+    assert all(not c.alive() for c in sup.children)
+    # The agents left their engines (as a crashed agent would): the sweep finds them.
+    killed = sup.sweep()
+    assert set(engines) <= set(killed)
+    wait_for(lambda: all(gone(p) for p in engines))
+    assert run_processes(sup.run_token, sup.layout.data_dir) == []
+
+
+def test_a_process_that_is_no_descendant_is_found_by_the_run_marker(sup: Supervisor, rec: Path) -> None:
+    start_ready(sup, rec, ChildSpec("agent", "x", {"BEHAVE": "detached"}, tier=3))
+    engine = int(Path(f"{rec}.agent.engine").read_text())
+    assert engine not in {p.pid for p in psutil.Process(sup.children[0].pid).children(recursive=True)}
+    assert psutil.Process(engine).environ()[RUN_MARKER] == sup.run_token
+    assert engine in run_processes(sup.run_token)
+    sup.stop_all()
+    assert engine in sup.sweep()
+    wait_for(lambda: gone(engine))
+
+
+def test_a_child_that_ignores_sigterm_is_killed_after_its_grace(sup: Supervisor, rec: Path) -> None:
+    start_ready(sup, rec, ChildSpec("stubborn", "x", {"BEHAVE": "stubborn"}, tier=0, grace_s=0.5))
+    t0 = time.monotonic()
+    sup.stop_all()
+    took = time.monotonic() - t0
+    assert rec.read_text().split() == ["stubborn"]  # it did get the SIGTERM first
+    assert not sup.children[0].alive()
+    assert sup.children[0].proc.returncode == -signal.SIGKILL
+    assert 0.5 <= took < 5
+
+
+def test_a_child_dying_during_start_is_named_with_its_log(
+    sup: Supervisor, rec: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    start_ready(sup, rec, ChildSpec("cp", "x", {}, tier=0))
+    crash = sup.start(ChildSpec("router", "x", {"BEHAVE": "crash"}, tier=1))
+    crash.proc.wait(10)
+    stop = StopFlag(threading.Event())
+    code = _wait_ready_then_serve(stop, time.monotonic(), sup, None, sup.layout, Catalog(), "k", {}, 30.0)
+    assert code == 1
+    errout = capsys.readouterr().err
+    assert f"error: router exited with code 3 during start; last lines of {crash.log_path}:" in errout
+    assert "  | boom: cannot bind" in errout
+    assert "cp exited" not in errout
+
+
+def test_no_first_completion_in_time_says_what_the_router_answered(
+    sup: Supervisor, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llmgw_common.catalog import parse_catalog
+
+    cat = parse_catalog("models: [{name: m1, engine: sim}]")
+    stop = StopFlag(threading.Event())
+    code = _wait_ready_then_serve(stop, time.monotonic(), sup, None, sup.layout, cat, "k", {}, 0.3)
+    assert code == 1
+    errout = capsys.readouterr().err
+    assert "error: no chat completion succeeded within 0 s; last answers:" in errout
+    assert "  m1: router not answering (ConnectError)" in errout
+
+
+def test_children_die_with_a_killed_up(tmp_path: Path, rec: Path) -> None:
+    """SIGKILL of `llmgw up` itself still stops its children (PR_SET_PDEATHSIG)."""
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from pathlib import Path
+        from llmgw_cli.devcluster import Supervisor
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_up_supervisor import make_layout, STANDIN, ChildSpec
+        sup = Supervisor(make_layout(Path({str(tmp_path)!r})), "tok",
+                         argv_for=lambda s, l: [sys.executable, "-c", STANDIN, s.name, {str(rec)!r}])
+        c = sup.start(ChildSpec("agent", "x", {{}}, tier=3))
+        print(c.pid, flush=True)
+        time.sleep(600)
+        """
+    )
+    up = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert up.stdout is not None
+        child = int(up.stdout.readline())
+        wait_for(lambda: Path(f"{rec}.agent.ready").exists())
+        up.kill()
+        up.wait(5)
+        wait_for(lambda: gone(child))
+        assert rec.read_text().split() == ["agent"]  # it was told with SIGTERM, not killed
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        if up.stdout is not None:
+            up.stdout.close()
+
+
+def test_child_env_drops_foreign_settings_and_marks_the_run(tmp_path: Path) -> None:
+    layout = make_layout(tmp_path)
+    spec = ChildSpec("router", "router", {"LLMGW_PORT": "9"}, tier=1)
+    base = {
+        "PATH": "/usr/bin",
+        "HOME": "/root",
+        "LLMGW_CONFIG": "/etc/other.yaml",
+        "LLMGW_PORT": "1",
+        "LLMGW_NATS_URLS": "nats://elsewhere:4222",
+        "LLMGW_NATS_TOKEN": "s3cret",
+    }
+    env = child_env(spec, layout, "tok", base)
+    assert "LLMGW_CONFIG" not in env and "LLMGW_NATS_URLS" not in env
+    assert env["LLMGW_PORT"] == "9"
+    assert env["LLMGW_NATS_TOKEN"] == "s3cret"
+    assert env["LLMGW_PREFIX"] == "t"
+    assert env[RUN_MARKER] == "tok"
+    assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
+
+
+def test_plan_starts_services_then_agents_each_with_own_state(tmp_path: Path) -> None:
+    fleet = parse_fleet("nodes: [{name: gpu-a1, gpus: 8xH100-80GB}, {name: gpu-b1, gpus: 4xA100-80GB}]")
+    specs = plan_children(make_layout(tmp_path), fleet)
+    assert [s.name for s in specs] == [
+        "controlplane",
+        "router",
+        "notifier",
+        "agent-local",
+        "agent-gpu-a1",
+        "agent-gpu-b1",
+    ]
+    assert [s.tier for s in specs] == sorted(s.tier for s in specs)
+    agents = specs[3:]
+    assert len({s.env["LLMGW_STATE_DIR"] for s in agents}) == 3
+    local = agents[0].env
+    assert local["LLMGW_NODE"] == "local"
+    assert "LLMGW_SIM_GPUS" not in local and "LLMGW_SIMULATE_ENGINES" not in local
+    assert agents[1].env["LLMGW_SIM_GPUS"] == "8xH100-80GB"
+    assert specs[2].env["LLMGW_PROBE_KEY"] == "k"
+    no_local = plan_children(dataclasses.replace(make_layout(tmp_path), local_agent=False), fleet)
+    assert "agent-local" not in [s.name for s in no_local]
