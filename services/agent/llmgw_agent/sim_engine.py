@@ -14,10 +14,10 @@ import itertools
 import json
 import logging
 import os
-import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -28,7 +28,7 @@ from llmgw_agent.sim_metrics import LoadSnapshot, render
 from llmgw_agent.sim_options import SimOptions
 from llmgw_agent.sim_slots import Slots
 
-__all__ = ["FAULT_EXIT_CODE", "FaultExit", "SimOptions", "build_app", "serve"]
+__all__ = ["FAULT_EXIT_CODE", "FaultExit", "Listening", "SimOptions", "build_app", "serve", "start"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,8 @@ class Engine:
         self._ids = itertools.count(1)
         self._id_prefix = self.instance[:8]
         self._served = 0
+        # Handler tasks of generation requests, cancelled at shutdown so that a stop is prompt.
+        self._inflight: set[asyncio.Task[Any]] = set()
         self._prompt_tokens = 0
         self._gen_tokens = 0
         self._prompt_s = 0.0
@@ -179,10 +181,29 @@ class Engine:
         return None
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=True)
+        return await self._tracked(self._generate(request, chat=True))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=False)
+        return await self._tracked(self._generate(request, chat=False))
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        return await self._tracked(self._embed(request))
+
+    async def _tracked(self, work: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+        task = asyncio.current_task()
+        assert task is not None
+        self._inflight.add(task)
+        try:
+            return await work
+        finally:
+            self._inflight.discard(task)
+
+    async def on_shutdown(self, app: web.Application) -> None:
+        """Abort generations in progress, as an engine does when it stops, instead of waiting them out."""
+        if self._inflight:
+            log.info("stopping: aborting %d request(s) in progress", len(self._inflight))
+        for task in self._inflight:
+            task.cancel()
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
@@ -252,7 +273,7 @@ class Engine:
         self._done(req.prompt_tokens, len(tokens))
         return resp
 
-    async def embeddings(self, request: web.Request) -> web.Response:
+    async def _embed(self, request: web.Request) -> web.Response:
         try:
             req = oai.read_embeddings(await self._body(request), self.opts.embedding_dims)
         except oai.BadRequest as e:
@@ -321,6 +342,7 @@ def build_app(opts: SimOptions, clock: Callable[[], float] = time.monotonic) -> 
     app = web.Application(client_max_size=64 * 1024**2)
     app[ENGINE_KEY] = engine
     app.cleanup_ctx.append(engine.lifecycle)
+    app.on_shutdown.append(engine.on_shutdown)
     app.router.add_get("/health", engine.health)
     if opts.is_follower:
         return app
@@ -334,20 +356,45 @@ def build_app(opts: SimOptions, clock: Callable[[], float] = time.monotonic) -> 
     return app
 
 
-async def serve(opts: SimOptions, stop: asyncio.Event) -> None:
-    """Serve until ``stop`` is set. Raises :class:`FaultExit` when the ``exit_after`` fault fired."""
+@dataclass(frozen=True, slots=True)
+class Listening:
+    """A started engine: its runner (``cleanup()`` stops it), state and bound address."""
+
+    runner: web.AppRunner
+    engine: Engine
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+async def start(opts: SimOptions) -> Listening:
+    """Bind and start serving; the caller owns the returned runner and must ``cleanup()`` it."""
     app = build_app(opts)
-    engine = app[ENGINE_KEY]
+    # handler_cancellation: a client that hangs up frees its slot, as vLLM aborts such a request.
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=2.0)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, opts.host, opts.port, backlog=2048, shutdown_timeout=2.0)
+        site = web.TCPSite(runner, opts.host, opts.port, backlog=2048)
         await site.start()
-        host, port = runner.addresses[0][:2]
+    except BaseException:
+        await runner.cleanup()
+        raise
+    host, port = runner.addresses[0][:2]
+    return Listening(runner, app[ENGINE_KEY], host, port)
+
+
+async def serve(opts: SimOptions, stop: asyncio.Event) -> None:
+    """Serve until ``stop`` is set. Raises :class:`FaultExit` when the ``exit_after`` fault fired."""
+    srv = await start(opts)
+    engine = srv.engine
+    try:
         role = f"rank {opts.rank}/{opts.world}" if opts.world > 1 else "single node"
         # One line on stdout that a parent process can read the bound port from.
-        print(f"sim-engine listening on http://{host}:{port} model={opts.model} ({role})", flush=True)
-        log.info("serving %s on %s:%d (pid %d)", opts.model, host, port, os.getpid())
+        print(f"sim-engine listening on {srv.url} model={opts.model} ({role})", flush=True)
+        log.info("serving %s on %s (pid %d)", opts.model, srv.url, os.getpid())
         stop_wait = asyncio.create_task(stop.wait(), name="sim-stop")
         exit_wait = asyncio.create_task(engine.exit_requested.wait(), name="sim-exit")
         try:
@@ -357,7 +404,6 @@ async def serve(opts: SimOptions, stop: asyncio.Event) -> None:
                 t.cancel()
             await asyncio.gather(stop_wait, exit_wait, return_exceptions=True)
     finally:
-        await runner.cleanup()
+        await srv.runner.cleanup()
     if engine.exit_requested.is_set() and not stop.is_set():
-        sys.stdout.flush()
         raise FaultExit()

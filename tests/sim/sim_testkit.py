@@ -1,0 +1,55 @@
+"""Helpers of the simulated-engine tests (imported by name: tests/sim is on sys.path)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+_SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
+
+
+def parse_metrics(text: str) -> dict[str, tuple[str, float]]:
+    """Metric name → (label text, value) for each sample line of a Prometheus exposition."""
+    out: dict[str, tuple[str, float]] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE_RE.match(line)
+        assert m, f"not a Prometheus sample line: {line!r}"
+        out[m.group(1)] = (m.group(2) or "", float(m.group(3)))
+    return out
+
+
+async def poll(cond: Callable[[], Awaitable[bool]], deadline_s: float, what: str) -> None:
+    """Await ``cond()`` until true, failing with ``what`` after ``deadline_s``."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    while not await cond():
+        if loop.time() > end:
+            raise AssertionError(f"timed out after {deadline_s}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@dataclass
+class EngineProcess:
+    proc: asyncio.subprocess.Process
+    url: str
+    log: Path
+
+    async def stop(self, sig: int = signal.SIGTERM, timeout: float = 5.0) -> int:
+        """terminate → wait → kill; returns the exit code."""
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(sig)
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        assert self.proc.returncode is not None
+        return self.proc.returncode

@@ -1,0 +1,230 @@
+"""The simulated engine's OpenAI surface, driven by the official ``openai`` client."""
+
+from __future__ import annotations
+
+import base64
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import openai
+import pytest
+
+from llmgw_agent.sim_engine import Listening
+
+MODEL = "sim-test"
+
+
+@pytest.fixture
+async def srv(engine: Callable[..., Awaitable[Listening]]) -> Listening:
+    return await engine(model=MODEL, zero=True, embedding_dims=32)
+
+
+@pytest.fixture
+async def client(srv: Listening) -> AsyncIterator[openai.AsyncOpenAI]:
+    c = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    yield c
+    await c.close()
+
+
+async def test_models_lists_the_served_model(client: openai.AsyncOpenAI) -> None:
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].object == "model"
+
+
+async def test_chat_completion_shape_text_and_usage(client: openai.AsyncOpenAI) -> None:
+    r = await client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "alpha beta gamma"}]},
+        ],
+        max_tokens=5,
+    )
+    assert r.object == "chat.completion"
+    assert r.id.startswith("chatcmpl-")
+    assert r.model == MODEL
+    assert r.created > 1_600_000_000
+    assert r.choices[0].message.role == "assistant"
+    # The prompt's words, cycled, five tokens.
+    assert r.choices[0].message.content == "be brief alpha beta gamma"
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 5, 10)
+
+
+async def test_chat_without_max_tokens_uses_default_and_stops(client: openai.AsyncOpenAI) -> None:
+    r = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x y"}])
+    assert r.usage is not None and r.usage.completion_tokens == 16
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == " ".join(["x", "y"] * 8)
+
+
+async def test_same_prompt_same_answer_and_ids_differ(client: openai.AsyncOpenAI) -> None:
+    msgs: list = [{"role": "user", "content": "one two three"}]
+    a = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=7)
+    b = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=7)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.id != b.id
+
+
+async def test_chat_stream_with_include_usage(client: openai.AsyncOpenAI) -> None:
+    msgs: list = [{"role": "user", "content": "red green blue"}]
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=4, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [c async for c in stream]
+    assert all(c.object == "chat.completion.chunk" and c.model == MODEL for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "red green blue red"
+    finishing = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishing == ["length"]
+    last = chunks[-1]
+    assert last.choices == []
+    assert last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (3, 4)
+    assert all(c.usage is None for c in chunks[:-1])
+    plain = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4)
+    assert plain.choices[0].message.content == text
+
+
+async def test_chat_stream_without_usage_ends_with_done(srv: Listening, http: aiohttp.ClientSession) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "max_tokens": 2, "stream": True}
+    async with http.post(srv.url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        raw = (await r.read()).decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    assert '"usage"' not in raw
+
+
+async def test_completions_plain_and_streamed(client: openai.AsyncOpenAI) -> None:
+    r = await client.completions.create(model=MODEL, prompt="the quick fox", max_tokens=4)
+    assert r.object == "text_completion"
+    assert r.id.startswith("cmpl-")
+    assert r.choices[0].text == "the quick fox the"
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None and (r.usage.prompt_tokens, r.usage.completion_tokens) == (3, 4)
+
+    stream = await client.completions.create(
+        model=MODEL, prompt="the quick fox", max_tokens=4, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "the quick fox the"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.total_tokens == 7
+
+
+async def test_completions_prompt_as_token_ids(client: openai.AsyncOpenAI) -> None:
+    r = await client.completions.create(model=MODEL, prompt=[1, 2, 3, 4, 5, 6], max_tokens=2)
+    assert r.usage is not None and r.usage.prompt_tokens == 6
+
+
+async def test_embeddings_deterministic_unit_vectors(client: openai.AsyncOpenAI) -> None:
+    # The openai client asks for base64 by default and decodes it.
+    r = await client.embeddings.create(model=MODEL, input=["hello world", "other text", "hello world"])
+    vecs = [d.embedding for d in r.data]
+    assert [d.index for d in r.data] == [0, 1, 2]
+    assert all(len(v) == 32 for v in vecs)
+    assert vecs[0] == vecs[2]
+    assert vecs[0] != vecs[1]
+    assert abs(sum(x * x for x in vecs[0]) - 1.0) < 1e-5
+    assert r.usage.prompt_tokens == 6
+    floats = await client.embeddings.create(
+        model=MODEL, input="hello world", encoding_format="float", dimensions=8
+    )
+    assert len(floats.data[0].embedding) == 8
+
+
+async def test_embeddings_base64_is_little_endian_float32(
+    srv: Listening, http: aiohttp.ClientSession
+) -> None:
+    body = {"model": MODEL, "input": "abc", "encoding_format": "base64"}
+    async with http.post(srv.url + "/v1/embeddings", json=body) as r:
+        b64 = (await r.json())["data"][0]["embedding"]
+    body["encoding_format"] = "float"
+    async with http.post(srv.url + "/v1/embeddings", json=body) as r:
+        floats = (await r.json())["data"][0]["embedding"]
+    decoded = struct.unpack("<32f", base64.b64decode(b64))
+    assert decoded == pytest.approx(floats, abs=1e-6)
+
+
+async def test_unknown_model_is_openai_404(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as ei:
+        await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    assert ei.value.status_code == 404
+    assert ei.value.code == "model_not_found"
+    assert "nope" in ei.value.message
+    with pytest.raises(openai.NotFoundError):
+        await client.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.NotFoundError):
+        await client.embeddings.create(model="nope", input="x")
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
+async def test_malformed_json_is_openai_400(srv: Listening, http: aiohttp.ClientSession, path: str) -> None:
+    async with http.post(
+        srv.url + path, data=b'{"model": ', headers={"Content-Type": "application/json"}
+    ) as r:
+        assert r.status == 400
+        err = (await r.json())["error"]
+    assert err["type"] == "invalid_request_error"
+    assert "not valid JSON" in err["message"]
+    async with http.post(srv.url + path, json=["not", "an", "object"]) as r:
+        assert r.status == 400
+        assert "JSON object" in (await r.json())["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, "model"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": ["x"]}, "messages"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream_options": 1},
+            "stream_options",
+        ),
+        ("/v1/completions", {"model": MODEL}, "prompt"),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "x", "max_completion_tokens": "3"},
+            "max_completion_tokens",
+        ),
+        ("/v1/embeddings", {"model": MODEL, "input": []}, "input"),
+        ("/v1/embeddings", {"model": MODEL, "input": "x", "dimensions": 0}, "dimensions"),
+        ("/v1/embeddings", {"model": MODEL, "input": "x", "encoding_format": "int8"}, "encoding_format"),
+    ],
+)
+async def test_invalid_fields_are_400_naming_the_param(
+    srv: Listening, http: aiohttp.ClientSession, path: str, body: dict, param: str
+) -> None:
+    async with http.post(srv.url + path, json=body) as r:
+        assert r.status == 400
+        err = (await r.json())["error"]
+    assert err["param"] == param
+    assert err["type"] == "invalid_request_error"
+
+
+async def test_embeddings_accept_token_id_inputs(srv: Listening, http: aiohttp.ClientSession) -> None:
+    for inp, n in (([1, 2, 3], 1), ([[1, 2], [3]], 2)):
+        async with http.post(srv.url + "/v1/embeddings", json={"model": MODEL, "input": inp}) as r:
+            assert r.status == 200
+            assert len((await r.json())["data"]) == n
+
+
+async def test_unknown_path_is_404(srv: Listening, http: aiohttp.ClientSession) -> None:
+    async with http.get(srv.url + "/v1/nothing") as r:
+        assert r.status == 404

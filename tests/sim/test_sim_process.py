@@ -1,0 +1,171 @@
+"""The simulated engine as real processes: faults that end it, SIGTERM, ports, and multi-node groups."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+import openai
+import pytest
+from sim_testkit import EngineProcess, poll
+
+from llmgw_agent.sim_engine import FAULT_EXIT_CODE, Listening
+from llmgw_agent.sim_options import SimOptions
+
+Spawn = Callable[[SimOptions], Awaitable[EngineProcess]]
+
+
+async def status(http: aiohttp.ClientSession, url: str) -> int:
+    try:
+        async with http.get(url + "/health") as r:
+            return r.status
+    except aiohttp.ClientConnectionError:
+        return -1
+
+
+async def test_exit_after_serves_n_requests_then_exits(engine_process: Spawn) -> None:
+    ep = await engine_process(SimOptions(port=0, zero=True, exit_after=2))
+    client = openai.AsyncOpenAI(base_url=ep.url + "/v1", api_key="x", max_retries=0)
+    try:
+        r1 = await client.chat.completions.create(
+            model="sim-model", messages=[{"role": "user", "content": "a"}]
+        )
+        r2 = await client.completions.create(model="sim-model", prompt="b", stream=True)
+        text = "".join([c.choices[0].text async for c in r2 if c.choices])
+        assert r1.choices[0].message.content and text
+        assert await asyncio.wait_for(ep.proc.wait(), 10) == FAULT_EXIT_CODE
+        with pytest.raises(openai.APIConnectionError):
+            await client.models.list()
+    finally:
+        await client.close()
+    assert "exit_after fault" in ep.log.read_text()
+
+
+async def test_sigterm_stops_cleanly_even_mid_request(
+    engine_process: Spawn, http: aiohttp.ClientSession
+) -> None:
+    ep = await engine_process(SimOptions(port=0, ttft_ms=20_000))
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "a"}], "stream": True}
+    async with http.post(ep.url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200  # headers sent; the first token is 20 s away
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        ep.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(ep.proc.wait(), 8) == 0
+        assert loop.time() - t0 < 2
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await r.read()
+
+
+async def test_taken_port_is_refused_with_exit_1(engine_process: Spawn, tmp_path) -> None:
+    first = await engine_process(SimOptions(port=0, zero=True))
+    port = int(first.url.rsplit(":", 1)[1])
+    proc = await asyncio.create_subprocess_exec(
+        *SimOptions(port=port).command(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in err.decode()
+    assert b"listening" not in out
+
+
+async def test_bad_flags_exit_2_before_listening() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "llmgw_cli",
+        "sim-engine",
+        "--rank",
+        "1",
+        "--world",
+        "2",
+        stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.DEVNULL,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 2
+    assert "needs the leader's host:port" in err.decode()
+
+
+async def test_leader_healthy_only_while_all_followers_beat(
+    engine_process: Spawn, http: aiohttp.ClientSession
+) -> None:
+    hb = 0.2
+    leader = await engine_process(SimOptions(port=0, world=3, heartbeat_s=hb, zero=True))
+    addr = leader.url.removeprefix("http://")
+    assert await status(http, leader.url) == 503
+    async with http.post(leader.url + "/v1/completions", json={"model": "sim-model", "prompt": "x"}) as r:
+        assert r.status == 503
+        assert "rank(s) 1, 2" in (await r.json())["error"]["message"]
+
+    f1 = await engine_process(SimOptions(port=0, rank=1, world=3, leader=addr, heartbeat_s=hb))
+    await poll(lambda: _is(http, f1.url, 200), 10, "follower 1 joined")
+    assert await status(http, leader.url) == 503  # rank 2 still missing
+    f2 = await engine_process(SimOptions(port=0, rank=2, world=3, leader=addr, heartbeat_s=hb))
+    await poll(lambda: _is(http, leader.url, 200), 10, "leader whole with both followers")
+    assert await status(http, f2.url) == 200
+    # Followers serve /health only.
+    async with http.get(f2.url + "/v1/models") as r:
+        assert r.status == 404
+
+    await f2.stop(signal.SIGKILL)
+    await poll(lambda: _is(http, leader.url, 503), 5, "leader unhealthy after a follower died")
+    async with http.get(leader.url + "/health") as r:
+        assert "rank(s) 2" in (await r.json())["error"]["message"]
+
+    # The leader going away takes its followers' health with it.
+    await leader.stop()
+    await poll(lambda: _is(http, f1.url, 503), 5, "follower unhealthy without its leader")
+
+
+async def _is(http: aiohttp.ClientSession, url: str, code: int) -> bool:
+    return await status(http, url) == code
+
+
+# ---------------------------------------------------------------- joins, in process
+
+
+async def test_join_endpoint_refuses_bad_bodies(
+    engine: Callable[..., Awaitable[Listening]], http: aiohttp.ClientSession
+) -> None:
+    leader = await engine(world=2)
+    async with http.post(leader.url + "/_sim/join", data=b"{nope") as r:
+        assert r.status == 400
+    async with http.post(leader.url + "/_sim/join", json={"rank": 1, "world": 5, "instance": "a"}) as r:
+        assert r.status == 409
+        assert "world 5" in (await r.json())["error"]["message"]
+    assert await status(http, leader.url) == 503
+    async with http.post(leader.url + "/_sim/join", json={"rank": 1, "world": 2, "instance": "a"}) as r:
+        assert r.status == 200
+    assert await status(http, leader.url) == 200
+
+
+async def test_follower_of_a_mismatched_leader_stays_unready(
+    engine: Callable[..., Awaitable[Listening]], http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    leader = await engine(world=2, heartbeat_s=0.05)
+    addr = f"127.0.0.1:{leader.port}"
+    wrong = await engine(rank=1, world=3, leader=addr, heartbeat_s=0.05)
+
+    def refused() -> bool:
+        return any("refused rank 1" in r.getMessage() for r in caplog.records)
+
+    async def logged() -> bool:
+        return refused()
+
+    await poll(logged, 5, "the follower logging the leader's refusal")
+    assert await status(http, wrong.url) == 503
+    assert await status(http, leader.url) == 503
+    right = await engine(rank=1, world=2, leader=addr, heartbeat_s=0.05)
+    await poll(lambda: _is(http, right.url, 200), 5, "the matching follower joined")
+    await poll(lambda: _is(http, leader.url, 200), 5, "the leader whole")
+    # Single-node engines have no join endpoint at all.
+    single = await engine()
+    async with http.post(single.url + "/_sim/join", json={}) as r:
+        assert r.status == 404
