@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import pynvml
@@ -81,7 +82,7 @@ def model_token(name: str) -> str:
     return "".join(kept) or "GPU"
 
 
-def gpu_class(name: str, memory_mb: int, overrides: dict[str, str] | None = None) -> str:
+def gpu_class(name: str, memory_mb: int, overrides: Mapping[str, str] | None = None) -> str:
     """The class placement matches on: model and marketed memory ('H100-80GB'), unless overridden by name."""
     if overrides and name in overrides:
         return overrides[name]
@@ -100,23 +101,25 @@ class _Known:
     memory_mb: int
 
 
-@dataclass
 class GpuProbe:
     """Reads the node's GPUs through NVML, keeping what must outlive one read.
 
-    Kept across reads: whether NVML was found (so a CPU node says so once), the XID event set and
-    the XIDs seen so far (an XID is an event, gone once read: it stays on the GPU until the agent
-    restarts), and each GPU's last known identity (so a GPU that is lost is still reported, as lost).
+    The agent keeps one for its life and closes it on exit. Kept across reads: whether NVML was
+    found (so a CPU node says so once, while still trying again in case a driver gets loaded), the
+    XID event set and the XIDs seen so far (an XID is an event, gone once read: it stays on its GPU
+    until the agent restarts), and each GPU's last known identity (so a GPU that is lost is still
+    reported, as lost). Blocking: call it from a worker thread in async code.
     """
 
-    nvml: NvmlApi | None = None
-    overrides: dict[str, str] = field(default_factory=dict)
-    _api: Any = None
-    _initialised: bool = False
-    _said_no_nvml: bool = False
-    _events: Any = None
-    _xids: dict[str, set[int]] = field(default_factory=dict)
-    _known: dict[int, _Known] = field(default_factory=dict)
+    def __init__(self, nvml: NvmlApi | None = None, overrides: Mapping[str, str] | None = None) -> None:
+        self.nvml = nvml
+        self.overrides: Mapping[str, str] = overrides or {}
+        self._api: Any = None
+        self._initialised = False
+        self._said_no_nvml = False
+        self._events: Any = None
+        self._xids: dict[str, set[int]] = {}
+        self._known: dict[int, _Known] = {}
 
     def _init(self) -> bool:
         if self._initialised:
@@ -156,8 +159,13 @@ class GpuProbe:
             log.debug("NVML shutdown: %s", e)
         self._initialised = False
 
-    def read(self) -> tuple[GpuInfo, ...]:
-        """Every GPU of the node with its health; () on a CPU node."""
+    def read(self, overrides: Mapping[str, str] | None = None) -> tuple[GpuInfo, ...]:
+        """Every GPU of the node with its health; () on a CPU node.
+
+        ``overrides`` (NVML name -> GPU class) replaces the probe's own for this read.
+        """
+        if overrides is not None:
+            self.overrides = overrides
         if not self._init():
             return ()
         api = self._api

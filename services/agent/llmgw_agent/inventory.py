@@ -58,7 +58,11 @@ def count_cpus() -> int | None:
 
 
 def available_engines(s: AgentSettings, gpus: tuple[GpuInfo, ...], simulated: bool) -> tuple[str, ...]:
-    """Engines this node can run. A simulated node runs every engine as the simulator."""
+    """Engines this node can run. A simulated node runs every engine as the simulator.
+
+    On a real node: the simulator always, llama.cpp when its binary is on PATH, vLLM when its
+    binary is on PATH and the node has GPUs (vLLM refuses to run without one).
+    """
     if simulated:
         return SIM_ENGINES
     engines = ["sim"]
@@ -83,20 +87,28 @@ def collect_inventory(
 
     Pass the same ``probe`` on every call (the agent keeps one for its life and closes it on exit):
     it holds the NVML session, the XIDs seen so far and the once-only "no NVML" log line. Without
-    one, a probe over ``nvml`` (default: the pynvml module) is opened and closed for this call.
+    one, a probe over ``nvml`` (default: the pynvml module) is opened and closed for this call, so
+    XIDs raised between calls are not seen and a CPU node says so on every call.
+
+    A node is simulated when it has ``sim_gpus`` (GPUs and, if given, ``sim_memory_gb`` come from
+    settings) or ``simulate_engines`` (every engine runs as the simulator, so all are offered).
+    Blocking (NVML, file system): call it from a worker thread in async code.
     """
-    simulated = bool(s.sim_gpus)
-    if simulated:
+    simulated = bool(s.sim_gpus) or s.simulate_engines
+    if s.sim_gpus:
         gpus = sim_gpus(s.node, s.sim_gpus, s.sim_unhealthy)
     elif probe is not None:
-        gpus = probe.read()
+        gpus = probe.read(s.gpu_class_overrides)
     else:
-        once = GpuProbe(nvml=nvml, overrides=dict(s.gpu_class_overrides))
+        once = GpuProbe(nvml=nvml, overrides=s.gpu_class_overrides)
         try:
             gpus = once.read()
         finally:
             once.close()
-    memory_gb = s.sim_memory_gb if simulated and s.sim_memory_gb is not None else read_memory_gb(meminfo_path)
+    if s.sim_gpus and s.sim_memory_gb is not None:
+        memory_gb: float | None = s.sim_memory_gb
+    else:
+        memory_gb = read_memory_gb(meminfo_path)
     storage = scan_model_dirs(s.model_dirs, read_mounts(mountinfo_path) if s.model_dirs else ())
     return Inventory(
         node=s.node,
