@@ -170,7 +170,7 @@ async def test_missing_binary_is_failed(sup: Fixture) -> None:
     )
     await s.start(assignment(port), spec)
     sh = s.shards[("r1", 0)]
-    assert sh.state is ShardState.FAILED
+    assert rec.states(sh.key) == [ShardState.FAILED]
     assert sh.error is not None and sh.error.startswith("cannot start /no/such/llama-server")
 
 

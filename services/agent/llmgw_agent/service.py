@@ -47,10 +47,17 @@ Collect = Callable[[AgentSettings, str, float], Inventory]
 INVENTORY_CHECK_S = 10.0
 
 
-def _default_collect() -> Collect:
+def _nvml_collect(s: AgentSettings) -> tuple[Collect, Callable[[], None]]:
+    """The real inventory, with one NVML probe kept for the agent's life (XIDs seen accumulate)."""
+    from llmgw_agent.gpus import GpuProbe
     from llmgw_agent.inventory import collect_inventory
 
-    return collect_inventory
+    probe = GpuProbe(overrides=dict(s.gpu_class_overrides))
+
+    def collect(s: AgentSettings, boot_id: str, now: float) -> Inventory:
+        return collect_inventory(s, boot_id, now, probe=probe)
+
+    return collect, probe.close
 
 
 class Agent:
@@ -280,9 +287,12 @@ async def serve(
     clock: Callable[[], float] = time.time,
 ) -> None:
     """Run the agent until ``stop`` is set: engines are stopped, then the NATS connection is closed."""
+    close_probe: Callable[[], None] | None = None
+    if collect is None:
+        collect, close_probe = _nvml_collect(s)
     nc = await connect(s, name=f"llmgw-agent-{s.node}")
     try:
-        agent = Agent(s, nc, collect=collect or _default_collect(), clock=clock)
+        agent = Agent(s, nc, collect=collect, clock=clock)
         log.info("agent %s up (boot %s, state in %s)", s.node, agent.boot_id, s.state_dir)
         await agent.run(stop)
     finally:
@@ -290,3 +300,5 @@ async def serve(
             await nc.drain()
         if not nc.is_closed:
             await nc.close()
+        if close_probe is not None:
+            close_probe()

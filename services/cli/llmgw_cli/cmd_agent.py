@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import typer
 
 
@@ -76,6 +78,8 @@ def agent(
         typer.echo(f"llmgw agent: bad settings: {e}", err=True)
         raise typer.Exit(2) from None
     setup_logging(settings.log_level, name=f"agent[{settings.node}]")
+    # httpx logs every health check and scrape at INFO: once a second per engine is noise.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
     run_service(lambda stop: serve(settings, stop))
 

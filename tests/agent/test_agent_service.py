@@ -1,0 +1,315 @@
+"""The agent end to end with a real nats-server and real simulated engines.
+
+assignment written → engine starts → heartbeat shows ready → load reported → garbage survived →
+assignment deleted → engine stopped; and an agent killed with SIGKILL re-adopts its engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+import psutil
+import pytest
+from agent_helpers import alive, free_port, kill_group
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from llmgw_agent.service import serve
+from llmgw_common.bus import ensure_kv
+from llmgw_common.codec import DecodeError, decode, encode
+from llmgw_common.messages import (
+    Assignment,
+    Heartbeat,
+    Inventory,
+    LoadReport,
+    ShardAssignment,
+    ShardState,
+    ShardStatus,
+)
+from llmgw_common.natsserver import NatsServer
+from llmgw_common.settings import AgentSettings
+from llmgw_common.subjects import Subjects
+
+pytestmark = pytest.mark.e2e
+KINDS: dict[str, type[Any]] = {
+    "heartbeat": Heartbeat,
+    "inventory": Inventory,
+    "status": ShardStatus,
+    "load": LoadReport,
+}
+
+
+@dataclass
+class Seen:
+    """Everything a node published, decoded, with a way to wait for a condition on it."""
+
+    msgs: dict[str, list[Any]] = field(default_factory=lambda: {k: [] for k in KINDS})
+    bad: list[str] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def on_msg(self, msg: Msg) -> None:
+        kind = msg.subject.rsplit(".", 1)[-1]
+        try:
+            self.msgs[kind].append(decode(msg.data, KINDS[kind]))
+        except (DecodeError, KeyError):
+            self.bad.append(msg.subject)
+        self.changed.set()
+
+    def mark(self, kind: str) -> int:
+        return len(self.msgs[kind])
+
+    async def wait(
+        self, kind: str, pred: Callable[[Any], bool], timeout: float = 20.0, since: int = 0
+    ) -> Any:
+        """The first message of ``kind`` from index ``since`` on that satisfies ``pred``."""
+
+        async def find() -> Any:
+            while True:
+                for m in self.msgs[kind][since:]:
+                    if pred(m):
+                        return m
+                self.changed.clear()
+                await self.changed.wait()
+
+        return await asyncio.wait_for(find(), timeout)
+
+
+@pytest.fixture
+async def nc(nats_server: NatsServer) -> AsyncIterator[NATS]:
+    client = await nats.connect(nats_server.url)
+    yield client
+    await client.close()
+
+
+async def watch_node(nc: NATS, prefix: str, node: str) -> Seen:
+    seen = Seen()
+    await nc.subscribe(f"{prefix}.node.{node}.*", cb=seen.on_msg)
+    return seen
+
+
+def shard_of(hb: Heartbeat, replica: str) -> Any:
+    return next((s for s in hb.shards if s.replica_id == replica), None)
+
+
+async def test_assign_ready_load_garbage_delete(
+    nats_server: NatsServer, nc: NATS, prefix: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    node = "n1"
+    s = AgentSettings(
+        node=node,
+        nats_urls=[nats_server.url],
+        prefix=prefix,
+        state_dir=str(tmp_path / "agent"),
+        simulate_engines=True,
+        sim_gpus="2xL4-24GB",
+        heartbeat_interval_s=0.3,
+        load_interval_s=0.2,
+        stop_grace_s=2.0,
+    )
+    subjects = Subjects(prefix)
+    seen = await watch_node(nc, prefix, node)
+    kv = await ensure_kv(nc.jetstream(), subjects.bucket_assign)
+    stop = asyncio.Event()
+    agent = asyncio.create_task(serve(s, stop))
+    pids: list[int] = []
+    try:
+        inv = await seen.wait("inventory", lambda m: True)
+        assert inv.node == node and len(inv.gpus) == 2
+        p_vllm, p_llama = free_port(), free_port()
+        assignment = Assignment(
+            node=node,
+            fence=1,
+            shards=(
+                ShardAssignment(
+                    replica_id="rv",
+                    shard=0,
+                    model="mv",
+                    engine="vllm",
+                    gpus=(0,),
+                    port=p_vllm,
+                    options={"ttft_ms": 1},
+                ),
+                ShardAssignment(replica_id="rl", shard=0, model="ml", engine="llamacpp", port=p_llama),
+                # vLLM without a GPU: refused, with the reason, not started.
+                ShardAssignment(replica_id="rx", shard=0, model="mx", engine="vllm", port=free_port()),
+            ),
+        )
+        await kv.put(node, encode(assignment))
+
+        hb = await seen.wait(
+            "heartbeat",
+            lambda h: all(
+                (x := shard_of(h, r)) is not None and x.state is ShardState.READY for r in ("rv", "rl")
+            ),
+        )
+        pids = [shard_of(hb, r).pid for r in ("rv", "rl")]
+        assert all(p and alive(p) for p in pids)
+        assert shard_of(hb, "rx").state is ShardState.FAILED
+        refused = await seen.wait("status", lambda m: m.replica_id == "rx")
+        assert refused.state is ShardState.FAILED and "vLLM needs a GPU" in (refused.error or "")
+        starting = [m.state for m in seen.msgs["status"] if m.replica_id == "rv"]
+        assert starting[:2] == [ShardState.STARTING, ShardState.READY]
+
+        load = await seen.wait("load", lambda m: {r.replica_id for r in m.replicas} == {"rv", "rl"})
+        by = {r.replica_id: r for r in load.replicas}
+        assert by["rv"].running == 0.0 and by["rv"].waiting == 0.0 and by["rv"].kv_use is not None
+        # llama.cpp style: running and waiting known, KV use blank (not 0).
+        assert by["rl"].running == 0.0 and by["rl"].waiting == 0.0 and by["rl"].kv_use is None
+
+        # A malformed assignment: one log line, engines untouched.
+        caplog.clear()
+        await kv.put(node, b"\x93garbage")
+        # Garbage on the node's own subjects and on the ctl prefix: nothing the agent reads breaks.
+        for kind in KINDS:
+            await nc.publish(subjects.__getattribute__(kind)(node), b"\xc1\xc1not msgpack")
+        await nc.flush()
+        n_hb = seen.mark("heartbeat")
+        await seen.wait("heartbeat", lambda h: seen.mark("heartbeat") >= n_hb + 3, since=n_hb)
+        drops = [r for r in caplog.records if "dropped undecodable" in r.getMessage()]
+        assert len(drops) == 1, [r.getMessage() for r in drops]
+        assert f"{subjects.bucket_assign}/{node}" in drops[0].getMessage()
+        assert all(alive(p) for p in pids)
+        hb = seen.msgs["heartbeat"][-1]
+        assert shard_of(hb, "rv").state is ShardState.READY and shard_of(hb, "rv").pid == pids[0]
+
+        # Delete: every engine stopped.
+        mark = seen.mark("heartbeat")
+        await kv.delete(node)
+        await seen.wait("heartbeat", lambda h: h.shards == (), since=mark)
+        for r in ("rv", "rl", "rx"):
+            await seen.wait("status", lambda m, r=r: m.replica_id == r and m.state is ShardState.STOPPED)
+        assert not any(alive(p) for p in pids)
+        assert not agent.done()
+    finally:
+        stop.set()
+        await asyncio.wait_for(agent, 20)
+        for p in pids:
+            kill_group(p)
+    # The last heartbeat after stop shows nothing running; seq only grew.
+    seqs = [h.seq for h in seen.msgs["heartbeat"]]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+
+
+async def test_stop_stops_engines_then_returns(
+    nats_server: NatsServer, nc: NATS, prefix: str, tmp_path: Path
+) -> None:
+    node = "n3"
+    s = AgentSettings(
+        node=node,
+        nats_urls=[nats_server.url],
+        prefix=prefix,
+        state_dir=str(tmp_path / "agent"),
+        heartbeat_interval_s=0.3,
+        load_interval_s=0.3,
+        stop_grace_s=2.0,
+    )
+    seen = await watch_node(nc, prefix, node)
+    kv = await ensure_kv(nc.jetstream(), Subjects(prefix).bucket_assign)
+    await kv.put(
+        node,
+        encode(
+            Assignment(
+                node=node,
+                shards=(ShardAssignment(replica_id="r", shard=0, model="m", engine="sim", port=free_port()),),
+            )
+        ),
+    )
+    stop = asyncio.Event()
+    agent = asyncio.create_task(serve(s, stop))
+    pid = None
+    try:
+        hb = await seen.wait(
+            "heartbeat", lambda h: (x := shard_of(h, "r")) is not None and x.state == "ready"
+        )
+        pid = shard_of(hb, "r").pid
+        # A stale leader's write (lower fence) is ignored.
+        await kv.put(node, encode(Assignment(node=node, fence=-1)))
+        n_hb = seen.mark("heartbeat")
+        await seen.wait("heartbeat", lambda h: seen.mark("heartbeat") >= n_hb + 2, since=n_hb)
+        assert shard_of(seen.msgs["heartbeat"][-1], "r") is not None
+    finally:
+        stop.set()
+        await asyncio.wait_for(agent, 20)
+        if pid:
+            kill_group(pid)
+    assert pid is not None and not alive(pid)
+
+
+def start_agent(url: str, prefix: str, node: str, state_dir: Path, log: Path) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "LLMGW_HEARTBEAT_INTERVAL_S": "0.3",
+        "LLMGW_LOAD_INTERVAL_S": "0.3",
+        "LLMGW_STOP_GRACE_S": "2",
+    }
+    argv = [sys.executable, "-m", "llmgw_cli", "agent", "--nats", url, "--prefix", prefix, "--node", node]
+    argv += ["--state-dir", str(state_dir), "--simulate-engines", "--sim-gpus", "1xL4-24GB"]
+    with log.open("ab") as f:
+        return subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+async def test_sigkilled_agent_readopts_its_engines(
+    nats_server: NatsServer, nc: NATS, prefix: str, tmp_path: Path
+) -> None:
+    node = "n2"
+    seen = await watch_node(nc, prefix, node)
+    kv = await ensure_kv(nc.jetstream(), Subjects(prefix).bucket_assign)
+    shards = tuple(
+        ShardAssignment(replica_id=f"r{i}", shard=0, model="m", engine="vllm", gpus=(0,), port=free_port())
+        for i in range(2)
+    )
+    await kv.put(node, encode(Assignment(node=node, shards=shards)))
+    log = tmp_path / "agent.log"
+    first = start_agent(nats_server.url, prefix, node, tmp_path / "state", log)
+    second: subprocess.Popen[bytes] | None = None
+    pids: list[int] = []
+
+    def all_ready(h: Heartbeat) -> bool:
+        return len(h.shards) == 2 and all(x.state is ShardState.READY for x in h.shards)
+
+    try:
+        hb1 = await seen.wait("heartbeat", all_ready, timeout=30)
+        pids = [x.pid for x in hb1.shards]
+        created = [psutil.Process(p).create_time() for p in pids]
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        assert all(alive(p) for p in pids)
+
+        second = start_agent(nats_server.url, prefix, node, tmp_path / "state", log)
+        hb2 = await seen.wait(
+            "heartbeat",
+            lambda h: h.boot_id != hb1.boot_id and all_ready(h),
+            timeout=30,
+            since=seen.mark("heartbeat"),
+        )
+        assert [x.pid for x in hb2.shards] == pids
+        assert [psutil.Process(p).create_time() for p in pids] == created
+        # Re-adopted, not restarted: no status of the new boot ever said "starting" with a new pid.
+        new_status = [m for m in seen.msgs["status"] if m.boot_id == hb2.boot_id]
+        assert {m.state for m in new_status} <= {ShardState.STARTING, ShardState.READY}
+
+        # A clean stop of the new agent stops the adopted engines too.
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(20) == 0
+        assert not any(alive(p) for p in pids)
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+        for p in pids:
+            kill_group(p)
+        with contextlib.suppress(OSError):
+            print(log.read_text()[-4000:])
