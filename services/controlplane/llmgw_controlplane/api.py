@@ -1,0 +1,229 @@
+"""The ``llmgw.ctl`` NATS micro service: one endpoint per verb, typed requests and replies.
+
+Registered only while this process leads (standbys must not answer). Handlers run one at a time per
+endpoint, so each does a bounded amount of work on in-memory state plus at most one KV write; errors
+the user caused come back as ``ServiceError`` with a description in their terms.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.micro import add_service
+from nats.micro.request import Request, ServiceError
+from nats.micro.service import Service
+
+from llmgw_common.catalog import CatalogError, catalog_to_yaml, parse_catalog
+from llmgw_common.codec import DecodeError, decode, encode
+from llmgw_common.ctl import (
+    CatalogApplyReply,
+    CatalogDiff,
+    CatalogRequest,
+    CatalogShowReply,
+    DebugStatsReply,
+    DrainRequest,
+    Empty,
+    ExplainReply,
+    MarksReply,
+    ModelRequest,
+    ModelsReply,
+    NodeRequest,
+    NodesReply,
+    ReplicasReply,
+    ReplicasRequest,
+    SettingsReply,
+    SettingsSetRequest,
+    StatusReply,
+    endpoint_name,
+)
+from llmgw_common.messages import Marks, Message
+from llmgw_controlplane import views
+from llmgw_controlplane.placement import explain
+
+if TYPE_CHECKING:
+    from llmgw_controlplane.service import ControlPlane
+
+log = logging.getLogger("llmgw.controlplane.api")
+Q = TypeVar("Q", bound=Message)
+
+
+def _err(code: int, text: str) -> ServiceError:
+    return ServiceError(str(code), text)
+
+
+class CtlApi:
+    def __init__(self, cp: ControlPlane) -> None:
+        self.cp = cp
+        self.service: Service | None = None
+
+    async def start(self, nc: NATS) -> None:
+        if self.service is not None:
+            return
+        subj = self.cp.subjects
+        svc = await add_service(nc, name=subj.ctl_service, version="0.1.0", description="llmgw control plane")
+        routes: list[tuple[str, type[Message], Callable[[Message], Awaitable[Message]]]] = [
+            ("nodes", Empty, self.nodes),
+            ("replicas", ReplicasRequest, self.replicas),  # type: ignore[list-item]
+            ("models", Empty, self.models),
+            ("status", Empty, self.status),
+            ("explain-placement", ModelRequest, self.explain),  # type: ignore[list-item]
+            ("catalog.apply", CatalogRequest, self.catalog_apply),  # type: ignore[list-item]
+            ("catalog.diff", CatalogRequest, self.catalog_diff),  # type: ignore[list-item]
+            ("catalog.show", Empty, self.catalog_show),
+            ("cordon", NodeRequest, self.cordon),  # type: ignore[list-item]
+            ("uncordon", NodeRequest, self.uncordon),  # type: ignore[list-item]
+            ("drain", DrainRequest, self.drain),  # type: ignore[list-item]
+            ("settings.get", Empty, self.settings_get),
+            ("settings.set", SettingsSetRequest, self.settings_set),  # type: ignore[list-item]
+            ("debug.stats", Empty, self.debug_stats),
+        ]
+        for verb, req_cls, fn in routes:
+            await svc.add_endpoint(
+                name=endpoint_name(verb), subject=subj.ctl(verb), handler=_wrap(verb, req_cls, fn)
+            )
+        self.service = svc
+        await nc.flush()
+
+    async def stop(self) -> None:
+        svc, self.service = self.service, None
+        if svc is not None:
+            try:
+                await svc.stop()
+            except nats.errors.Error as e:
+                log.debug("ctl service stop: %s", e)
+
+    # ------------------------------------------------------------ read verbs
+
+    async def nodes(self, _: Message) -> NodesReply:
+        cp = self.cp
+        return NodesReply(nodes=views.nodes_info(cp.state, cp.snapshot()))
+
+    async def replicas(self, req: ReplicasRequest) -> ReplicasReply:
+        cp = self.cp
+        return ReplicasReply(replicas=views.replicas_info(cp.state, cp.snapshot(), cp.idle, req.model))
+
+    async def models(self, _: Message) -> ModelsReply:
+        cp = self.cp
+        return ModelsReply(models=views.models_info(cp.snapshot(), cp.reasons, cp.unplaceable, cp.backoff))
+
+    async def status(self, _: Message) -> StatusReply:
+        cp = self.cp
+        snap = cp.snapshot()
+        models = views.models_info(snap, cp.reasons, cp.unplaceable, cp.backoff)
+        settings = await cp.read_settings()
+        return views.status_info(
+            cp.state,
+            snap,
+            cp.idle,
+            models=models,
+            unplaceable=cp.unplaceable,
+            unplaceable_since={
+                m: t for m in cp.unplaceable if (t := cp.detector.unplaceable_since(m)) is not None
+            },
+            settings=settings,
+            idle_threshold_s=cp.s.idle_threshold_s,
+            leader=cp.leader,
+            fence=cp.lease.fence if cp.lease else 0,
+            catalog_version=cp.state.catalog_version,
+        )
+
+    async def explain(self, req: ModelRequest) -> ExplainReply:
+        cp = self.cp
+        profile = cp.state.catalog.get(req.model)
+        if profile is None:
+            known = ", ".join(cp.state.catalog.names) or "none"
+            raise _err(404, f"model {req.model!r} is not in the catalog (models: {known})")
+        return views.explain_info(explain(profile, cp.snapshot()))
+
+    async def debug_stats(self, _: Message) -> DebugStatsReply:
+        return self.cp.debug_stats()
+
+    # ------------------------------------------------------------ catalog
+
+    def _parse(self, text: str):  # type: ignore[no-untyped-def]
+        try:
+            return parse_catalog(text)
+        except CatalogError as e:
+            raise _err(400, f"catalog refused, the current one stays. {e}") from None
+
+    async def catalog_diff(self, req: CatalogRequest) -> CatalogDiff:
+        return views.catalog_diff(self.cp.state.catalog, self._parse(req.yaml))
+
+    async def catalog_apply(self, req: CatalogRequest) -> CatalogApplyReply:
+        new = self._parse(req.yaml)
+        diff = views.catalog_diff(self.cp.state.catalog, new)
+        version = await self.cp.apply_catalog(new)
+        return CatalogApplyReply(version=version, diff=diff)
+
+    async def catalog_show(self, _: Message) -> CatalogShowReply:
+        st = self.cp.state
+        return CatalogShowReply(
+            version=st.catalog_version, catalog=st.catalog, yaml=catalog_to_yaml(st.catalog)
+        )
+
+    # ------------------------------------------------------------ marks
+
+    def _known(self, node: str) -> None:
+        if node not in self.cp.state.nodes:
+            raise _err(404, f"no node named {node!r} has reported (`llmgw ctl nodes` lists them)")
+
+    async def cordon(self, req: NodeRequest) -> MarksReply:
+        self._known(req.node)
+        m = self.cp.state.marks
+        cordoned = tuple(sorted({*m.cordoned, req.node}))
+        return await self._marks(req.node, Marks(cordoned=cordoned, draining=dict(m.draining)))
+
+    async def uncordon(self, req: NodeRequest) -> MarksReply:
+        self._known(req.node)
+        m = self.cp.state.marks
+        draining = {k: v for k, v in m.draining.items() if k != req.node}
+        return await self._marks(
+            req.node, Marks(cordoned=tuple(n for n in m.cordoned if n != req.node), draining=draining)
+        )
+
+    async def drain(self, req: DrainRequest) -> MarksReply:
+        self._known(req.node)
+        grace = self.cp.s.drain_grace_s if req.grace_s is None else req.grace_s
+        if grace < 0:
+            raise _err(400, f"drain grace must not be negative (got {grace:g}s)")
+        m = self.cp.state.marks
+        draining = {**m.draining, req.node: self.cp.clock() + grace}
+        return await self._marks(req.node, Marks(cordoned=m.cordoned, draining=draining))
+
+    async def _marks(self, node: str, marks: Marks) -> MarksReply:
+        await self.cp.store_marks(marks)
+        return MarksReply(node=node, marks=marks)
+
+    # ------------------------------------------------------------ settings
+
+    async def settings_get(self, _: Message) -> SettingsReply:
+        return SettingsReply(settings=await self.cp.read_settings())
+
+    async def settings_set(self, req: SettingsSetRequest) -> SettingsReply:
+        await self.cp.store_settings(req.settings)
+        return SettingsReply(settings=req.settings)
+
+
+def _wrap(
+    verb: str, req_cls: type[Q], fn: Callable[[Q], Awaitable[Message]]
+) -> Callable[[Request], Awaitable[None]]:
+    async def handler(req: Request) -> None:
+        try:
+            msg = decode(req.data, req_cls)
+        except DecodeError as e:
+            raise _err(400, f"unreadable {verb} request: {e}") from None
+        try:
+            reply = await fn(msg)
+        except ServiceError:
+            raise
+        except (nats.errors.Error, TimeoutError) as e:
+            raise _err(
+                503, f"{verb}: the control plane could not reach NATS storage ({e}); try again"
+            ) from None
+        await req.respond(encode(reply))
+
+    return handler

@@ -1,0 +1,216 @@
+"""The one place the control plane writes what it decided: assignments, replica records, routing.
+
+:func:`desired_assignments` is pure: replica records + catalog + node addresses -> what each node must
+run. The writers compare with what they last wrote and write only the difference, so a steady cluster
+costs no KV writes, and the control plane's own writes never look like news to it.
+
+Assignment writes are compare-and-set on the key's revision and carry the lease revision as ``fence``:
+a deposed leader's write to a key its successor has written fails instead of landing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import nats.errors
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from llmgw_common.bus import DropLog, kv_get, kv_keys
+from llmgw_common.catalog import Catalog
+from llmgw_common.codec import DecodeError, decode, encode
+from llmgw_common.messages import (
+    Assignment,
+    Endpoint,
+    ReplicaRecord,
+    RoutingCatalog,
+    RoutingEndpoints,
+    ShardAssignment,
+)
+from llmgw_common.subjects import ROUTING_CATALOG, ROUTING_ENDPOINTS
+
+log = logging.getLogger("llmgw.controlplane.apply")
+
+NodeShards = tuple[ShardAssignment, ...]
+
+
+class Fenced(Exception):
+    """A write was refused because another control plane wrote since (this one is no longer leader)."""
+
+
+def shard_assignments(
+    rec: ReplicaRecord, catalog: Catalog, addresses: Mapping[str, str]
+) -> list[ShardAssignment]:
+    """The assignment lines of one replica; none when its model left the catalog (it is being torn down)."""
+    profile = catalog.get(rec.model)
+    if profile is None:
+        return []
+    shards = sorted(rec.shards, key=lambda s: s.shard)
+    leader = None
+    if len(shards) > 1:
+        s0 = shards[0]
+        leader = f"{addresses.get(s0.node, '127.0.0.1')}:{s0.port}"
+    return [
+        ShardAssignment(
+            replica_id=rec.id,
+            shard=s.shard,
+            shards=len(shards),
+            model=rec.model,
+            engine=profile.engine,
+            weights=profile.weights_name,
+            gpus=s.gpus,
+            port=s.port,
+            leader=leader,
+            args=profile.args,
+            env=dict(profile.env),
+            startup_timeout_s=profile.startup_timeout_s,
+            options=dict(profile.options),
+        )
+        for s in shards
+    ]
+
+
+def desired_assignments(
+    records: Mapping[str, ReplicaRecord], catalog: Catalog, addresses: Mapping[str, str]
+) -> dict[str, NodeShards]:
+    """node -> the shards it must run, in a stable order (so equal content compares equal)."""
+    out: dict[str, list[ShardAssignment]] = {}
+    for rid in sorted(records):
+        rec = records[rid]
+        by_shard = {s.shard: s for s in rec.shards}
+        for a in shard_assignments(rec, catalog, addresses):
+            out.setdefault(by_shard[a.shard].node, []).append(a)
+    return {n: tuple(v) for n, v in out.items()}
+
+
+class AssignmentWriter:
+    """Writes ``<prefix>_assign`` keys whose content changed, compare-and-set, with the fence."""
+
+    def __init__(self, kv: KeyValue, drops: DropLog) -> None:
+        self.kv = kv
+        self.drops = drops
+        # node -> (shards last written or read, key revision)
+        self.written: dict[str, tuple[NodeShards, int]] = {}
+        self.writes = 0
+
+    async def load(self) -> dict[str, Assignment]:
+        """Read every current assignment (after a start or a takeover): the base of the next diff."""
+        self.written = {}
+        out: dict[str, Assignment] = {}
+        for node in await kv_keys(self.kv):
+            try:
+                e = await self.kv.get(node)
+            except KeyNotFoundError:
+                continue
+            rev = e.revision or 0
+            try:
+                a = decode(e.value or b"", Assignment)
+            except DecodeError as err:
+                self.drops.drop(f"{self.kv._name}/{node}", str(err))
+                self.written[node] = ((), rev)
+                continue
+            self.written[node] = (a.shards, rev)
+            out[node] = a
+        return out
+
+    def pending(self, desired: Mapping[str, NodeShards]) -> dict[str, NodeShards]:
+        """Nodes whose desired shards differ from what was last written (a node left with none: ())."""
+        out = {n: s for n, s in desired.items() if self.written.get(n, ((), 0))[0] != s}
+        for n, (shards, _) in self.written.items():
+            if shards and n not in desired:
+                out[n] = ()
+        return out
+
+    async def write(self, node: str, shards: NodeShards, fence: int, now: float) -> None:
+        data = encode(Assignment(node=node, fence=fence, written_at=now, shards=shards))
+        prev = self.written.get(node)
+        try:
+            if prev is None:
+                rev = await self.kv.create(node, data)
+            else:
+                rev = await self.kv.update(node, data, last=prev[1])
+        except KeyWrongLastSequenceError:
+            raise Fenced(f"assignment of {node} was written by someone else") from None
+        self.written[node] = (shards, rev)
+        self.writes += 1
+
+
+class ReplicaStore:
+    """Replica records in ``<prefix>_replicas``: identities that outlive a control-plane restart."""
+
+    def __init__(self, kv: KeyValue, drops: DropLog) -> None:
+        self.kv = kv
+        self.drops = drops
+        self.written: dict[str, ReplicaRecord] = {}
+
+    async def load(self) -> dict[str, ReplicaRecord]:
+        out: dict[str, ReplicaRecord] = {}
+        for key in await kv_keys(self.kv):
+            rec, _ = await kv_get(self.kv, key, ReplicaRecord, self.drops)
+            if rec is not None:
+                out[rec.id] = rec
+        self.written = dict(out)
+        return out
+
+    async def sync(self, records: Mapping[str, ReplicaRecord]) -> int:
+        """Make the bucket hold exactly ``records``; returns the number of writes."""
+        n = 0
+        for rid, rec in records.items():
+            if self.written.get(rid) != rec:
+                await self.kv.put(rid, encode(rec))
+                self.written[rid] = rec
+                n += 1
+        for rid in [r for r in self.written if r not in records]:
+            try:
+                await self.kv.delete(rid)
+            except nats.errors.Error as e:
+                log.warning("could not delete replica record %s: %s", rid, e)
+                continue
+            del self.written[rid]
+            n += 1
+        return n
+
+
+class RoutingPublisher:
+    """``<prefix>_routing`` keys ``endpoints`` and ``catalog``, rewritten only when their content changes."""
+
+    def __init__(self, kv: KeyValue, drops: DropLog) -> None:
+        self.kv = kv
+        self.drops = drops
+        self.endpoints_version = 0
+        self.catalog_version = 0
+        self._endpoints: tuple[dict[str, tuple[Endpoint, ...]], dict[str, str]] | None = None
+        self._catalog: Catalog | None = None
+
+    async def load(self) -> None:
+        """Continue the versions already in the bucket, so routers see them only grow."""
+        ep, _ = await kv_get(self.kv, ROUTING_ENDPOINTS, RoutingEndpoints, self.drops)
+        if ep is not None:
+            self.endpoints_version = ep.version
+            self._endpoints = (dict(ep.endpoints), dict(ep.unavailable))
+        cat, _ = await kv_get(self.kv, ROUTING_CATALOG, RoutingCatalog, self.drops)
+        if cat is not None:
+            self.catalog_version = cat.version
+            self._catalog = cat.catalog
+
+    async def publish_endpoints(
+        self, endpoints: dict[str, tuple[Endpoint, ...]], unavailable: dict[str, str]
+    ) -> bool:
+        if self._endpoints == (endpoints, unavailable):
+            return False
+        version = self.endpoints_version + 1
+        msg = RoutingEndpoints(version=version, endpoints=endpoints, unavailable=unavailable)
+        await self.kv.put(ROUTING_ENDPOINTS, encode(msg))
+        self.endpoints_version = version
+        self._endpoints = (endpoints, unavailable)
+        return True
+
+    async def publish_catalog(self, catalog: Catalog) -> bool:
+        if self._catalog == catalog:
+            return False
+        version = self.catalog_version + 1
+        await self.kv.put(ROUTING_CATALOG, encode(RoutingCatalog(version=version, catalog=catalog)))
+        self.catalog_version = version
+        self._catalog = catalog
+        return True

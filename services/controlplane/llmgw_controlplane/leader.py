@@ -1,0 +1,136 @@
+"""The leader lease: one key in ``<prefix>_leader``, taken with create(), renewed with update(last=rev).
+
+The key's revision only grows, so it is the fencing token carried by every assignment. Expiry is
+judged two ways, both safe: the bucket's TTL removes a key nobody renews, and a standby that has seen
+the same revision for a whole TTL by its *own* clock takes it over with a compare-and-set on that
+revision (which fails if the holder renewed meanwhile). The holder counts itself leader only while its
+last successful renewal is younger than the TTL minus a margin, so it stops acting before a standby
+could have taken over, even if it cannot reach NATS to find out.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import nats.errors
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from llmgw_common.codec import encode
+from llmgw_common.ctl import LeaseRecord
+from llmgw_common.subjects import LEADER_KEY
+
+log = logging.getLogger("llmgw.controlplane.leader")
+
+
+class Lease:
+    def __init__(
+        self,
+        kv: KeyValue,
+        holder: str,
+        ttl_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.kv = kv
+        self.holder = holder
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self.wall = wall
+        self.revision = 0
+        self._renewed_at: float | None = None
+        self._acquired_at = 0.0
+        # What a standby last saw of someone else's lease, and since when (own clock).
+        self._seen_rev = 0
+        self._seen_at = 0.0
+
+    @property
+    def renew_every_s(self) -> float:
+        return self.ttl_s / 3
+
+    def held(self) -> bool:
+        """Leader now: renewed recently enough that no standby can have taken over yet."""
+        return self._renewed_at is not None and self.clock() - self._renewed_at < self.ttl_s * 0.8
+
+    @property
+    def fence(self) -> int:
+        return self.revision
+
+    def _value(self) -> bytes:
+        now = self.wall()
+        return encode(LeaseRecord(holder=self.holder, acquired_at=self._acquired_at or now, renewed_at=now))
+
+    def _lose(self, why: str) -> None:
+        if self._renewed_at is not None:
+            log.warning("leadership lost (%s)", why)
+        self._renewed_at = None
+
+    async def step(self) -> bool:
+        """Renew when held, else try to take; returns whether this process is leader afterwards."""
+        t0 = self.clock()
+        if self._renewed_at is not None:
+            try:
+                self.revision = await self.kv.update(LEADER_KEY, self._value(), last=self.revision)
+                self._renewed_at = t0
+            except KeyWrongLastSequenceError:
+                self._lose("another control plane holds the lease")
+            except (nats.errors.Error, TimeoutError) as e:
+                if not self.held():
+                    self._lose(f"could not renew: {e}")
+            return self.held()
+        return await self._try_take(t0)
+
+    async def _try_take(self, t0: float) -> bool:
+        try:
+            self._acquired_at = self.wall()
+            self.revision = await self.kv.create(LEADER_KEY, self._value())
+            self._renewed_at = t0
+            log.info("leadership taken (fence %d)", self.revision)
+            return True
+        except KeyWrongLastSequenceError:
+            pass
+        except (nats.errors.Error, TimeoutError) as e:
+            log.debug("lease create failed: %s", e)
+            return False
+        try:
+            entry = await self.kv.get(LEADER_KEY)
+        except KeyNotFoundError:
+            return False  # lapsed between the two calls: the next step creates it
+        except (nats.errors.Error, TimeoutError):
+            return False
+        rev = entry.revision or 0
+        if rev != self._seen_rev:
+            self._seen_rev, self._seen_at = rev, t0
+            return False
+        if t0 - self._seen_at < self.ttl_s:
+            return False
+        # Nobody renewed for a whole TTL by our clock: take it, unless it changes under us.
+        try:
+            self._acquired_at = self.wall()
+            self.revision = await self.kv.update(LEADER_KEY, self._value(), last=rev)
+        except KeyWrongLastSequenceError:
+            return False
+        except (nats.errors.Error, TimeoutError):
+            return False
+        self._renewed_at = t0
+        log.info("leadership taken over from a silent holder (fence %d)", self.revision)
+        return True
+
+    async def confirm(self) -> bool:
+        """Renew now: proof of holding the lease right before a write (the fence check)."""
+        if self._renewed_at is None:
+            return False
+        return await self.step()
+
+    async def release(self) -> None:
+        """Give the lease up on a clean shutdown so a standby takes over at once."""
+        if self._renewed_at is None:
+            return
+        self._renewed_at = None
+        try:
+            await self.kv.delete(LEADER_KEY, last=self.revision)
+        except (nats.errors.Error, TimeoutError, KeyWrongLastSequenceError) as e:
+            log.debug("lease release failed: %s", e)

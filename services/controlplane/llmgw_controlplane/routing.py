@@ -1,0 +1,99 @@
+"""What routers are told: the ready endpoints per model, and for the rest why not, in the user's terms.
+
+Pure: a snapshot plus the reconciler's reasons in, the content of ``RoutingEndpoints`` out.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+
+from llmgw_common.messages import Endpoint, ShardState
+from llmgw_controlplane.snapshot import NodeState, ReplicaView, Snapshot
+from llmgw_controlplane.state import ReplicaPhase, replica_phase
+
+
+def endpoint_url(snap: Snapshot, r: ReplicaView) -> str | None:
+    s0 = min(r.shards, key=lambda s: s.shard, default=None)
+    if s0 is None or not s0.port:
+        return None
+    node = snap.nodes.get(s0.node)
+    address = node.address if node is not None else "127.0.0.1"
+    return f"http://{address}:{s0.port}"
+
+
+def serving(snap: Snapshot, r: ReplicaView) -> bool:
+    """Ready, on nodes not lost: a lost node's endpoints are withdrawn even if it last said ready."""
+    if replica_phase(r) != ReplicaPhase.READY:
+        return False
+    for s in r.shards:
+        n = snap.nodes.get(s.node)
+        if n is None or n.state is NodeState.LOST:
+            return False
+    return True
+
+
+def _not_ready_summary(snap: Snapshot, reps: tuple[ReplicaView, ...]) -> str:
+    counts: Counter[tuple[str, str]] = Counter()
+    first_error: dict[str, str] = {}
+    for r in reps:
+        phase = replica_phase(r)
+        lost = [
+            s.node for s in r.shards if (n := snap.nodes.get(s.node)) is None or n.state is NodeState.LOST
+        ]
+        if lost:
+            counts[("on a lost node", lost[0])] += 1
+            continue
+        if phase == ReplicaPhase.READY:
+            phase = "ready"
+        counts[(phase, r.shards[0].node if r.shards else "?")] += 1
+        if phase == ReplicaPhase.FAILED:
+            err = next((s.error for s in r.shards if s.state is ShardState.FAILED and s.error), None)
+            if err and phase not in first_error:
+                first_error[phase] = err
+    parts = []
+    for (phase, node), count in sorted(counts.items()):
+        text = f"{count} {phase} on {node}" if phase != "on a lost node" else f"{count} on lost node {node}"
+        if phase in first_error:
+            text += f" ({first_error.pop(phase)})"
+        parts.append(text)
+    return "no ready replica: " + ", ".join(parts)
+
+
+def routing_content(
+    snap: Snapshot, reasons: Mapping[str, str]
+) -> tuple[dict[str, tuple[Endpoint, ...]], dict[str, str]]:
+    """(endpoints per model, why-unavailable per model) for the catalog's models.
+
+    ``reasons`` are the reconciler's words for models it could not place or holds in backoff; they win
+    over the generic "no ready replica" summary when nothing is ready.
+    """
+    endpoints: dict[str, tuple[Endpoint, ...]] = {}
+    unavailable: dict[str, str] = {}
+    by_model: dict[str, list[ReplicaView]] = {}
+    for r in snap.replicas:
+        by_model.setdefault(r.model, []).append(r)
+    for profile in snap.catalog.models:
+        reps = tuple(by_model.get(profile.name, ()))
+        eps = []
+        for r in reps:
+            if not serving(snap, r):
+                continue
+            url = endpoint_url(snap, r)
+            if url is None:
+                continue
+            eps.append(
+                Endpoint(replica_id=r.id, model=r.model, url=url, node=r.shards[0].node, draining=r.draining)
+            )
+        if eps:
+            endpoints[profile.name] = tuple(eps)
+            continue
+        if profile.replicas == 0:
+            unavailable[profile.name] = "the catalog asks for 0 replicas of this model"
+        elif profile.name in reasons:
+            unavailable[profile.name] = reasons[profile.name]
+        elif not reps:
+            unavailable[profile.name] = "no replica placed yet"
+        else:
+            unavailable[profile.name] = _not_ready_summary(snap, reps)
+    return endpoints, unavailable

@@ -1,0 +1,176 @@
+"""End to end with the real nats-server: fake agents publish real messages, the control plane places
+replicas into ``<prefix>_assign`` and publishes endpoints into ``<prefix>_routing``."""
+
+from __future__ import annotations
+
+import logging
+
+from llmgw_common import bus
+from llmgw_common.messages import Assignment, RoutingEndpoints, ShardState
+from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
+
+from cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
+
+
+async def _assignments(nc, prefix: str) -> dict[str, Assignment]:
+    kv = await nc.jetstream().key_value(Subjects(prefix).bucket_assign)
+    out = {}
+    for k in await bus.kv_keys(kv):
+        a, _ = await bus.kv_get(kv, k, Assignment)
+        if a is not None and a.shards:
+            out[k] = a
+    return out
+
+
+async def _endpoints(nc, prefix: str) -> RoutingEndpoints | None:
+    kv = await nc.jetstream().key_value(Subjects(prefix).bucket_routing)
+    ep, _ = await bus.kv_get(kv, ROUTING_ENDPOINTS, RoutingEndpoints)
+    return ep
+
+
+async def test_fake_agents_get_assignments_then_endpoints(nats_server, prefix, bus_nc):
+    run = await start_cp(cp_settings(nats_server.url, prefix))
+    agents = [FakeAgent(bus_nc, prefix, f"gpu-{i}") for i in range(2)]
+    beating = Beating(agents, 0.1)
+    try:
+        for a in agents:
+            await a.send_inventory()
+        beating.start()
+        got = await eventually(lambda: _assignments(bus_nc, prefix))
+        shards = [(node, s) for node, a in got.items() for s in a.shards]
+        assert sorted(s.model for _, s in shards) == ["cpu-model", "small"]
+        fence = next(iter(got.values())).fence
+        assert fence == run.cp.lease.fence and fence > 0
+        small = next((n, s) for n, s in shards if s.model == "small")
+        assert len(small[1].gpus) == 1 and small[1].port > 0
+
+        # Not ready yet: the router is told why, in the user's terms.
+        ep = await eventually(lambda: _endpoints(bus_nc, prefix))
+        assert "small" not in ep.endpoints
+        assert "small" in ep.unavailable
+
+        by_node = {a.node: a for a in agents}
+        for node, s in shards:
+            await by_node[node].report(s.replica_id, s.shard, s.model, ShardState.READY, s.port)
+
+        async def both_ready():
+            e = await _endpoints(bus_nc, prefix)
+            return e if e and set(e.endpoints) == {"small", "cpu-model"} else None
+
+        ep = await eventually(both_ready)
+        url = ep.endpoints["small"][0].url
+        assert url == f"http://127.0.0.1:{small[1].port}"
+        assert ep.unavailable == {}
+        v1 = ep.version
+
+        # Steady state: nothing changes, nothing is rewritten.
+        writes = run.cp.assignments.writes
+        passes = run.cp.passes
+        await eventually(lambda: _gt(run.cp.passes, passes + 5))
+        assert run.cp.assignments.writes == writes
+        assert (await _endpoints(bus_nc, prefix)).version == v1
+    finally:
+        await beating.stop()
+        await run.stop()
+
+
+async def _gt(a: int, b: int) -> bool:
+    return a > b
+
+
+async def test_lost_node_replica_rebuilt_and_old_shard_dropped(nats_server, prefix, bus_nc):
+    run = await start_cp(
+        cp_settings(nats_server.url, prefix),
+        catalog_text="""
+models:
+  - name: small
+    engine: sim
+    replicas: 1
+    gpu_class: H100-80GB
+""",
+    )
+    agents = [FakeAgent(bus_nc, prefix, f"gpu-{i}") for i in range(2)]
+    beating = Beating(agents, 0.1)
+    try:
+        for a in agents:
+            await a.send_inventory()
+        beating.start()
+        got = await eventually(lambda: _assignments(bus_nc, prefix))
+        ((first_node, a1),) = got.items()
+        s = a1.shards[0]
+        by_node = {a.node: a for a in agents}
+        await by_node[first_node].report(s.replica_id, 0, "small", ShardState.READY, s.port)
+        await eventually(lambda: _has_endpoint(bus_nc, prefix, "small"))
+
+        # The node goes silent: unreachable, then lost; the replica is rebuilt on the survivor.
+        beating.paused.add(first_node)
+        other = next(n for n in by_node if n != first_node)
+
+        async def moved():
+            g = await _assignments(bus_nc, prefix)
+            return g if other in g and first_node not in g else None
+
+        g = await eventually(moved, timeout=10)
+        assert g[other].shards[0].replica_id != s.replica_id
+        ep = await _endpoints(bus_nc, prefix)
+        assert "small" not in ep.endpoints  # the lost node's endpoint is withdrawn
+        # The lost node's assignment no longer holds the replaced shard: if it comes back, it stops it.
+        kv = await bus_nc.jetstream().key_value(Subjects(prefix).bucket_assign)
+        old, _ = await bus.kv_get(kv, first_node, Assignment)
+        assert old is not None and old.shards == ()
+        node_view = run.cp.state.nodes[first_node]
+        assert str(run.cp.state.health(node_view, run.cp.clock())) == "lost"
+        # It returns: it reports healthy again and gets nothing new.
+        beating.paused.discard(first_node)
+        await eventually(lambda: _ready_node(run, first_node))
+    finally:
+        await beating.stop()
+        await run.stop()
+
+
+async def _ready_node(run, node):
+    return str(run.cp.state.health(run.cp.state.nodes[node], run.cp.clock())) == "ready"
+
+
+async def _has_endpoint(nc, prefix, model):
+    e = await _endpoints(nc, prefix)
+    return e is not None and model in e.endpoints
+
+
+async def test_garbage_on_every_subject_is_dropped_with_one_line_each(nats_server, prefix, bus_nc, caplog):
+    run = await start_cp(cp_settings(nats_server.url, prefix))
+    subj = Subjects(prefix)
+    agent = FakeAgent(bus_nc, prefix, "gpu-0")
+    try:
+        with caplog.at_level(logging.WARNING, logger="llmgw.controlplane"):
+            bad = [
+                b"\xc1",
+                b"",
+                b"\x93\x01\x02\x03",
+                b"\x81\xa2_v\x63",
+            ]  # not msgpack, empty, list, bad version
+            subjects = [
+                subj.heartbeat("gpu-0"),
+                subj.inventory("gpu-0"),
+                subj.status("gpu-0"),
+                subj.load("gpu-0"),
+                subj.idle("r1"),
+            ]
+            for s in subjects:
+                for b in bad:
+                    await bus_nc.publish(s, b)
+            await bus_nc.flush()
+            await eventually(lambda: _ge(run.cp.drops.count, len(bad) * len(subjects)))
+        lines = [r for r in caplog.records if "dropped undecodable" in r.getMessage()]
+        assert len(lines) == len(bad) * len(subjects)
+        # It keeps working: a real agent is still placed on.
+        await agent.send_inventory()
+        await agent.beat()
+        got = await eventually(lambda: _assignments(bus_nc, prefix))
+        assert "gpu-0" in got
+    finally:
+        await run.stop()
+
+
+async def _ge(a, b):
+    return a >= b
