@@ -228,3 +228,14 @@ async def test_embeddings_accept_token_id_inputs(srv: Listening, http: aiohttp.C
 async def test_unknown_path_is_404(srv: Listening, http: aiohttp.ClientSession) -> None:
     async with http.get(srv.url + "/v1/nothing") as r:
         assert r.status == 404
+
+
+async def test_stream_events_survive_quotes_and_unicode(client: openai.AsyncOpenAI) -> None:
+    words = 'say "hi" \\back ünïcode 😀'
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": words}], max_tokens=5, stream=True
+    )
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    assert text == words
+    comp = await client.completions.create(model=MODEL, prompt=words, max_tokens=5, stream=True)
+    assert "".join([c.choices[0].text async for c in comp if c.choices]) == words

@@ -176,7 +176,7 @@ class ChunkWriter:
     carries the usage, as OpenAI does.
     """
 
-    __slots__ = ("_chat", "_head", "_req", "_tail")
+    __slots__ = ("_cache", "_chat", "_head", "_req", "_tail", "_tok_post", "_tok_pre")
 
     def __init__(self, rid: str, created: int, req: GenRequest, chat: bool) -> None:
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -186,6 +186,13 @@ class ChunkWriter:
         self._tail = ', "usage": null}\n\n' if req.include_usage else "}\n\n"
         self._req = req
         self._chat = chat
+        # A token's event is this prefix, the JSON string of its text, and this suffix; the answer
+        # repeats a few words, so each distinct token is rendered once per stream.
+        field = '"delta": {"content": ' if chat else '"text": '
+        self._tok_pre = self._head + '[{"index": 0, ' + field
+        close = "}" if chat else ""
+        self._tok_post = close + ', "logprobs": null, "finish_reason": null}]' + self._tail
+        self._cache: dict[str, str] = {}
 
     def _event(self, choice: dict[str, Any]) -> str:
         return self._head + "[" + json.dumps(choice) + "]" + self._tail
@@ -204,12 +211,10 @@ class ChunkWriter:
         )
 
     def token(self, text: str) -> str:
-        if self._chat:
-            choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None}
-        choice["finish_reason"] = None
-        return self._event(choice)
+        event = self._cache.get(text)
+        if event is None:
+            event = self._cache[text] = self._tok_pre + json.dumps(text) + self._tok_post
+        return event
 
     def end(self, completion: int) -> str:
         """The finishing chunk, the usage chunk when asked for, and ``[DONE]``."""
