@@ -122,6 +122,13 @@ def test_real_node_engines(tmp_path: Path, meminfo: str) -> None:
         assert inv.simulated is False
 
 
+def test_simulate_engines_on_a_real_node_offers_every_engine(tmp_path: Path, meminfo: str) -> None:
+    s = _settings(simulate_engines=True, llama_server=str(tmp_path / "absent"), vllm=str(tmp_path / "absent"))
+    inv = collect_inventory(s, "b", 0.0, nvml=FakeNvml(load_machine("l4x1")), meminfo_path=meminfo)
+    assert inv.engines == ("sim", "vllm", "llamacpp") and inv.simulated is True
+    assert [g.gpu_class for g in inv.gpus] == ["L4-24GB"]  # the GPUs are still the real ones
+
+
 def test_real_node_with_nvml_gpus(meminfo: str) -> None:
     fake = FakeNvml(load_machine("a100x8_failing"))
     inv = collect_inventory(_settings(), "b", 0.0, nvml=fake, meminfo_path=meminfo)

@@ -12,6 +12,7 @@ from weights_files import F32, Q4_K, gguf_bytes, safetensors_bytes, write
 
 from llmgw_agent.storage import (
     Mount,
+    WeightsCache,
     gguf_problem,
     is_shared_fstype,
     locate,
@@ -261,3 +262,33 @@ def test_scan_marks_shared_through_a_symlink(tmp_path: Path) -> None:
         ("qwen", False, None),
     }
     assert {w.path for w in report.weights} == {str(local / "llama"), str(local / "qwen")}
+
+
+def test_dangling_symlink_in_a_model_dir_is_a_problem_not_weights(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    write(models / "m" / "config.json", CONFIG)
+    (models / "m" / "model.safetensors").symlink_to(tmp_path / "blobs" / "gone")
+    report = scan_model_dirs([str(models)], ())
+    assert report.weights == ()
+    assert len(report.problems) == 1 and report.problems[0].startswith(str(models / "m"))
+
+
+def test_cache_reuses_verdicts_until_files_change(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    gguf = write(models / "g.gguf", gguf_bytes()[:-300])  # still being written
+    _sharded(models / "st")
+    cache = WeightsCache()
+    assert [w.name for w in scan_model_dirs([str(models)], (), cache=cache).weights] == ["st"]
+    assert cache.checks == 2
+    assert [w.name for w in scan_model_dirs([str(models)], (), cache=cache).weights] == ["st"]
+    assert cache.checks == 2  # nothing changed: nothing re-read
+    gguf.write_bytes(gguf_bytes())  # the download finished
+    assert [w.name for w in scan_model_dirs([str(models)], (), cache=cache).weights] == ["g", "st"]
+    assert cache.checks == 3
+    write(models / "g.gguf.part", b"")  # a new download over it started
+    (models / "st" / "model-00002-of-00002.safetensors").unlink()
+    assert scan_model_dirs([str(models)], (), cache=cache).weights == ()
+    assert cache.checks == 5
+    gguf.unlink()
+    scan_model_dirs([str(models)], (), cache=cache)
+    assert str(gguf) not in cache._verdicts  # forgotten once gone

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from llmgw_agent.gpus import GpuProbe, NvmlApi
 from llmgw_agent.sim_gpus import sim_gpus
-from llmgw_agent.storage import read_mounts, scan_model_dirs
+from llmgw_agent.storage import WeightsCache, read_mounts, scan_model_dirs
 from llmgw_common.messages import GpuInfo, Inventory
 from llmgw_common.settings import AgentSettings
 
@@ -80,6 +80,7 @@ def collect_inventory(
     *,
     nvml: NvmlApi | None = None,
     probe: GpuProbe | None = None,
+    weights_cache: WeightsCache | None = None,
     meminfo_path: str = "/proc/meminfo",
     mountinfo_path: str = "/proc/self/mountinfo",
 ) -> Inventory:
@@ -92,7 +93,9 @@ def collect_inventory(
 
     A node is simulated when it has ``sim_gpus`` (GPUs and, if given, ``sim_memory_gb`` come from
     settings) or ``simulate_engines`` (every engine runs as the simulator, so all are offered).
-    Blocking (NVML, file system): call it from a worker thread in async code.
+    Likewise ``weights_cache`` keeps verdicts on unchanged model directories and GGUF files between
+    calls (a GGUF check walks its whole vocabulary). Blocking (NVML, file system): call it from a
+    worker thread in async code.
     """
     simulated = bool(s.sim_gpus) or s.simulate_engines
     if s.sim_gpus:
@@ -109,7 +112,8 @@ def collect_inventory(
         memory_gb: float | None = s.sim_memory_gb
     else:
         memory_gb = read_memory_gb(meminfo_path)
-    storage = scan_model_dirs(s.model_dirs, read_mounts(mountinfo_path) if s.model_dirs else ())
+    mounts = read_mounts(mountinfo_path) if s.model_dirs else ()
+    storage = scan_model_dirs(s.model_dirs, mounts, cache=weights_cache)
     return Inventory(
         node=s.node,
         boot_id=boot_id,

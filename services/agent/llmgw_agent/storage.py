@@ -376,31 +376,75 @@ def _index_problem(directory: Path, index: Path) -> str | None:
     return None
 
 
-def _size(candidate: Path) -> int | None:
-    try:
-        if candidate.is_file():
-            return candidate.stat().st_size
-        return sum(f.stat().st_size for f in _files(candidate))
-    except OSError:
-        return None
+Fingerprint = tuple[tuple[str, int, int, int], ...]
+
+
+def fingerprint(candidate: Path) -> Fingerprint:
+    """What a candidate looks like on disk: each file's relative path, size, mtime and inode.
+
+    Includes a standalone file's partial-download siblings ("m.gguf.part"). Raises OSError.
+    """
+    if candidate.is_file():
+        files = [candidate] + [
+            sib for sfx in PARTIAL_SUFFIXES if (sib := candidate.with_name(candidate.name + sfx)).exists()
+        ]
+        base = candidate.parent
+    else:
+        files, base = _files(candidate), candidate
+    out = []
+    for f in files:
+        st = f.stat()
+        out.append((str(f.relative_to(base)), st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(out)
+
+
+class WeightsCache:
+    """Verdicts on candidates, reused while their files look the same (same sizes and mtimes).
+
+    Checking a GGUF walks its whole tokenizer vocabulary; the agent re-collects its inventory every
+    few seconds, so it keeps one of these for its life and only changed candidates are re-read.
+    """
+
+    def __init__(self) -> None:
+        self._verdicts: dict[str, tuple[Fingerprint, str | None]] = {}
+        self.checks = 0
+
+    def problem(self, candidate: Path, fp: Fingerprint) -> str | None:
+        key = str(candidate)
+        hit = self._verdicts.get(key)
+        if hit is not None and hit[0] == fp:
+            return hit[1]
+        self.checks += 1
+        verdict = weights_problem(candidate)
+        self._verdicts[key] = (fp, verdict)
+        return verdict
+
+    def keep_only(self, keys: set[str]) -> None:
+        for key in set(self._verdicts) - keys:
+            del self._verdicts[key]
 
 
 def _candidates(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if p.is_dir() or (p.is_file() and p.name.endswith(".gguf")))
 
 
-def scan_model_dirs(dirs: Iterable[str], mounts: Sequence[Mount]) -> StorageReport:
+def scan_model_dirs(
+    dirs: Iterable[str], mounts: Sequence[Mount], *, cache: WeightsCache | None = None
+) -> StorageReport:
     """What weights the configured directories hold, each marked shared or local.
 
     No directories configured: ``looked=False``, which is not "looked and found nothing" (#4).
     Candidates are each immediate subdirectory and each standalone .gguf file, named by their
-    directory or file name; a candidate that is not complete weights is left out (logged at debug).
+    directory or file name (without ".gguf"); a candidate that is not complete weights is left out
+    (logged at debug). ``cache`` keeps verdicts between scans of unchanged candidates.
     """
     dirs = list(dirs)
     if not dirs:
         return StorageReport(looked=False)
+    cache = cache if cache is not None else WeightsCache()
     weights: list[WeightsEntry] = []
     problems: list[str] = []
+    seen: set[str] = set()
     for d in dirs:
         directory = Path(d)
         try:
@@ -409,14 +453,29 @@ def scan_model_dirs(dirs: Iterable[str], mounts: Sequence[Mount]) -> StorageRepo
             problems.append(f"{d}: {e.strerror or e}")
             continue
         for c in candidates:
-            problem = weights_problem(c)
+            try:
+                fp = fingerprint(c)
+            except OSError as e:
+                # Unreadable, or a symlink into nothing (a snapshot whose blob is gone): not
+                # weights, and worth an operator's look.
+                problems.append(f"{c}: {e.strerror or e}")
+                continue
+            seen.add(str(c))
+            problem = cache.problem(c, fp)
             if problem:
                 log.debug("%s is not weights: %s", c, problem)
                 continue
-            real = os.path.realpath(c)
-            shared, filer = locate(real, mounts)
-            name = c.name[: -len(".gguf")] if c.name.endswith(".gguf") and c.is_file() else c.name
+            shared, filer = locate(os.path.realpath(c), mounts)
+            is_gguf_file = c.name.endswith(".gguf") and c.is_file()
             weights.append(
-                WeightsEntry(name=name, path=str(c), shared=shared, filer_id=filer, size_bytes=_size(c))
+                WeightsEntry(
+                    name=c.name[: -len(".gguf")] if is_gguf_file else c.name,
+                    path=str(c),
+                    shared=shared,
+                    filer_id=filer,
+                    # The weight file itself for a GGUF; everything in the directory otherwise.
+                    size_bytes=fp[0][1] if is_gguf_file else sum(f[1] for f in fp),
+                )
             )
+    cache.keep_only(seen)
     return StorageReport(looked=True, weights=tuple(weights), problems=tuple(problems))
