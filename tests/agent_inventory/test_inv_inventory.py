@@ -15,6 +15,7 @@ from weights_files import safetensors_bytes, write
 from llmgw_agent.gpus import GpuProbe
 from llmgw_agent.inventory import collect_inventory, parse_meminfo_gb, read_memory_gb
 from llmgw_agent.sim_gpus import parse_sim_gpus, sim_gpus
+from llmgw_agent.storage import WeightsCache
 from llmgw_common.codec import decode, encode
 from llmgw_common.messages import Inventory
 from llmgw_common.settings import AgentSettings
@@ -158,8 +159,11 @@ def test_storage_wiring(tmp_path: Path, meminfo: str) -> None:
         f"22 1 259:2 / / rw - ext4 /dev/sda1 rw\n41 22 0:50 / {models} rw - nfs4 filer1:/export/models rw\n",
     )
     nvml = FakeNvml({"gpus": []})
-    inv = collect_inventory(_settings(model_dirs=[str(models)]), "b", 0.0, nvml=nvml, meminfo_path=meminfo,
-                            mountinfo_path=str(mountinfo))  # fmt: skip
+    cache = WeightsCache()
+    for _ in range(2):
+        inv = collect_inventory(_settings(model_dirs=[str(models)]), "b", 0.0, nvml=nvml, meminfo_path=meminfo,
+                                mountinfo_path=str(mountinfo), weights_cache=cache)  # fmt: skip
+    assert cache.checks == 1  # the second collection reused the verdict
     assert inv.storage.looked
     assert [(w.name, w.shared, w.filer_id) for w in inv.storage.weights] == [
         ("qwen", True, "filer1:/export/models")
