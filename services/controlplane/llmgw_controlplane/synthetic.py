@@ -12,7 +12,6 @@ from types import MappingProxyType
 
 from llmgw_common.catalog import Catalog, ModelProfile
 from llmgw_common.messages import ShardState
-
 from llmgw_controlplane.plan import Plan, ReconcileMemo
 from llmgw_controlplane.reconciler import reconcile
 from llmgw_controlplane.snapshot import GpuView, NodeView, ReplicaView, ShardView, Snapshot
@@ -46,9 +45,13 @@ def synthetic_catalog(models: int) -> Catalog:
         elif kind in (1, 2):
             p = ModelProfile(name=f"model-{i}", engine="sim", replicas=1 + i % 2)
         elif kind < 8:
-            p = ModelProfile(name=f"model-{i}", engine="vllm", gpu_class=GPU_CLASS, gpus_per_node=4, replicas=1 + i % 2)
+            p = ModelProfile(
+                name=f"model-{i}", engine="vllm", gpu_class=GPU_CLASS, gpus_per_node=4, replicas=1 + i % 2
+            )
         else:
-            p = ModelProfile(name=f"model-{i}", engine="vllm", gpu_class=GPU_CLASS, gpus_per_node=1, replicas=1 + i % 3)
+            p = ModelProfile(
+                name=f"model-{i}", engine="vllm", gpu_class=GPU_CLASS, gpus_per_node=1, replicas=1 + i % 3
+            )
         out.append(p)
     return Catalog(models=tuple(out))
 
