@@ -1,0 +1,390 @@
+"""Delivery to one webhook target: its own durable consumer, retries, order, and acks after 2xx.
+
+Each target has its own durable pull consumer on the events stream (``<prefix>-notifier-<hash of the
+URL>``). JetStream therefore keeps, per event and per target, whether that target took it: a target
+that is down holds back only its own events, and a notifier killed after Slack took an event but
+before the JSON receiver did re-sends it to the JSON receiver only. An event is acknowledged on a
+target's consumer only after that target answered 2xx (and the ack is flushed to the server before
+the next event is sent, so a crash repeats at most the message that was in flight).
+
+One worker per target sends one message at a time, in stream order: a receiver that was down for
+five minutes gets everything afterwards, in order. Held events are kept alive with in-progress acks,
+so only a dead notifier's events come back (after ``ack_wait_s``); after a restart, newer events wait
+until those have come back, so order survives a crash too.
+
+A message that no retry delivered within ``retry_for_s`` is logged as an error, counted, and
+terminated (``term``): blocking a target forever would hold back every later alert. The event stays
+in the stream (bounded age) for anyone who wants to replay it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from fnmatch import fnmatchcase
+
+import httpx
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from llmgw_common.bus import DropLog
+from llmgw_common.codec import DecodeError, decode
+from llmgw_common.messages import Event, Webhook
+from llmgw_common.settings import NotifierSettings
+from llmgw_common.subjects import Subjects
+from llmgw_notifier.formats import Rendered, render
+from llmgw_notifier.grouping import Held, plan_groups
+
+log = logging.getLogger("llmgw.notifier.delivery")
+
+# Events fetched per pull; also the most a worker holds for grouping beyond what it is sending.
+FETCH_BATCH = 256
+MAX_ACK_PENDING = 10_000
+# Longest wait for new events in one pull (shutdown cancels it; this only bounds a stale request).
+IDLE_POLL_S = 5.0
+# Sequences remembered as taken, so a redelivery of an event whose ack was lost is not re-sent.
+DONE_MEMORY = 20_000
+
+
+@dataclass
+class NotifierStats:
+    """Counters a test or a log line can read; one object per notifier."""
+
+    delivered_events: int = 0
+    delivered_messages: int = 0
+    failed_attempts: int = 0
+    gave_up_events: int = 0
+    filtered_events: int = 0
+    undecodable_events: int = 0
+    events_emitted: int = 0
+    up: bool = False  # settings and catalog read, workers started
+    per_target: dict[str, int] = field(default_factory=dict)
+
+
+def consumer_name(prefix: str, target_id: str) -> str:
+    return f"{prefix}-notifier-{target_id}"
+
+
+def wants(hook: Webhook, kind: str) -> bool:
+    """Whether ``hook`` takes events of ``kind``: no filter takes all; ``node.*`` style patterns work."""
+    if hook.events is None:
+        return True
+    return any(fnmatchcase(kind, pattern) for pattern in hook.events)
+
+
+def backoff_delay(attempt: int, base: float, cap: float, rand: float) -> float:
+    """Delay before retry ``attempt`` (1-based): doubling from ``base`` up to ``cap``, then jittered
+    into its upper half with ``rand`` in [0, 1), so many notifiers do not retry in step."""
+    ceiling = min(cap, base * (2.0 ** (attempt - 1)))
+    return ceiling * (0.5 + 0.5 * rand)
+
+
+def retry_after_s(resp: httpx.Response) -> float | None:
+    """A receiver's ``Retry-After`` in seconds (Slack sends it with 429); None when absent or a date."""
+    value = resp.headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    ok: bool
+    attempts: int
+    last_error: str | None
+
+
+async def post_until_taken(
+    client: httpx.AsyncClient,
+    url: str,
+    msg: Rendered,
+    s: NotifierSettings,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    rng: Callable[[], float] = random.random,
+    stats: NotifierStats | None = None,
+) -> Outcome:
+    """POST ``msg`` until the receiver answers 2xx or ``s.retry_for_s`` has passed."""
+    deadline = clock() + s.retry_for_s
+    attempt = 0
+    while True:
+        attempt += 1
+        wait_hint: float | None = None
+        try:
+            resp = await client.post(url, content=msg.body, headers=msg.headers, timeout=s.http_timeout_s)
+        except httpx.HTTPError as e:
+            error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        else:
+            if 200 <= resp.status_code < 300:
+                return Outcome(True, attempt, None)
+            error = f"HTTP {resp.status_code}: {resp.text[:200]!r}"
+            wait_hint = retry_after_s(resp)
+        if stats is not None:
+            stats.failed_attempts += 1
+        now = clock()
+        if now >= deadline:
+            return Outcome(False, attempt, error)
+        delay = backoff_delay(attempt, s.retry_base_s, s.retry_max_s, rng())
+        if wait_hint is not None:
+            delay = max(delay, wait_hint)
+        delay = min(delay, deadline - now)
+        level = logging.WARNING if attempt == 1 or attempt % 10 == 0 else logging.DEBUG
+        log.log(
+            level,
+            "webhook %s did not take %s (attempt %d: %s); retrying in %.1fs",
+            url,
+            msg.id,
+            attempt,
+            error,
+            delay,
+        )
+        await sleep(delay)
+
+
+class StartGate:
+    """After a restart, the events a dead notifier held come back only once their ack wait lapses;
+    newer events must not overtake them. Until as many of the old ones as were outstanding have come
+    back (or a deadline passes, in case some were acknowledged out of order), only events at or below
+    the last sequence the consumer had handed out may be sent."""
+
+    def __init__(
+        self, last_delivered: int, outstanding: int, deadline: float, already: Iterable[int] = ()
+    ) -> None:
+        self.last_delivered = last_delivered
+        self.outstanding = outstanding
+        self.deadline = deadline
+        self.seen: set[int] = {s for s in already if s <= last_delivered}
+
+    def saw(self, seq: int) -> None:
+        if seq <= self.last_delivered:
+            self.seen.add(seq)
+
+    def is_open(self, now: float) -> bool:
+        return len(self.seen) >= self.outstanding or now >= self.deadline
+
+    def admits(self, seq: int, now: float) -> bool:
+        return seq <= self.last_delivered or self.is_open(now)
+
+
+class TargetWorker:
+    """Delivers the events stream to one webhook, in order, acking each event after a 2xx."""
+
+    def __init__(
+        self,
+        *,
+        target_id: str,
+        hook: Webhook,
+        since: float,
+        nc: NATS,
+        js: JetStreamContext,
+        subjects: Subjects,
+        settings: NotifierSettings,
+        http: httpx.AsyncClient,
+        stats: NotifierStats,
+        drops: DropLog,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.target_id = target_id
+        self.hook = hook  # replaced in place when the settings change (secret, filter, format)
+        self.since = since
+        self.nc = nc
+        self.js = js
+        self.subjects = subjects
+        self.s = settings
+        self.http = http
+        self.stats = stats
+        self.drops = drops
+        self.clock = clock
+        self.name = consumer_name(subjects.prefix, target_id)
+        self.held: dict[int, Held] = {}
+        self.msgs: dict[int, Msg] = {}
+        self._done: set[int] = set()
+        self._done_order: deque[int] = deque()
+        self._gate: StartGate | None = None
+
+    # ------------------------------------------------------------ consumer
+
+    def consumer_config(self) -> ConsumerConfig:
+        return ConsumerConfig(
+            durable_name=self.name,
+            name=self.name,
+            description=f"llmgw notifier: deliveries to {self.hook.url}",
+            deliver_policy=DeliverPolicy.BY_START_TIME,
+            opt_start_time=datetime.fromtimestamp(self.since, UTC),  # type: ignore[arg-type]
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.s.ack_wait_s,
+            max_deliver=-1,
+            max_ack_pending=MAX_ACK_PENDING,
+            filter_subject=self.subjects.all_events(),
+        )
+
+    async def _bind(self) -> JetStreamContext.PullSubscription:
+        return await self.js.pull_subscribe(
+            self.subjects.all_events(),
+            durable=self.name,
+            stream=self.subjects.events_stream,
+            config=self.consumer_config(),
+        )
+
+    # ------------------------------------------------------------ loop
+
+    async def run(self) -> None:
+        """Until cancelled: bind, pull, group, send, ack. NATS trouble rebinds after a pause."""
+        keepalive = asyncio.create_task(self._keepalive(), name=f"notifier-keepalive-{self.target_id}")
+        try:
+            while True:
+                try:
+                    await self._session()
+                except nats.errors.Error as e:
+                    log.warning(
+                        "target %s: bus trouble (%s: %s); rebinding in 1s", self.hook.url, type(e).__name__, e
+                    )
+                    await asyncio.sleep(1.0)
+        finally:
+            keepalive.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keepalive
+            await self._release()
+
+    async def _session(self) -> None:
+        sub = await self._bind()
+        try:
+            info = await sub.consumer_info()
+            if self._gate is None:
+                margin = max(2.0, self.s.ack_wait_s / 2)
+                last = info.delivered.stream_seq if info.delivered else 0
+                self._gate = StartGate(
+                    last or 0, info.num_ack_pending or 0, self.clock() + self.s.ack_wait_s + margin, self.held
+                )
+                if not self._gate.is_open(self.clock()):
+                    log.info(
+                        "target %s: %d event(s) the previous notifier held come back within %.0fs; "
+                        "newer ones wait for them",
+                        self.hook.url,
+                        self._gate.outstanding,
+                        self.s.ack_wait_s,
+                    )
+            while True:
+                wake = await self._send_ready()
+                timeout = IDLE_POLL_S if wake is None else min(IDLE_POLL_S, max(0.05, wake - self.clock()))
+                try:
+                    msgs = await sub.fetch(FETCH_BATCH, timeout=timeout)
+                except TimeoutError:
+                    continue
+                for m in msgs:
+                    await self._take(m)
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
+    async def _take(self, msg: Msg) -> None:
+        seq = msg.metadata.sequence.stream
+        if self._gate is not None:
+            self._gate.saw(seq)
+        if seq in self._done:
+            # Taken before; its ack was lost. Confirm again, do not re-send.
+            await msg.ack()
+            return
+        if seq in self.msgs:
+            self.msgs[seq] = msg
+            return
+        try:
+            event = decode(msg.data, Event)
+        except DecodeError as e:
+            self.drops.drop(msg.subject, str(e))
+            self.stats.undecodable_events += 1
+            await msg.term()
+            self._mark_done(seq)
+            return
+        if not wants(self.hook, event.kind):
+            self.stats.filtered_events += 1
+            await msg.ack()
+            self._mark_done(seq)
+            return
+        self.held[seq] = Held(seq, event, self.clock())
+        self.msgs[seq] = msg
+
+    async def _send_ready(self) -> float | None:
+        """Send every group that is ready, in order; the time the next one will be (None: none)."""
+        now = self.clock()
+        gate = self._gate
+        held = [h for h in self.held.values() if gate is None or gate.admits(h.seq, now)]
+        plan = plan_groups(held, now, self.s.group_window_s)
+        for group in plan.ready:
+            rendered = render(group.events, self.hook)
+            outcome = await post_until_taken(self.http, self.hook.url, rendered, self.s, stats=self.stats)
+            seqs = group.seqs
+            if outcome.ok:
+                for seq in seqs:
+                    await self.msgs[seq].ack()
+                self.stats.delivered_events += len(seqs)
+                self.stats.delivered_messages += 1
+                self.stats.per_target[self.hook.url] = self.stats.per_target.get(self.hook.url, 0) + 1
+            else:
+                log.error(
+                    "GAVE UP delivering %s (%d event(s): %s) to %s after %d attempts over %.0fs: %s; "
+                    "it stays in stream %s until it ages out",
+                    rendered.id,
+                    len(seqs),
+                    ", ".join(e.id for e in group.events[:10]),
+                    self.hook.url,
+                    outcome.attempts,
+                    self.s.retry_for_s,
+                    outcome.last_error,
+                    self.subjects.events_stream,
+                )
+                for seq in seqs:
+                    await self.msgs[seq].term()
+                self.stats.gave_up_events += len(seqs)
+            # The acks must reach the server before the next message goes out: a crash then repeats
+            # only the message in flight. A failed flush leaves them buffered for the reconnect.
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                await self.nc.flush(timeout=5)
+            for seq in seqs:
+                self.held.pop(seq, None)
+                self.msgs.pop(seq, None)
+                self._mark_done(seq)
+        if gate is not None and len(held) < len(self.held):
+            # Some are held back by the gate: look again soon.
+            nxt = min(gate.deadline, now + 0.5)
+            return nxt if plan.wake_at is None else min(plan.wake_at, nxt)
+        return plan.wake_at
+
+    def _mark_done(self, seq: int) -> None:
+        self._done.add(seq)
+        self._done_order.append(seq)
+        while len(self._done_order) > DONE_MEMORY:
+            self._done.discard(self._done_order.popleft())
+
+    async def _keepalive(self) -> None:
+        """Tell JetStream the held events are being worked on, so they are not redelivered."""
+        period = max(0.2, self.s.ack_wait_s / 3)
+        while True:
+            await asyncio.sleep(period)
+            for m in list(self.msgs.values()):
+                with contextlib.suppress(nats.errors.Error):
+                    await m.in_progress()
+
+    async def _release(self) -> None:
+        """On a clean stop, hand held events straight back (nak) so a restart need not wait for them."""
+        for m in list(self.msgs.values()):
+            with contextlib.suppress(nats.errors.Error):
+                await m.nak()
+        self.held.clear()
+        self.msgs.clear()
+        with contextlib.suppress(nats.errors.Error, TimeoutError):
+            await self.nc.flush(timeout=2)

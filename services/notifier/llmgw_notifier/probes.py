@@ -1,0 +1,338 @@
+"""Probes of watched models: a tiny real request through a router, every ``probe_every``.
+
+A probe fails when the router does not answer 2xx within the model's ``budget`` (a slow answer that
+arrives within the budget is a success: a cold model is not a down one). ``failures`` failures in a
+row emit ``model.down`` once; the next success emits ``model.recovered`` once. A 401/403 says the
+notifier's probe key is wrong, not that the model is down: it is logged and changes nothing.
+
+Events go into the events stream like the control plane's, with a stable id
+``model.down:<model>:probe:<episode start, ms>`` (and ``model.recovered:`` with the same episode), so
+a retried publish is dropped by JetStream's duplicate window. The control plane independently emits
+``model.down`` when a watched model has no ready replica; both may fire for one outage (they say
+different things: "no replica" and "not answering"), and ``details.source`` tells them apart.
+
+State survives a restart: at start the notifier replays the probe events still in the stream, so a
+model it had declared down is not declared down again, and its recovery is still announced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+import nats.errors
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from llmgw_common.bus import DropLog
+from llmgw_common.catalog import WatchSpec
+from llmgw_common.codec import DecodeError, decode, encode
+from llmgw_common.durations import format_duration
+from llmgw_common.messages import Event, RoutingCatalog
+from llmgw_common.settings import NotifierSettings
+from llmgw_common.subjects import ROUTING_CATALOG, Subjects
+from llmgw_notifier.delivery import NotifierStats
+from llmgw_notifier.formats import utc
+
+log = logging.getLogger("llmgw.notifier.probes")
+
+DOWN = "model.down"
+RECOVERED = "model.recovered"
+SOURCE = "probe"
+
+
+# ---------------------------------------------------------------- the decision (pure)
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeState:
+    failures: int = 0  # in a row
+    streak_start: float | None = None  # wall time of the first failure of the current streak
+    down_since: float | None = None  # set once model.down was emitted: the episode
+    last_error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    kind: str  # DOWN or RECOVERED
+    episode: float  # the streak's first failure: the same for the down and its recovery
+
+
+def observe(
+    state: ProbeState, ok: bool, now: float, failures_needed: int, error: str | None = None
+) -> tuple[ProbeState, Transition | None]:
+    """The state after one conclusive probe, and the event it calls for, if any."""
+    if ok:
+        if state.down_since is not None:
+            return ProbeState(), Transition(RECOVERED, state.down_since)
+        return ProbeState(), None
+    start = state.streak_start if state.streak_start is not None else now
+    failures = state.failures + 1
+    nxt = replace(state, failures=failures, streak_start=start, last_error=error)
+    if state.down_since is None and failures >= failures_needed:
+        return replace(nxt, down_since=start), Transition(DOWN, start)
+    return nxt, None
+
+
+def event_id(kind: str, model: str, episode: float) -> str:
+    return f"{kind}:{model}:{SOURCE}:{int(episode * 1000)}"
+
+
+def probe_event(
+    model: str, tr: Transition, state: ProbeState, spec: WatchSpec, now: float, router_url: str
+) -> Event:
+    details: dict[str, Any] = {
+        "source": SOURCE,
+        "since": tr.episode,
+        "budget_s": spec.budget,
+        "probe_every_s": spec.probe_every,
+        "router": router_url,
+    }
+    if tr.kind == DOWN:
+        details["failures"] = state.failures
+        details["last_error"] = state.last_error
+        summary = (
+            f"model {model} is not answering: {state.failures} probe(s) in a row failed or took longer than "
+            f"{spec.budget:g}s, since {utc(tr.episode)}; last: {state.last_error}"
+        )
+    else:
+        details["down_for_s"] = max(0.0, now - tr.episode)
+        summary = (
+            f"model {model} answers again (down since {utc(tr.episode)}, {format_duration(now - tr.episode)})"
+        )
+    return Event(
+        id=event_id(tr.kind, model, tr.episode),
+        kind=tr.kind,
+        subject=model,
+        time=now,
+        summary=summary,
+        details=details,
+    )
+
+
+# ---------------------------------------------------------------- one probe (I/O)
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    ok: bool
+    conclusive: bool
+    error: str | None
+    elapsed: float
+
+
+async def probe_once(
+    client: httpx.AsyncClient,
+    router_url: str,
+    key: str | None,
+    model: str,
+    budget: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> ProbeResult:
+    """One ``/v1/chat/completions`` request with ``max_tokens: 1``, bounded by ``budget`` overall."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "ping"}],
+        "max_tokens": 1,
+        "stream": False,
+    }
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    url = router_url.rstrip("/") + "/v1/chat/completions"
+    t0 = clock()
+    try:
+        async with asyncio.timeout(budget):
+            resp = await client.post(url, json=body, headers=headers, timeout=budget)
+    except (TimeoutError, httpx.TimeoutException):
+        return ProbeResult(False, True, f"no answer within the {budget:g}s budget", clock() - t0)
+    except httpx.HTTPError as e:
+        return ProbeResult(False, True, f"router {router_url} unreachable ({type(e).__name__})", clock() - t0)
+    elapsed = clock() - t0
+    if resp.status_code in (401, 403):
+        return ProbeResult(
+            False,
+            False,
+            f"the router refused the probe key (HTTP {resp.status_code}); set probe_key to a key allowed for {model}",
+            elapsed,
+        )
+    if 200 <= resp.status_code < 300:
+        return ProbeResult(True, True, None, elapsed)
+    return ProbeResult(False, True, f"HTTP {resp.status_code}: {resp.text[:200]}", elapsed)
+
+
+# ---------------------------------------------------------------- the prober (tasks, bus)
+
+
+class Prober:
+    """Probes every watched model of the routing catalog; ``on_catalog`` is a KvFollower callback."""
+
+    def __init__(
+        self,
+        *,
+        js: JetStreamContext,
+        subjects: Subjects,
+        settings: NotifierSettings,
+        http: httpx.AsyncClient,
+        stats: NotifierStats,
+        drops: DropLog,
+        wall: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.js = js
+        self.subjects = subjects
+        self.s = settings
+        self.http = http
+        self.stats = stats
+        self.drops = drops
+        self.wall = wall
+        self.clock = clock
+        self.specs: dict[str, WatchSpec] = {}
+        self.states: dict[str, ProbeState] = {}
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        # Events whose publish failed, in order, per model: retried before the next one.
+        self.unsent: dict[str, list[Event]] = {}
+        self._warned_key: set[str] = set()
+
+    async def restore(self) -> None:
+        """Rebuild which models this notifier had declared down from the probe events in the stream."""
+        cfg = ConsumerConfig(
+            ack_policy=AckPolicy.NONE,
+            deliver_policy=DeliverPolicy.ALL,
+            filter_subjects=[self.subjects.event(DOWN), self.subjects.event(RECOVERED)],
+            inactive_threshold=30.0,
+        )
+        sub = await self.js.pull_subscribe("", stream=self.subjects.events_stream, config=cfg)
+        try:
+            pending = (await sub.consumer_info()).num_pending or 0
+            while pending > 0:
+                try:
+                    msgs = await sub.fetch(min(pending, 256), timeout=2.0)
+                except TimeoutError:
+                    break
+                pending -= len(msgs)
+                for m in msgs:
+                    self._replay(m.data)
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                await self.js.delete_consumer(self.subjects.events_stream, sub._consumer)
+        down = [m for m, st in self.states.items() if st.down_since is not None]
+        if down:
+            log.info("models declared down by probes before this start: %s", ", ".join(sorted(down)))
+
+    def _replay(self, data: bytes) -> None:
+        try:
+            ev = decode(data, Event)
+        except DecodeError:
+            return
+        if ev.details.get("source") != SOURCE:
+            return
+        since = ev.details.get("since")
+        if ev.kind == DOWN and isinstance(since, int | float):
+            self.states[ev.subject] = ProbeState(
+                failures=int(ev.details.get("failures") or 0),
+                streak_start=float(since),
+                down_since=float(since),
+                last_error=ev.details.get("last_error"),
+            )
+        elif ev.kind == RECOVERED:
+            self.states.pop(ev.subject, None)
+
+    async def on_catalog(self, key: str, value: bytes | None, rev: int) -> None:
+        if key != ROUTING_CATALOG:
+            return
+        if value is None:
+            watched: dict[str, WatchSpec] = {}
+        else:
+            try:
+                rc = decode(value, RoutingCatalog)
+            except DecodeError as e:
+                self.drops.drop(f"{self.subjects.bucket_routing}/{key}", str(e))
+                return  # keep probing what we know
+            watched = {m.name: m.watch for m in rc.catalog.models if m.watch is not None}
+        self.apply(watched)
+
+    def apply(self, watched: dict[str, WatchSpec]) -> None:
+        """Start, restart (changed spec) or stop probe loops to match ``watched``."""
+        for model in [m for m in self.tasks if m not in watched]:
+            self.tasks.pop(model).cancel()
+            self.specs.pop(model, None)
+            self.states.pop(model, None)
+            self.unsent.pop(model, None)
+            log.info("model %s is no longer watched: probes stop", model)
+        for model, spec in watched.items():
+            if self.specs.get(model) == spec and model in self.tasks and not self.tasks[model].done():
+                continue
+            old = self.tasks.pop(model, None)
+            if old is not None:
+                old.cancel()
+            self.specs[model] = spec
+            self.tasks[model] = asyncio.create_task(self._loop(model, spec), name=f"probe-{model}")
+            log.info(
+                "probing %s every %gs (budget %gs, down after %d failure(s))",
+                model,
+                spec.probe_every,
+                spec.budget,
+                spec.failures,
+            )
+
+    async def close(self) -> None:
+        tasks = list(self.tasks.values())
+        self.tasks.clear()
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+    async def _loop(self, model: str, spec: WatchSpec) -> None:
+        while True:
+            t0 = self.clock()
+            result = await probe_once(
+                self.http, self.s.router_url, self.s.probe_key, model, spec.budget, self.clock
+            )
+            await self.record(model, spec, result)
+            await asyncio.sleep(max(0.0, spec.probe_every - (self.clock() - t0)))
+
+    async def record(self, model: str, spec: WatchSpec, result: ProbeResult) -> None:
+        """Fold one probe result into the model's state; publish the event it calls for."""
+        if not result.conclusive:
+            if model not in self._warned_key:
+                self._warned_key.add(model)
+                log.error("probe of %s: %s", model, result.error)
+            return
+        self._warned_key.discard(model)
+        if not result.ok:
+            log.info("probe of %s failed after %.2fs: %s", model, result.elapsed, result.error)
+        now = self.wall()
+        state, tr = observe(self.states.get(model, ProbeState()), result.ok, now, spec.failures, result.error)
+        self.states[model] = state
+        queue = self.unsent.setdefault(model, [])
+        if tr is not None:
+            ev = probe_event(model, tr, state, spec, now, self.s.router_url)
+            (log.warning if tr.kind == DOWN else log.info)("%s", ev.summary)
+            queue.append(ev)
+        while queue:
+            if not await self._publish(queue[0]):
+                break
+            queue.pop(0)
+
+    async def _publish(self, ev: Event) -> bool:
+        try:
+            await self.js.publish(
+                self.subjects.event(ev.kind),
+                encode(ev),
+                stream=self.subjects.events_stream,
+                headers={"Nats-Msg-Id": ev.id},
+            )
+        except (nats.errors.Error, TimeoutError) as e:
+            log.warning("could not publish %s (%s); retrying after the next probe", ev.id, e)
+            return False
+        self.stats.events_emitted += 1
+        return True

@@ -1,0 +1,91 @@
+"""``llmgw notifier``: webhooks for the events stream, and probes of watched models.
+
+Pipeline: settings (KV ``<prefix>_desired``/``settings``) → one delivery worker per webhook, each
+with its own durable consumer on ``<PREFIX>_EVENTS`` → group storms → render (Slack or signed JSON)
+→ POST with retries → ack. Beside it: catalog (KV ``<prefix>_routing``/``catalog``) → one probe
+loop per watched model → ``model.down``/``model.recovered`` into the same stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import httpx
+import nats.errors
+
+from llmgw_common.bus import DropLog, KvFollower, connect, ensure_all
+from llmgw_common.settings import NotifierSettings
+from llmgw_common.subjects import DESIRED_SETTINGS, ROUTING_CATALOG, Subjects
+from llmgw_notifier.delivery import NotifierStats
+from llmgw_notifier.probes import Prober
+from llmgw_notifier.targets import Targets
+
+log = logging.getLogger("llmgw.notifier")
+
+# How often dead delivery workers are restarted and the settings re-read regardless of watches.
+HOUSEKEEPING_S = 5.0
+
+
+async def serve(s: NotifierSettings, stop: asyncio.Event, stats: NotifierStats | None = None) -> None:
+    """Run until ``stop`` is set. ``stats`` lets a caller (a test) read the counters."""
+    stats = stats if stats is not None else NotifierStats()
+    subjects = Subjects(s.prefix)
+    drops = DropLog(log)
+    nc = await connect(s, "llmgw-notifier")
+    http = httpx.AsyncClient(follow_redirects=False, limits=httpx.Limits(max_connections=32))
+    probe_http = httpx.AsyncClient(follow_redirects=False, limits=httpx.Limits(max_connections=32))
+    followers: list[KvFollower] = []
+    targets: Targets | None = None
+    prober: Prober | None = None
+    try:
+        js = nc.jetstream()
+        buckets = await ensure_all(js, subjects, replicas=s.kv_replicas)
+        targets = Targets(
+            nc=nc,
+            js=js,
+            kv_desired=buckets[subjects.bucket_desired],
+            subjects=subjects,
+            settings=s,
+            http=http,
+            stats=stats,
+            drops=drops,
+        )
+        prober = Prober(js=js, subjects=subjects, settings=s, http=probe_http, stats=stats, drops=drops)
+        await prober.restore()
+        followers = [
+            KvFollower(
+                buckets[subjects.bucket_desired], targets.on_settings, key=DESIRED_SETTINGS, name="settings"
+            ),
+            KvFollower(
+                buckets[subjects.bucket_routing], prober.on_catalog, key=ROUTING_CATALOG, name="catalog"
+            ),
+        ]
+        for f in followers:
+            await f.start()
+        await targets.mark_synced()
+        stats.up = True
+        log.info("notifier up: stream %s, probes through %s", subjects.events_stream, s.router_url)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), HOUSEKEEPING_S)
+            await targets.reconcile()
+    finally:
+        for f in followers:
+            await f.stop()
+        if prober is not None:
+            await prober.close()
+        if targets is not None:
+            await targets.close()
+        await http.aclose()
+        await probe_http.aclose()
+        with contextlib.suppress(nats.errors.Error, TimeoutError):  # a lost server must not mask the cause
+            await nc.drain()
+        log.info(
+            "notifier stopped: %d event(s) delivered in %d message(s), %d given up, %d event(s) emitted",
+            stats.delivered_events,
+            stats.delivered_messages,
+            stats.gave_up_events,
+            stats.events_emitted,
+        )
