@@ -138,8 +138,8 @@ def test_stop_runs_in_reverse_tiers_and_leaves_no_engine(sup: Supervisor, rec: P
     assert order[2:] == ["router", "cp"]
     assert all(not c.alive() for c in sup.children)
     # The agents left their engines (as a crashed agent would): the sweep finds them.
-    killed = sup.sweep()
-    assert set(engines) <= set(killed)
+    killed = {int(k.split()[0]) for k in sup.sweep()}
+    assert set(engines) <= killed
     wait_for(lambda: all(gone(p) for p in engines))
     assert run_processes(sup.run_token, sup.layout.data_dir) == []
 
@@ -151,7 +151,7 @@ def test_a_process_that_is_no_descendant_is_found_by_the_run_marker(sup: Supervi
     assert psutil.Process(engine).environ()[RUN_MARKER] == sup.run_token
     assert engine in run_processes(sup.run_token)
     sup.stop_all()
-    assert engine in sup.sweep()
+    assert engine in {int(k.split()[0]) for k in sup.sweep()}
     wait_for(lambda: gone(engine))
 
 
@@ -269,3 +269,21 @@ def test_plan_starts_services_then_agents_each_with_own_state(tmp_path: Path) ->
     assert specs[2].env["LLMGW_PROBE_KEY"] == "k"
     no_local = plan_children(dataclasses.replace(make_layout(tmp_path), local_agent=False), fleet)
     assert "agent-local" not in [s.name for s in no_local]
+
+
+def test_sweep_spares_other_processes_naming_the_data_dir(sup: Supervisor, tmp_path: Path) -> None:
+    log = tmp_path / "logs" / "router.log"
+    # A user's `tail -f` of a log, and a stand-in for a nats-server left by a crashed run.
+    tail = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", str(log)])
+    script = 'exec -a nats-server "$0" -c "import time; time.sleep(600)" -sd "$1"'
+    fake_nats = subprocess.Popen(["bash", "-c", script, sys.executable, str(tmp_path / "nats" / "jetstream")])
+    try:
+        wait_for(lambda: "nats-server" in " ".join(psutil.Process(fake_nats.pid).cmdline()))
+        found = run_processes("no-such-token", tmp_path)
+        assert fake_nats.pid in found
+        assert tail.pid not in found
+        assert os.getpid() not in found
+    finally:
+        for p in (tail, fake_nats):
+            p.kill()
+            p.wait()

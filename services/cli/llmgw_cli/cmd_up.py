@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import logging
 import os
 import secrets
 import signal
@@ -122,6 +123,8 @@ class StopFlag:
 
 
 async def _prepare_bus(nats_url: str, prefix: str, key_file: Path) -> tuple[str, bool]:
+    # `up` reports its own errors; the bus helper's warnings (a "disconnected" on close) are noise here.
+    logging.getLogger("llmgw.bus").setLevel(logging.ERROR)
     settings = BusSettings(nats_urls=[nats_url], prefix=prefix)
     nc = await connect(settings, "llmgw-up", wait=False)
     try:
@@ -331,8 +334,8 @@ def _run_locked(
             nats.stop()
         if sup is not None:
             left = sup.sweep()
-            if left:
-                err(f"llmgw up: killed {len(left)} process(es) the run left behind: {sorted(left)}")
+            for what in left:
+                err(f"llmgw up: killed a process the run left behind: {what}")
         with contextlib.suppress(FileNotFoundError):
             (data_dir / STATE_FILE).unlink()
         if sup is not None or nats is not None:

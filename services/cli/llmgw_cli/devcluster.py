@@ -274,21 +274,29 @@ class Supervisor:
             group = [c for c in reversed(self.children) if c.spec.tier == tier]
             stop_groups(group, say=self.say)
 
-    def sweep(self) -> list[int]:
-        """SIGKILL any process of this run still alive (NATS included: stop it first); returns their pids."""
+    def sweep(self) -> list[str]:
+        """SIGKILL any process of this run still alive (NATS included: stop it first).
+
+        Returns what it killed, as ``"pid command"``, so that `llmgw up` can say which service
+        failed to clean up after itself.
+        """
         pids = set(run_processes(self.run_token, self.layout.data_dir))
         for c in self.children:
-            pids.update(p for p in c.descendants if psutil.pid_exists(p))
+            pids.update(c.descendants)
+        procs = []
+        for pid in pids - {os.getpid()}:
+            with contextlib.suppress(psutil.Error):
+                p = psutil.Process(pid)
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    procs.append((p, " ".join(p.cmdline()[:6])))
         for g in self.pgids:
             with contextlib.suppress(OSError):
                 os.killpg(g, signal.SIGKILL)
         killed = []
-        for pid in pids:
-            if pid == os.getpid():
-                continue
+        for p, cmd in procs:
             with contextlib.suppress(psutil.Error):
-                psutil.Process(pid).kill()
-                killed.append(pid)
+                p.kill()
+                killed.append(f"{p.pid} {cmd}")
         return killed
 
 
@@ -313,19 +321,29 @@ def stop_groups(children: Iterable[Child], *, say: Callable[[str], None] = lambd
             c.proc.wait(timeout=5)
 
 
+def _is_ours_by_name(cmdline: list[str]) -> bool:
+    """A nats-server or an llmgw command: the only kinds the run starts that name the data dir."""
+    head = " ".join(cmdline[:4])
+    return "nats-server" in head or "llmgw" in head
+
+
 def run_processes(run_token: str, data_dir: Path | None = None) -> list[int]:
-    """Pids of live processes of a run: carrying its marker, or naming its data dir on the command line."""
-    me = os.getpid()
+    """Pids of live processes of a run: carrying its marker, or a nats-server or llmgw naming its data dir.
+
+    Anything else naming the data dir (a ``tail -f`` of a log, the shell that started `up`) is spared.
+    """
+    me = psutil.Process()
+    spared = {me.pid, *(a.pid for a in me.parents())}
     needle = str(data_dir.resolve()) if data_dir is not None else None
     out = []
     for p in psutil.process_iter(["pid", "cmdline"]):
-        if p.info["pid"] == me:
+        if p.info["pid"] in spared:
             continue
         try:
-            cmdline = " ".join(p.info["cmdline"] or ())
-            if (needle and needle in cmdline) or p.environ().get(RUN_MARKER) == run_token:
-                if p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p.info["pid"])
+            argv = p.info["cmdline"] or []
+            named = needle is not None and needle in " ".join(argv) and _is_ours_by_name(argv)
+            if (named or p.environ().get(RUN_MARKER) == run_token) and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.info["pid"])
         except psutil.Error:
             continue
     return out

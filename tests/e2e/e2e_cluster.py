@@ -1,0 +1,142 @@
+"""The shared `llmgw up` of the e2e tests: starting, stopping and talking to it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 150.0
+
+
+@dataclass
+class Cluster:
+    proc: subprocess.Popen[bytes]
+    data_dir: Path
+    out_path: Path
+    state: dict[str, Any]
+    started_s: float
+    # Engine and other descendant pids seen while it ran (filled by tests that need them).
+    seen: set[int] = field(default_factory=set)
+
+    @property
+    def base_url(self) -> str:
+        return str(self.state["base_url"])
+
+    @property
+    def router_url(self) -> str:
+        return str(self.state["router_url"])
+
+    @property
+    def key(self) -> str:
+        return str(self.state["key"])
+
+    @property
+    def nats_url(self) -> str:
+        return str(self.state["nats_url"])
+
+    @property
+    def prefix(self) -> str:
+        return str(self.state["prefix"])
+
+    @property
+    def logs_dir(self) -> Path:
+        return Path(self.state["logs_dir"])
+
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    def diagnostics(self) -> str:
+        """`up`'s output and the tail of every log, for an assertion message."""
+        parts = [f"--- llmgw up (rc={self.proc.poll()}):\n{self.output()[-4000:]}"]
+        logs = self.data_dir / "logs"
+        for f in sorted(logs.glob("*.log")) if logs.exists() else []:
+            parts.append(f"--- {f.name}:\n" + "\n".join(f.read_text(errors="replace").splitlines()[-25:]))
+        return "\n".join(parts)
+
+
+def _read_state(path: Path) -> dict[str, Any] | None:
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data
+
+
+def start_up(data_dir: Path, *extra: str, timeout: float = START_TIMEOUT_S) -> Cluster:
+    """Run `llmgw up` in ``data_dir`` on free ports and wait until it says it serves."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    out_path = data_dir.parent / f"{data_dir.name}-up.out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
+    argv = [
+        sys.executable, "-m", "llmgw_cli", "up",
+        "--data-dir", str(data_dir),
+        "--fleet", str(REPO / "examples" / "fleet.yaml"),
+        "--catalog", str(REPO / "examples" / "catalog.yaml"),
+        "--port", "0", "--admin-port", "0", "--nats-port", "-1",
+        "--ready-timeout", str(timeout - 10),
+        *extra,
+    ]  # fmt: skip
+    t0 = time.monotonic()
+    with open(out_path, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    cluster = Cluster(proc, data_dir, out_path, {}, 0.0)
+    deadline = t0 + timeout
+    while True:
+        state = _read_state(data_dir / "up.json")
+        if state is not None and state.get("ready"):
+            cluster.state = state
+            cluster.started_s = time.monotonic() - t0
+            return cluster
+        if proc.poll() is not None or time.monotonic() > deadline:
+            diag = cluster.diagnostics()
+            stop_up(cluster)
+            raise AssertionError(f"llmgw up did not become ready within {timeout:.0f} s\n{diag}")
+        time.sleep(0.2)
+
+
+def stop_up(cluster: Cluster, timeout: float = 90.0) -> int:
+    """SIGINT, as Ctrl-C would; SIGKILL only if it does not stop in time. Returns its exit code."""
+    if cluster.proc.poll() is None:
+        cluster.proc.send_signal(signal.SIGINT)
+        try:
+            cluster.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            cluster.proc.kill()
+            cluster.proc.wait()
+    return cluster.proc.returncode
+
+
+def chat_once(cluster: Cluster, model: str, timeout: float = 10.0) -> httpx.Response:
+    return httpx.post(
+        f"{cluster.base_url}/chat/completions",
+        headers={"Authorization": f"Bearer {cluster.key}"},
+        json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        timeout=timeout,
+    )
+
+
+def wait_model(cluster: Cluster, model: str, timeout: float = 60.0) -> None:
+    """Poll until a chat completion for ``model`` succeeds; fail with the last answer otherwise."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            r = chat_once(cluster, model)
+        except httpx.HTTPError as e:
+            last = repr(e)
+        else:
+            if r.status_code == 200:
+                return
+            last = f"{r.status_code} {r.text[:300]}"
+        time.sleep(0.5)
+    raise AssertionError(f"{model} did not serve within {timeout:.0f} s: {last}\n{cluster.diagnostics()}")
