@@ -8,7 +8,9 @@ NVMLError_Timeout; calls before nvmlInit raise NVMLError_Uninitialized).
 Fixture shape (tests/fixtures/nvml/*.json): {"machine": str, "gpus": [{"name", "uuid",
 "memory_total" (bytes), "ecc_uncorrected": {"volatile", "aggregate"} | "not_supported",
 "retired_pages_pending": 0 | 1 | "not_supported", "remapped_rows": [corr, unc, pending, failure] |
-"not_supported", "xids": [int] (critical XID events the driver raises), "lost": bool}]}.
+"not_supported", "xids": [int] (critical XID events the driver raises), "lost": bool,
+"device_error": "<Name>" (every device call raises NVMLError_<Name>)}]}. Any query's value may
+also be "error:<Name>": that query raises NVMLError_<Name>.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ import pynvml
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "nvml"
 NOT_SUPPORTED = "not_supported"
+
+
+def _error(name: str) -> pynvml.NVMLError:
+    cls: type[pynvml.NVMLError] = getattr(pynvml, f"NVMLError_{name}")
+    return cls()
 
 
 def load_machine(name: str) -> dict[str, Any]:
@@ -82,7 +89,17 @@ class FakeNvml:
         gpu = self.gpus[handle.index]
         if gpu.get("lost"):
             raise pynvml.NVMLError_GpuIsLost()
+        if gpu.get("device_error"):
+            raise _error(gpu["device_error"])
         return gpu
+
+    def _query(self, handle: FakeHandle, key: str) -> Any:
+        value = self._gpu(handle)[key]
+        if value == NOT_SUPPORTED:
+            raise pynvml.NVMLError_NotSupported()
+        if isinstance(value, str) and value.startswith("error:"):
+            raise _error(value.removeprefix("error:"))
+        return value
 
     def nvmlInit(self) -> None:
         self.inits += 1
@@ -117,9 +134,7 @@ class FakeNvml:
         return SimpleNamespace(total=total, free=total, used=0)
 
     def nvmlDeviceGetTotalEccErrors(self, handle: FakeHandle, error_type: int, counter_type: int) -> int:
-        ecc = self._gpu(handle)["ecc_uncorrected"]
-        if ecc == NOT_SUPPORTED:
-            raise pynvml.NVMLError_NotSupported()
+        ecc = self._query(handle, "ecc_uncorrected")
         if error_type != pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED:
             return 0
         key = {pynvml.NVML_VOLATILE_ECC: "volatile", pynvml.NVML_AGGREGATE_ECC: "aggregate"}.get(counter_type)
@@ -128,16 +143,10 @@ class FakeNvml:
         return int(ecc[key])
 
     def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: FakeHandle) -> int:
-        pending = self._gpu(handle)["retired_pages_pending"]
-        if pending == NOT_SUPPORTED:
-            raise pynvml.NVMLError_NotSupported()
-        return int(pending)
+        return int(self._query(handle, "retired_pages_pending"))
 
     def nvmlDeviceGetRemappedRows(self, handle: FakeHandle) -> tuple[int, int, int, int]:
-        rows = self._gpu(handle)["remapped_rows"]
-        if rows == NOT_SUPPORTED:
-            raise pynvml.NVMLError_NotSupported()
-        corr, unc, pending, failure = (int(x) for x in rows)
+        corr, unc, pending, failure = (int(x) for x in self._query(handle, "remapped_rows"))
         return corr, unc, pending, failure
 
     def nvmlEventSetCreate(self) -> FakeEventSet:

@@ -65,6 +65,14 @@ REASON_CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("all unsupported", {"ecc_uncorrected": "not_supported", "retired_pages_pending": "not_supported",
                          "remapped_rows": "not_supported"}, ()),
     ("lost", {"lost": True}, ("GPU lost (NVML: GPU is lost)",)),
+    ("needs a reset", {"device_error": "ResetRequired"}, ("GPU needs a reset (NVML: GPU requires restart)",)),
+    ("unreadable", {"device_error": "Unknown"}, ("NVML cannot read the GPU: Unknown Error",)),
+    ("ecc query fails", {"ecc_uncorrected": "error:Unknown"}, ("NVML cannot read the GPU: Unknown Error",)),
+    ("retired query fails", {"retired_pages_pending": "error:CorruptedInforom"},
+     ("NVML cannot read the GPU: Corrupted infoROM",)),
+    ("remap query lost", {"remapped_rows": "error:GpuIsLost"}, ("GPU lost (NVML: GPU is lost)",)),
+    ("all queries lost, said once", {"ecc_uncorrected": "error:GpuIsLost", "retired_pages_pending": "error:GpuIsLost",
+                                     "remapped_rows": "error:GpuIsLost"}, ("GPU lost (NVML: GPU is lost)",)),
 ]  # fmt: skip
 
 
@@ -126,9 +134,13 @@ def test_nvml_breaking_after_start_marks_known_gpus_unhealthy() -> None:
     assert gpu.reasons == ("NVML failed: Unknown Error",)
 
 
-@pytest.mark.parametrize("error", [pynvml.NVMLError_LibraryNotFound, pynvml.NVMLError_DriverNotLoaded])
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [(pynvml.NVMLError_LibraryNotFound, "CPU node"), (pynvml.NVMLError_DriverNotLoaded, "CPU node"),
+     (pynvml.NVMLError_NoPermission, "CPU node"), (pynvml.NVMLError_Unknown, "NVML failed to start")],
+)  # fmt: skip
 def test_no_nvml_is_a_cpu_node_said_once(
-    error: type[pynvml.NVMLError], caplog: pytest.LogCaptureFixture
+    error: type[pynvml.NVMLError], said: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake = FakeNvml({"gpus": []}, init_error=error)
     probe = GpuProbe(nvml=fake)
@@ -137,7 +149,7 @@ def test_no_nvml_is_a_cpu_node_said_once(
         assert probe.read() == ()
     probe.close()
     lines = [r.getMessage() for r in caplog.records if r.name == "llmgw_agent.gpus"]
-    assert len(lines) == 1 and "CPU node" in lines[0] and str(error()) in lines[0]
+    assert len(lines) == 1 and said in lines[0] and str(error()) in lines[0]
     assert fake.inits == 2  # tried again (a driver loaded later is found) without saying it again
     assert fake.shutdowns == 0
 
@@ -205,3 +217,56 @@ def test_gpu_class_override_by_exact_name() -> None:
 def test_marketed_sizes_and_tokens() -> None:
     assert [marketed_gb(m) for m in (1024, 7680, 300 * 1024)] == [2, 8, 300]
     assert model_token("  ") == "GPU"
+
+
+class _NoEvents(FakeNvml):
+    def nvmlEventSetCreate(self) -> Any:
+        raise pynvml.NVMLError_NotSupported()
+
+
+class _BadTeardown(FakeNvml):
+    def nvmlEventSetFree(self, event_set: Any) -> None:
+        raise pynvml.NVMLError_Unknown()
+
+    def nvmlShutdown(self) -> None:
+        raise pynvml.NVMLError_Uninitialized()
+
+
+class _WaitFails(FakeNvml):
+    def nvmlEventSetWait(self, event_set: Any, timeout_ms: int) -> Any:
+        raise pynvml.NVMLError_Unknown()
+
+
+@pytest.mark.parametrize("fake_cls", [_NoEvents, _WaitFails])
+def test_without_xid_events_gpus_are_still_read(fake_cls: type[FakeNvml]) -> None:
+    machine = load_machine("h100x8")
+    machine["gpus"][1]["xids"] = [79]
+    probe = GpuProbe(nvml=fake_cls(machine))
+    gpus = probe.read()
+    probe.close()
+    # The XID cannot be seen without events; the GPUs are still reported, and healthy.
+    assert len(gpus) == 8 and all(g.healthy for g in gpus)
+
+
+def test_close_survives_nvml_errors_and_is_idempotent() -> None:
+    fake = _BadTeardown(load_machine("l4x1"))
+    probe = GpuProbe(nvml=fake)
+    assert len(probe.read()) == 1
+    probe.close()
+    probe.close()
+    # Closed: the next read opens NVML again.
+    assert len(probe.read()) == 1 and fake.inits == 2
+
+
+def test_xid_on_a_gpu_lost_before_it_was_read(caplog: pytest.LogCaptureFixture) -> None:
+    machine = load_machine("h100x8")
+    fake = FakeNvml(machine)
+    probe = GpuProbe(nvml=fake)
+    probe.read()
+    fake.raise_xid(6, 79)
+    machine["gpus"][6]["lost"] = True
+    with caplog.at_level(logging.WARNING, logger="llmgw_agent.gpus"):
+        gpus = probe.read()
+    probe.close()
+    assert gpus[6].reasons == ("GPU lost (NVML: GPU is lost)",)
+    assert any("XID 79 on a GPU NVML cannot name" in r.getMessage() for r in caplog.records)

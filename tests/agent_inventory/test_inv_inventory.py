@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from fake_nvml import FakeNvml, load_machine
 from weights_files import safetensors_bytes, write
 
 from llmgw_agent.gpus import GpuProbe
-from llmgw_agent.inventory import collect_inventory, parse_meminfo_gb, read_memory_gb
+from llmgw_agent.inventory import collect_inventory, count_cpus, parse_meminfo_gb, read_memory_gb
 from llmgw_agent.sim_gpus import parse_sim_gpus, sim_gpus
 from llmgw_agent.storage import WeightsCache
 from llmgw_common.codec import decode, encode
@@ -68,10 +69,22 @@ def test_parse_sim_gpus(spec: str, expected: tuple[int, str, int]) -> None:
     assert parse_sim_gpus(spec) == expected
 
 
-@pytest.mark.parametrize(("spec", "why"), [("H100-80GB", "<count>x<CLASS>"), ("8xH100", "end in its memory")])
-def test_bad_sim_gpus_name_what_is_wrong(spec: str, why: str) -> None:
-    with pytest.raises(ValueError, match=why):
-        sim_gpus("n1", spec, {})
+@pytest.mark.parametrize(
+    ("spec", "unhealthy", "why"),
+    [("H100-80GB", {}, "<count>x<CLASS>"), ("8xH100", {}, "end in its memory"),
+     ("8xH100-80GB", {8: "XID 79"}, "names GPU 8, but sim_gpus '8xH100-80GB' has GPUs 0-7")],
+)  # fmt: skip
+def test_bad_sim_gpus_name_what_is_wrong(spec: str, unhealthy: dict[int, str], why: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(why)):
+        sim_gpus("n1", spec, unhealthy)
+
+
+def test_cpu_count_without_an_affinity_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_affinity(pid: int) -> set[int]:
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(os, "sched_getaffinity", no_affinity)
+    assert count_cpus() == os.cpu_count()
 
 
 MEMINFO_CASES = [

@@ -62,6 +62,12 @@ CASES: list[tuple[str, Callable[[Path], object], str | None]] = [
     ("index with an empty shard", lambda d: (_sharded(d), (d / "model-00001-of-00002.safetensors").write_bytes(b"")), "empty"),
     ("index not json", lambda d: (_sharded(d), (d / "model.safetensors.index.json").write_text("{")), "not a weight index"),
     ("truncated safetensors", lambda d: (write(d / "config.json", CONFIG), write(d / "model.safetensors", safetensors_bytes({"w": 16})[:-10])), "truncated"),
+    ("safetensors under 8 bytes", lambda d: (write(d / "config.json", CONFIG), write(d / "model.safetensors", b"\x10\0")), "truncated (2 bytes)"),
+    ("safetensors header past the end", lambda d: (write(d / "config.json", CONFIG), write(d / "model.safetensors", b"\xe8\x03" + b"\0" * 6 + b"{}")), "header of 1000 bytes"),
+    ("safetensors header not an object", lambda d: (write(d / "config.json", CONFIG), write(d / "model.safetensors", b"\x02" + b"\0" * 7 + b"[]")), "bad header"),
+    ("safetensors tensor without offsets", lambda d: (write(d / "config.json", CONFIG), write(d / "model.safetensors", b"\x0b" + b"\0" * 7 + b'{"w": "x"} ')), "has no data offsets"),
+    ("index naming no shards", lambda d: (_sharded(d), (d / "model.safetensors.index.json").write_text(_index())), "names no shards"),
+    ("index naming a truncated shard", lambda d: (_sharded(d) / "model-00002-of-00002.safetensors").write_bytes(safetensors_bytes({"b": 8})[:-1]), "truncated"),
     ("safetensors with a garbage header", lambda d: (write(d / "config.json", CONFIG), write(d / "model.safetensors", b"\x05\0\0\0\0\0\0\0{{{{{")), "bad header"),
     ("empty .bin", lambda d: (write(d / "config.json", CONFIG), write(d / "pytorch_model.bin", b"")), "empty"),
     ("only training_args.bin", lambda d: (write(d / "config.json", CONFIG), write(d / "training_args.bin", b"x")), "no weight files"),
@@ -100,6 +106,17 @@ GGUF_CASES: list[tuple[str, bytes, str | None]] = [
     ("bad magic", b"GGML" + gguf_bytes()[4:], "bad magic"),
     ("version 1", gguf_bytes(version=1), "version 1"),
     ("no tensors", gguf_bytes(tensors=()), "no tensors"),
+    (
+        "unknown metadata type",
+        gguf_bytes()[:24] + b"\x01\0\0\0\0\0\0\0k" + b"\x63\0\0\0" + b"\0" * 64,
+        "unknown metadata type 99",
+    ),
+    # Tensor types unknown, so no size check, but the data cannot start past the end of the file.
+    (
+        "unknown types, cut before the data",
+        gguf_bytes(tensors=(("x", (32,), 99),))[:-129],
+        "data would start at",
+    ),
     # A tensor type newer than this table: only the header can be checked, so a cut goes unseen.
     ("unknown tensor type, cut", gguf_bytes(tensors=(("w", (32,), F32), ("x", (32,), 99)))[:-1], None),
     ("unknown tensor type, cut in the header", gguf_bytes(tensors=(("x", (32,), 99),))[:60], "ends inside"),

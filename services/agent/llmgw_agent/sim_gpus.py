@@ -27,6 +27,9 @@ def sim_gpus(node: str, spec: str | None, unhealthy: dict[int, str]) -> tuple[Gp
     if not spec:
         return ()
     count, cls, memory_mb = parse_sim_gpus(spec)
+    beyond = sorted(i for i in unhealthy if not 0 <= i < count)
+    if beyond:
+        raise ValueError(f"sim_unhealthy names GPU {beyond[0]}, but sim_gpus {spec!r} has GPUs 0-{count - 1}")
     return tuple(
         GpuInfo(
             index=i,

@@ -302,8 +302,6 @@ def _raise(e: OSError) -> None:
 def weights_problem(candidate: Path) -> str | None:
     """Why ``candidate`` (a model directory or a .gguf file) is not usable weights, or None."""
     if candidate.is_file():
-        if _is_partial_name(candidate.name):
-            return f"{candidate.name}: a partial download"
         for suffix in PARTIAL_SUFFIXES:
             if candidate.with_name(candidate.name + suffix).exists():
                 return f"{candidate.name}: still downloading ({candidate.name + suffix} present)"
