@@ -319,7 +319,9 @@ class CtlClient:
             ) from None
         headers = msg.headers or {}
         if ERROR_HEADER in headers:
-            raise CtlError(headers[ERROR_HEADER], headers.get(ERROR_CODE_HEADER, ""))
+            # The body, when present, is the full (multi-line) description; the header is one line.
+            text = msg.data.decode("utf-8", "replace") if msg.data else headers[ERROR_HEADER]
+            raise CtlError(text, headers.get(ERROR_CODE_HEADER, ""))
         try:
             return decode(msg.data, reply_cls)
         except DecodeError as e:

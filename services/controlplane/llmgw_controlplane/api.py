@@ -218,8 +218,11 @@ def _wrap(
             raise _err(400, f"unreadable {verb} request: {e}") from None
         try:
             reply = await fn(msg)
-        except ServiceError:
-            raise
+        except ServiceError as e:
+            # Headers hold one line; the body carries the full text (a catalog's problems, one a line).
+            one_line = " ".join(e.description.split())
+            await req.respond_error(e.code, one_line, data=e.description.encode())
+            return
         except (nats.errors.Error, TimeoutError) as e:
             raise _err(
                 503, f"{verb}: the control plane could not reach NATS storage ({e}); try again"

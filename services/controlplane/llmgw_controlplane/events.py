@@ -69,6 +69,7 @@ class EventDetector:
     ) -> list[Event]:
         """``ready``: ready replicas per catalog model; ``why``: the routing reason for those without."""
         out = []
+        watched = set(watched)
         for m in watched:
             n = ready.get(m, 0)
             if n > 0:
@@ -82,10 +83,9 @@ class EventDetector:
                 out.append(
                     _event(MODEL_DOWN, m, now, f"model {m} has no ready replica: {reason}", reason=reason)
                 )
-        for m in list(self._had_ready):
-            if m not in ready:
-                self._had_ready.discard(m)
-                self.down.discard(m)
+        # A model no longer watched (or no longer in the catalog) is forgotten.
+        self._had_ready &= watched
+        self.down &= watched
         return out
 
     def placement(self, unplaceable: Mapping[str, str], now: float) -> list[Event]:

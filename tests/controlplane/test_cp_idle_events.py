@@ -1,0 +1,118 @@
+"""Idle merge (ARCHITECTURE #1: unknown is not idle) and event detection, both pure."""
+
+from __future__ import annotations
+
+from llmgw_common.messages import IdleReport
+from llmgw_controlplane.events import EventDetector
+from llmgw_controlplane.idle import IdleKind, IdleMerger
+from llmgw_controlplane.snapshot import NodeState
+from llmgw_controlplane.state import Transition
+
+DAY = 86400.0
+
+
+def _rep(router: str, since: float, sent_at: float, **used: float) -> IdleReport:
+    return IdleReport(router=router, since=since, sent_at=sent_at, last_used=used)
+
+
+def test_no_router_reporting_means_unknown_never_zero_or_forever():
+    m = IdleMerger(stale_s=5.0)
+    k = m.idle_for("r1", now=1000.0)
+    assert k.kind is IdleKind.UNKNOWN
+    assert k.seconds is None
+    assert k.json_seconds() < 0
+    assert k.text() == "-"
+    assert not k.at_least(0.0)  # unknown is never "idle for at least anything"
+
+
+def test_newest_timestamp_wins_across_routers():
+    m = IdleMerger(stale_s=5.0)
+    m.add(_rep("a", since=0.0, sent_at=100.0, r1=50.0), received_at=100.0)
+    m.add(_rep("b", since=0.0, sent_at=100.0, r1=80.0), received_at=100.0)
+    k = m.idle_for("r1", now=100.0)
+    assert k.kind is IdleKind.EXACT and k.seconds == 20.0
+    assert k.text() == "20s"
+
+
+def test_never_used_is_a_lower_bound_from_the_router_start():
+    m = IdleMerger(stale_s=5.0)
+    now = 3 * DAY
+    m.add(_rep("a", since=0.0, sent_at=now), received_at=now)
+    k = m.idle_for("r1", now=now)
+    assert k.kind is IdleKind.AT_LEAST and k.seconds == 3 * DAY
+    assert k.text() == ">=3d"
+    assert k.at_least(DAY)
+    # A replica younger than the router's knowledge: bounded by its own age.
+    k2 = m.idle_for("r2", now=now, created=now - 600)
+    assert k2.kind is IdleKind.AT_LEAST and k2.seconds == 600
+
+
+def test_the_youngest_router_limits_the_bound():
+    m = IdleMerger(stale_s=5.0)
+    now = 3 * DAY
+    m.add(_rep("old", since=0.0, sent_at=now), received_at=now)
+    m.add(_rep("new", since=now - 60, sent_at=now), received_at=now)
+    assert m.idle_for("r1", now=now).seconds == 60
+
+
+def test_silent_router_is_dropped_after_stale_and_knowledge_becomes_unknown():
+    m = IdleMerger(stale_s=5.0)
+    m.add(_rep("a", since=0.0, sent_at=10.0, r1=9.0), received_at=10.0)
+    assert m.idle_for("r1", now=14.0).kind is IdleKind.EXACT
+    assert m.idle_for("r1", now=16.0).kind is IdleKind.UNKNOWN
+    assert m.routers == ()
+
+
+def test_router_restart_forgets_nothing_it_knew_but_knows_less():
+    m = IdleMerger(stale_s=5.0)
+    m.add(_rep("a", since=0.0, sent_at=100.0, r1=90.0), received_at=100.0)
+    # The router restarts: a new since, an empty map. Its old knowledge is gone with it.
+    m.add(_rep("a", since=101.0, sent_at=102.0), received_at=102.0)
+    k = m.idle_for("r1", now=102.0)
+    assert k.kind is IdleKind.AT_LEAST and k.seconds == 1.0
+
+
+def test_delayed_older_report_does_not_replace_a_newer_one():
+    m = IdleMerger(stale_s=5.0)
+    m.add(_rep("a", since=0.0, sent_at=100.0, r1=99.0), received_at=100.0)
+    m.add(_rep("a", since=0.0, sent_at=90.0, r1=50.0), received_at=100.5)
+    assert m.last_used("r1") == 99.0
+
+
+def test_node_lost_and_recovered_are_said_once_each():
+    d = EventDetector(placement_failing_after_s=60.0)
+    evs = d.nodes([Transition("n1", NodeState.READY, NodeState.UNREACHABLE)], 10.0)
+    assert evs == []
+    evs = d.nodes([Transition("n1", NodeState.UNREACHABLE, NodeState.LOST)], 40.0)
+    assert [(e.kind, e.subject) for e in evs] == [("node.lost", "n1")]
+    assert evs[0].id == "node.lost:n1:40000"
+    evs = d.nodes([Transition("n1", NodeState.LOST, NodeState.READY)], 50.0)
+    assert [(e.kind, e.subject) for e in evs] == [("node.recovered", "n1")]
+    assert d.nodes([Transition("n1", NodeState.READY, NodeState.UNREACHABLE)], 60.0) == []
+
+
+def test_watched_model_down_only_after_it_had_a_ready_replica_and_recovers():
+    d = EventDetector(placement_failing_after_s=60.0)
+    assert d.models({}, ["m"], {"m": "no replica placed yet"}, 1.0) == []  # never up: not "down"
+    assert d.models({"m": 1}, ["m"], {}, 2.0) == []
+    evs = d.models({}, ["m"], {"m": "no ready replica: 1 starting on a"}, 3.0)
+    assert [e.kind for e in evs] == ["model.down"]
+    assert "1 starting on a" in evs[0].summary
+    assert d.models({}, ["m"], {}, 4.0) == []  # said once
+    evs = d.models({"m": 2}, ["m"], {}, 5.0)
+    assert [e.kind for e in evs] == ["model.recovered"]
+    # Unwatched models never alert.
+    assert d.models({"x": 1}, [], {}, 6.0) == [] and d.models({}, [], {}, 7.0) == []
+
+
+def test_placement_failing_after_threshold_once_and_again_after_it_clears():
+    d = EventDetector(placement_failing_after_s=60.0)
+    assert d.placement({"m": "needs 8 H100"}, 0.0) == []
+    assert d.placement({"m": "needs 8 H100"}, 59.0) == []
+    evs = d.placement({"m": "needs 8 H100"}, 60.0)
+    assert [e.kind for e in evs] == ["placement.failing"]
+    assert evs[0].details["reason"] == "needs 8 H100"
+    assert d.placement({"m": "needs 8 H100"}, 200.0) == []
+    assert d.placement({}, 201.0) == []
+    assert d.placement({"m": "x"}, 202.0) == []
+    assert [e.kind for e in d.placement({"m": "x"}, 262.0)] == ["placement.failing"]

@@ -1,0 +1,189 @@
+"""Node and replica tables from bus messages, judged by a fake clock."""
+
+from __future__ import annotations
+
+from llmgw_common.catalog import parse_catalog
+from llmgw_common.messages import (
+    GpuInfo,
+    Heartbeat,
+    Inventory,
+    Marks,
+    ReplicaRecord,
+    ShardPlacement,
+    ShardReport,
+    ShardState,
+    ShardStatus,
+)
+from llmgw_controlplane.snapshot import NodeState
+from llmgw_controlplane.state import ClusterState, node_health, replica_phase
+
+
+def _state() -> ClusterState:
+    return ClusterState(heartbeat_interval_s=2.0, unreachable_after_missed=3, node_lost_s=30.0)
+
+
+def _hb(node="n1", boot="b1", seq=1, sent_at=0.0, shards=()):
+    return Heartbeat(node=node, boot_id=boot, seq=seq, sent_at=sent_at, shards=shards)
+
+
+def _inv(node="n1", boot="b1", memory_gb=None, gpus=2):
+    return Inventory(
+        node=node,
+        boot_id=boot,
+        sent_at=0.0,
+        memory_gb=memory_gb,
+        fabric="f1",
+        gpus=tuple(
+            GpuInfo(index=i, uuid=f"u{i}", name="H", gpu_class="H100", memory_mb=1) for i in range(gpus)
+        ),
+    )
+
+
+def test_health_thresholds_are_exclusive_and_ordered():
+    assert node_health(100.0, 106.0, 2.0, 3, 30.0) is NodeState.READY  # exactly 3 intervals: not yet
+    assert node_health(100.0, 106.1, 2.0, 3, 30.0) is NodeState.UNREACHABLE
+    assert node_health(100.0, 130.0, 2.0, 3, 30.0) is NodeState.UNREACHABLE
+    assert node_health(100.0, 130.1, 2.0, 3, 30.0) is NodeState.LOST
+
+
+def test_transitions_ready_unreachable_lost_and_back_by_own_clock():
+    st = _state()
+    # The sender's clock says 1970: health is judged by arrival time only.
+    assert st.on_heartbeat(_hb(sent_at=0.0), now=1000.0)
+    st.on_inventory(_inv(), now=1000.0)
+    assert st.judge(1001.0) == []
+    t = st.judge(1007.0)
+    assert [(x.old, x.new) for x in t] == [(NodeState.READY, NodeState.UNREACHABLE)]
+    assert st.snapshot(1007.0).nodes["n1"].state is NodeState.UNREACHABLE
+    t = st.judge(1031.0)
+    assert [(x.old, x.new) for x in t] == [(NodeState.UNREACHABLE, NodeState.LOST)]
+    assert st.judge(1040.0) == []  # reported once
+    assert st.on_heartbeat(_hb(seq=2), now=1041.0)  # comes back: matters to the reconciler
+    t = st.judge(1041.0)
+    assert [(x.old, x.new) for x in t] == [(NodeState.LOST, NodeState.READY)]
+
+
+def test_repeated_heartbeat_is_not_news_but_a_shard_change_is():
+    st = _state()
+    st.on_heartbeat(_hb(seq=1), 10.0)
+    st.on_inventory(_inv(), 10.0)
+    st.judge(10.0)
+    assert not st.on_heartbeat(_hb(seq=2), 11.0)
+    rep = ShardReport(replica_id="r1", shard=0, model="m", state=ShardState.STARTING, port=20001)
+    assert st.on_heartbeat(_hb(seq=3, shards=(rep,)), 12.0)
+    assert not st.on_heartbeat(_hb(seq=4, shards=(rep,)), 13.0)
+    ready = rep.model_copy(update={"state": ShardState.READY})
+    assert st.on_heartbeat(_hb(seq=5, shards=(ready,)), 14.0)
+    # A reordered older heartbeat counts for liveness, not content.
+    assert not st.on_heartbeat(_hb(seq=4, shards=(rep,)), 15.0)
+    assert st.nodes["n1"].shards[("r1", 0)].state is ShardState.READY
+    assert st.nodes["n1"].last_seen == 15.0
+
+
+def test_new_boot_id_is_a_restart_and_voids_old_reports():
+    st = _state()
+    rep = ShardReport(replica_id="r1", shard=0, model="m", state=ShardState.READY, port=1)
+    st.on_heartbeat(_hb(seq=7, shards=(rep,)), 1.0)
+    assert st.on_heartbeat(_hb(boot="b2", seq=1), 2.0)
+    assert st.nodes["n1"].restarts == 1
+    assert st.nodes["n1"].shards == {}
+
+
+def test_node_without_inventory_takes_no_new_replicas_and_memory_unknown_stays_none():
+    st = _state()
+    st.on_heartbeat(_hb(), 1.0)
+    assert st.snapshot(1.0).nodes["n1"].state is NodeState.UNREACHABLE
+    st.on_inventory(_inv(memory_gb=None), 1.5)
+    view = st.snapshot(2.0).nodes["n1"]
+    assert view.state is NodeState.READY
+    assert view.memory_gb is None  # not 0 (ARCHITECTURE #3)
+    assert len(view.gpus) == 2
+
+
+def test_inventory_repeat_keeps_the_cached_view_and_marks_reach_it():
+    st = _state()
+    st.on_inventory(_inv(), 1.0)
+    v1 = st.snapshot(1.0).nodes["n1"]
+    assert not st.on_inventory(_inv(), 2.0)  # same content, sent again
+    assert st.snapshot(2.0).nodes["n1"] is v1
+    st.marks = Marks(cordoned=("n1",), draining={"n1": 99.0})
+    v2 = st.snapshot(2.0).nodes["n1"]
+    assert v2.cordoned and v2.draining and v2.drain_deadline == 99.0
+
+
+def test_status_keeps_error_and_log_tail_and_fails_the_replica():
+    st = _state()
+    st.set_catalog(parse_catalog("models: [{name: m, engine: sim, nodes: 2, gpu_class: H100}]"), 1)
+    st.on_inventory(_inv("a"), 1.0)
+    st.on_inventory(_inv("b"), 1.0)
+    st.put_replica(
+        ReplicaRecord(
+            id="r1",
+            model="m",
+            created=1.0,
+            shards=(
+                ShardPlacement(shard=0, node="a", gpus=(0,), port=1),
+                ShardPlacement(shard=1, node="b", gpus=(0,), port=2),
+            ),
+        )
+    )
+    view = st.snapshot(2.0).replicas[0]
+    assert replica_phase(view) == "starting"
+    for node, shard in (("a", 0), ("b", 1)):
+        st.on_status(
+            ShardStatus(
+                node=node,
+                boot_id="b1",
+                sent_at=2.0,
+                replica_id="r1",
+                shard=shard,
+                model="m",
+                state=ShardState.READY,
+                port=1 + shard,
+            ),
+            2.0,
+        )
+    assert replica_phase(st.snapshot(2.0).replicas[0]) == "ready"
+    assert st.on_status(
+        ShardStatus(
+            node="b",
+            boot_id="b1",
+            sent_at=3.0,
+            replica_id="r1",
+            shard=1,
+            model="m",
+            state=ShardState.FAILED,
+            error="CUDA out of memory",
+            log_tail=("loading", "OOM"),
+        ),
+        3.0,
+    )
+    view = st.snapshot(3.0).replicas[0]
+    assert replica_phase(view) == "failed"
+    assert st.details[("r1", 1)].error == "CUDA out of memory"
+    assert st.details[("r1", 1)].log_tail == ("loading", "OOM")
+
+
+def test_nodes_known_only_from_records_are_judged_from_our_start():
+    st = _state()
+    st.know_node("ghost", 100.0)
+    st.put_replica(
+        ReplicaRecord(
+            id="r1", model="m", created=1.0, shards=(ShardPlacement(shard=0, node="ghost", gpus=(), port=1),)
+        )
+    )
+    snap = st.snapshot(101.0)
+    assert snap.nodes["ghost"].state is NodeState.UNREACHABLE  # silent, not yet lost
+    assert st.snapshot(131.0).nodes["ghost"].state is NodeState.LOST
+
+
+def test_adopted_replicas_get_the_startup_timeout_from_when_we_could_observe():
+    st = _state()
+    st.observed_from = 500.0
+    st.put_replica(
+        ReplicaRecord(
+            id="r1", model="m", created=1.0, shards=(ShardPlacement(shard=0, node="a", gpus=(), port=1),)
+        )
+    )
+    assert st.snapshot(501.0).replicas[0].created == 500.0
+    assert st.replicas["r1"].created == 1.0
