@@ -13,13 +13,13 @@ from weights_files import F32, Q4_K, gguf_bytes, safetensors_bytes, write
 from llmgw_agent.storage import (
     Mount,
     WeightsCache,
-    gguf_problem,
     is_shared_fstype,
     locate,
     parse_mountinfo,
     scan_model_dirs,
     weights_problem,
 )
+from llmgw_agent.weight_files import gguf_problem
 
 CONFIG = json.dumps({"architectures": ["LlamaForCausalLM"]})
 
