@@ -23,6 +23,7 @@ from llmgw_router.keys import allows_model
 from llmgw_router.proxy import CLIENT_GONE, forward, parse_request
 
 CTX = web.AppKey("ctx", RouterContext)
+KEY_RECORD = web.RequestKey("key", ApiKeyRecord)
 # Requests without auth (static mode with auth off) count their usage under this key id.
 ANONYMOUS = "-"
 # Metrics label for model names that are not in the catalog (client-chosen: unbounded otherwise).
@@ -44,7 +45,7 @@ def build_app(ctx: RouterContext) -> web.Application:
             check = ctx.keys.check(bearer_key(request.headers), ctx.clock())
             if check.record is None:
                 return error_response(401, check.problem or "invalid API key")
-            request["key"] = check.record
+            request[KEY_RECORD] = check.record
         try:
             return await handler(request)
         except web.HTTPException as e:
@@ -92,8 +93,7 @@ async def _landing(request: web.Request) -> web.Response:
 
 
 def _key(request: web.Request) -> ApiKeyRecord | None:
-    rec: ApiKeyRecord | None = request.get("key")
-    return rec
+    return request.get(KEY_RECORD)
 
 
 def _make_models_handler(ctx: RouterContext) -> Handler:
