@@ -110,10 +110,13 @@ async def test_zero_mode_has_no_delay(engine: Engine, http: aiohttp.ClientSessio
     assert time.monotonic() - t0 < 1.0
 
 
-async def test_client_hanging_up_frees_its_place(engine: Engine, http: aiohttp.ClientSession) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+async def test_client_hanging_up_frees_its_place(
+    engine: Engine, http: aiohttp.ClientSession, stream: bool
+) -> None:
     srv = await engine(slots=1, ttft_ms=3000)
-    holder = asyncio.create_task(post_chat(http, srv, chat()))
-    queued = asyncio.create_task(post_chat(http, srv, chat()))
+    holder = asyncio.create_task(post_chat(http, srv, chat(stream=stream)))
+    queued = asyncio.create_task(post_chat(http, srv, chat(stream=stream)))
 
     async def one_waiting() -> bool:
         return (await metrics(http, srv))["vllm:num_requests_waiting"][1] == 1

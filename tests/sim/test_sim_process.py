@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sys
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -54,15 +53,14 @@ async def test_sigterm_stops_cleanly_even_mid_request(
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         ep.proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(ep.proc.wait(), 8) == 0
-        assert loop.time() - t0 < 2
+        assert await asyncio.wait_for(ep.proc.wait(), 15) == 0
+        assert loop.time() - t0 < 4  # aiohttp alone would wait out 2 x 5 s of grace
         with pytest.raises(aiohttp.ClientPayloadError):
             await r.read()
 
 
-async def test_taken_port_is_refused_with_exit_1(engine_process: Spawn, tmp_path) -> None:
-    first = await engine_process(SimOptions(port=0, zero=True))
-    port = int(first.url.rsplit(":", 1)[1])
+async def test_taken_port_is_refused_with_exit_1(engine: Callable[..., Awaitable[Listening]]) -> None:
+    port = (await engine(zero=True)).port
     proc = await asyncio.create_subprocess_exec(
         *SimOptions(port=port).command(),
         stdout=asyncio.subprocess.PIPE,
@@ -73,24 +71,6 @@ async def test_taken_port_is_refused_with_exit_1(engine_process: Spawn, tmp_path
     assert proc.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in err.decode()
     assert b"listening" not in out
-
-
-async def test_bad_flags_exit_2_before_listening() -> None:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "llmgw_cli",
-        "sim-engine",
-        "--rank",
-        "1",
-        "--world",
-        "2",
-        stderr=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.DEVNULL,
-    )
-    _, err = await asyncio.wait_for(proc.communicate(), 20)
-    assert proc.returncode == 2
-    assert "needs the leader's host:port" in err.decode()
 
 
 async def test_leader_healthy_only_while_all_followers_beat(

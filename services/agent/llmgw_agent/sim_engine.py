@@ -374,7 +374,7 @@ async def start(opts: SimOptions) -> Listening:
     """Bind and start serving; the caller owns the returned runner and must ``cleanup()`` it."""
     app = build_app(opts)
     # handler_cancellation: a client that hangs up frees its slot, as vLLM aborts such a request.
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=2.0)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
     await runner.setup()
     try:
         site = web.TCPSite(runner, opts.host, opts.port, backlog=2048)
