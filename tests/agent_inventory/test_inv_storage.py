@@ -56,6 +56,7 @@ CASES: list[tuple[str, Callable[[Path], object], str | None]] = [
     ("pytorch .bin", lambda d: (write(d / "config.json", CONFIG), write(d / "pytorch_model.bin", b"PK\x03\x04" + b"\0" * 60)), None),
     ("hf local-dir download finished (stale .lock kept)", _hf_local_dir_done, None),
     ("dir of a gguf", lambda d: write(d / "m-Q4_K_M.gguf", gguf_bytes()), None),
+    ("mistral layout", lambda d: (write(d / "params.json", "{}"), write(d / "consolidated.safetensors", safetensors_bytes({"w": 4}))), None),
     ("config only", lambda d: write(d / "config.json", CONFIG), "no weight files"),
     ("no config", lambda d: write(d / "model.safetensors", safetensors_bytes({"w": 4})), "no config.json"),
     ("index names a missing shard", lambda d: (_sharded(d) / "model-00002-of-00002.safetensors").unlink(), "model-00002-of-00002.safetensors, which is absent"),

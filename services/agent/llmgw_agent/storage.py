@@ -148,20 +148,21 @@ def weights_problem(candidate: Path) -> str | None:
         return f"a download in progress ({partial[0].relative_to(candidate)})"
     top = {f.name: f for f in files if f.parent == candidate}
     ggufs = [f for n, f in top.items() if n.endswith(".gguf")]
-    if "config.json" not in top:
+    # params.json: Mistral's own layout (consolidated.safetensors), which vLLM also loads.
+    if "config.json" not in top and "params.json" not in top:
         if ggufs:
             for g in ggufs:
                 problem = gguf_problem(g)
                 if problem:
                     return problem
             return None
-        return "no config.json and no .gguf file"
+        return "no config.json (or params.json) and no .gguf file"
     for index_name in _INDEX_FILES:
         if index_name in top:
             return _index_problem(candidate, top[index_name])
     shards = [f for n, f in top.items() if n.endswith(".safetensors") or _is_torch_bin(n)]
     if not shards:
-        return "config.json but no weight files (.safetensors or .bin)"
+        return "a config but no weight files (.safetensors or .bin)"
     for shard in shards:
         problem = _shard_problem(shard)
         if problem:
