@@ -49,6 +49,10 @@ CLIENT_GONE = 499
 class _Retryable(Exception):
     """The attempt failed before anything reached the client; another endpoint may be tried."""
 
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
 
 def pick(ctx: RouterContext, model: str, tried: list[EndpointState], now: float) -> EndpointState | None:
     eps = ctx.pool.by_model.get(model)
@@ -87,6 +91,8 @@ async def forward(
     t0 = time.perf_counter()
     tried: list[EndpointState] = []
     problem = ""
+    # Engine statuses of failed attempts (None: no answer at all).
+    statuses: list[int | None] = []
     for attempt in range(ctx.limits.retries + 1):
         now = ctx.clock()
         ep = pick(ctx, model, tried, now)
@@ -107,6 +113,7 @@ async def forward(
         except _Retryable as e:
             verdict = False
             problem = str(e)
+            statuses.append(e.status)
             log.debug("attempt %d on %s failed before the first byte: %s", attempt + 1, ep.url, problem)
         finally:
             ep.in_flight -= 1
@@ -121,6 +128,9 @@ async def forward(
         return error_response(503, ctx.pool.why_unavailable(model, ctx.clock()), retry_after=1), 503
     n = len(tried)
     msg = f"model {model!r}: {n} attempt{'s' if n > 1 else ''} failed before an answer: {problem}"
+    if statuses and all(s == 503 for s in statuses):
+        # Every replica said it cannot serve now (loading, overloaded): unavailable, not broken.
+        return error_response(503, msg, retry_after=1), 503
     return error_response(502, msg), 502
 
 
@@ -148,7 +158,7 @@ async def _attempt(
         status = up.status
         if status in RETRY_STATUSES:
             detail = (await up.content.read(300)).decode("utf-8", "replace")
-            raise _Retryable(f"{ep.replica_id} answered {status}: {detail}")
+            raise _Retryable(f"{ep.replica_id} answered {status}: {detail}", status)
         verdict = status < 500
         ctype = up.headers.get("Content-Type", "")
         if up.content_length is not None and not ctype.startswith("text/event-stream"):
