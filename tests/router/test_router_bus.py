@@ -26,7 +26,7 @@ from llmgw_common.messages import (
 )
 from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
-from llmgw_router.keys import create_key, list_keys, revoke_key
+from llmgw_router.keys import create_key, hash_key, list_keys, revoke_key
 
 
 async def _poll(cond, timeout: float = 5.0) -> bool:
@@ -233,7 +233,7 @@ def test_keys_cli_exits_1_when_nats_is_unreachable():
 async def test_create_key_record_round_trips(nats_server, prefix, nc):
     key, rec = await create_key(nc, prefix, "n", None, time.time() + 60)
     recs = await list_keys(nc, prefix)
-    assert [r.id for r in recs] == [rec.id] and recs[0].hash == rec.hash and recs[0].models is None
+    assert [r.id for r in recs] == [rec.id] and recs[0].hash == hash_key(key) and recs[0].models is None
     kv = await bus.ensure_kv(nc.jetstream(), Subjects(prefix).bucket_keys)
     raw = await kv.get(rec.id)
     assert decode(raw.value, type(rec)) == rec
