@@ -80,6 +80,20 @@ async def test_kv_usage_is_share_of_slots(engine: Engine, http: aiohttp.ClientSe
     assert await task == 200
 
 
+async def test_kv_usage_by_token_count(engine: Engine, http: aiohttp.ClientSession) -> None:
+    # Prompt of 2 words + 8 tokens held by each of two running requests, of 100.
+    srv = await engine(slots=4, ttft_ms=300, kv_tokens=100)
+    tasks = [asyncio.create_task(post_chat(http, srv, chat(max_tokens=8, stream=s))) for s in (False, True)]
+
+    async def two_running() -> bool:
+        return (await metrics(http, srv))["vllm:num_requests_running"][1] == 2
+
+    await poll(two_running, 5, "two running requests")
+    assert (await metrics(http, srv))["vllm:kv_cache_usage_perc"][1] == 0.2
+    assert await asyncio.gather(*tasks) == [200, 200]
+    assert (await metrics(http, srv))["vllm:kv_cache_usage_perc"][1] == 0.0
+
+
 async def test_ttft_and_tokens_per_s_shape_a_stream(engine: Engine, http: aiohttp.ClientSession) -> None:
     srv = await engine(ttft_ms=200, tokens_per_s=50)
     arrivals: list[float] = []

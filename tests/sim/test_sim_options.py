@@ -51,6 +51,7 @@ def test_from_dict_takes_catalog_options_and_coerces() -> None:
         ({"tokens_per_s": 0}, "tokens_per_s is 0.0, must be > 0"),
         ({"ttft_ms": -1}, "ttft_ms is -1.0"),
         ({"startup_s": -1}, "startup_s is -1.0"),
+        ({"kv_tokens": 0}, "kv_tokens is 0"),
         ({"exit_after": 0}, "exit_after is 0"),
         ({"world": 0}, "world is 0"),
         ({"rank": 2, "world": 2, "leader": "h:1"}, "rank 2 is outside 0..1"),
@@ -77,6 +78,7 @@ def test_to_argv_round_trips_through_the_cli(cli: typer.Typer) -> None:
         ttft_ms=12.5,
         tokens_per_s=80,
         slots=3,
+        kv_tokens=4096,
         startup_s=2,
         fail_health=True,
         exit_after=7,
@@ -145,6 +147,13 @@ def test_llamacpp_metrics_have_no_kv_and_no_labels() -> None:
     assert "llamacpp:predicted_tokens_seconds 20.0\n" in text
     assert "kv" not in text
     assert "vllm" not in text and "{" not in text
+
+
+def test_kv_usage_by_tokens_when_capacity_is_given() -> None:
+    snap = LoadSnapshot(1, 0, 4, 0, 0, 0, 0.0, 0.0, kv_tokens_used=300, kv_tokens=1000)
+    assert snap.kv_usage == 0.3
+    over = LoadSnapshot(1, 0, 4, 0, 0, 0, 0.0, 0.0, kv_tokens_used=3000, kv_tokens=1000)
+    assert over.kv_usage == 1.0
 
 
 def test_kv_usage_of_idle_engine_is_zero() -> None:

@@ -72,6 +72,7 @@ class Engine:
         self._ids = itertools.count(1)
         self._id_prefix = self.instance[:8]
         self._served = 0
+        self._kv_used = 0
         # Handler tasks of generation requests, cancelled at shutdown so that a stop is prompt.
         self._inflight: set[asyncio.Task[Any]] = set()
         self._prompt_tokens = 0
@@ -108,6 +109,8 @@ class Engine:
             requests_total=self._served,
             prompt_seconds_total=self._prompt_s,
             generation_seconds_total=self._gen_s,
+            kv_tokens_used=self._kv_used,
+            kv_tokens=self.opts.kv_tokens,
         )
 
     def _done(self, prompt: int, completion: int) -> None:
@@ -120,6 +123,15 @@ class Engine:
         if limit is not None and self._served >= limit and not self.exit_requested.is_set():
             log.warning("exit_after fault: served %d request(s), exiting", self._served)
             self.exit_requested.set()
+
+    async def _take(self, kv_tokens: int) -> None:
+        """A slot (waiting in the queue when none is free), and room for ``kv_tokens`` in the KV cache."""
+        await self.slots.acquire()
+        self._kv_used += kv_tokens
+
+    def _give(self, kv_tokens: int) -> None:
+        self._kv_used -= kv_tokens
+        self.slots.release()
 
     def _rid(self, kind: str) -> str:
         return f"{kind}-{self._id_prefix}{next(self._ids):x}"
@@ -220,13 +232,14 @@ class Engine:
         tokens = oai.completion_tokens(req)
         if req.stream:
             return await self._stream(request, req, rid, created, tokens, chat)
-        await self.slots.acquire()
+        kv = req.prompt_tokens + len(tokens)
+        await self._take(kv)
         try:
             delay = self._ttft_s + max(len(tokens) - 1, 0) * self._tpot_s
             if delay > 0:
                 await asyncio.sleep(delay)
         finally:
-            self.slots.release()
+            self._give(kv)
         build = oai.chat_response if chat else oai.completion_response
         resp = web.Response(body=json.dumps(build(rid, created, req, tokens)).encode(), content_type=_JSON)
         return await self._finish(request, resp, req.prompt_tokens, len(tokens))
@@ -254,7 +267,8 @@ class Engine:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         # Headers go out at once, as vLLM's do; the first chunk waits for a slot and the first token.
         await resp.prepare(request)
-        await self.slots.acquire()
+        kv = req.prompt_tokens + len(tokens)
+        await self._take(kv)
         try:
             if self._ttft_s == 0 and self._tpot_s == 0:
                 await resp.write((w.first() + "".join(map(w.token, tokens)) + w.end(len(tokens))).encode())
@@ -268,7 +282,7 @@ class Engine:
                     await resp.write(((w.first() if i == 0 else "") + w.token(tok)).encode())
                 await resp.write(w.end(len(tokens)).encode())
         finally:
-            self.slots.release()
+            self._give(kv)
         await resp.write_eof()
         self._done(req.prompt_tokens, len(tokens))
         return resp
@@ -281,12 +295,12 @@ class Engine:
         refusal = self._refusal(req.model)
         if refusal is not None:
             return refusal
-        await self.slots.acquire()
+        await self._take(req.prompt_tokens)
         try:
             if self._ttft_s > 0:
                 await asyncio.sleep(self._ttft_s)
         finally:
-            self.slots.release()
+            self._give(req.prompt_tokens)
         resp = web.Response(body=json.dumps(oai.embeddings_response(req)).encode(), content_type=_JSON)
         return await self._finish(request, resp, req.prompt_tokens, 0)
 

@@ -23,10 +23,15 @@ class LoadSnapshot:
     # Seconds spent producing prompt and generated tokens, summed over requests.
     prompt_seconds_total: float
     generation_seconds_total: float
+    # Tokens held by running requests, and the capacity (None: KV use is the share of slots).
+    kv_tokens_used: int = 0
+    kv_tokens: int | None = None
 
     @property
     def kv_usage(self) -> float:
-        """KV-cache use as the share of slots taken: a full engine reads 1.0."""
+        """KV-cache use, 0..1: tokens held over capacity, or else the share of slots taken."""
+        if self.kv_tokens:
+            return min(1.0, self.kv_tokens_used / self.kv_tokens)
         return min(1.0, self.running / self.slots) if self.slots else 0.0
 
 

@@ -24,6 +24,9 @@ class SimOptions:
     ttft_ms: float = 50.0
     tokens_per_s: float = 100.0
     slots: int = 8
+    # KV-cache capacity in tokens; a running request holds its prompt plus max_tokens.
+    # None: KV use is the share of slots taken.
+    kv_tokens: int | None = None
     startup_s: float = 0.0
     fail_health: bool = False
     # Exit (code 3) after this many completed requests; None never.
@@ -57,6 +60,8 @@ class SimOptions:
             out.append(f"tokens_per_s is {self.tokens_per_s}, must be > 0")
         if self.slots < 1:
             out.append(f"slots is {self.slots}, must be >= 1")
+        if self.kv_tokens is not None and self.kv_tokens < 1:
+            out.append(f"kv_tokens is {self.kv_tokens}, must be >= 1 (or unset)")
         if self.startup_s < 0:
             out.append(f"startup_s is {self.startup_s}, must be >= 0")
         if self.exit_after is not None and self.exit_after < 1:

@@ -23,6 +23,9 @@ def sim_engine(
     ttft_ms: float = typer.Option(_D.ttft_ms, help="Time to first token, milliseconds"),
     tokens_per_s: float = typer.Option(_D.tokens_per_s, help="Generation speed of one request, tokens/s"),
     slots: int = typer.Option(_D.slots, help="Requests generated at once; later ones wait in a queue"),
+    kv_tokens: int | None = typer.Option(
+        None, help="KV-cache capacity in tokens (unset: KV use is the share of slots taken)"
+    ),
     startup_s: float = typer.Option(_D.startup_s, help="Simulated model loading: /health is 503 this long"),
     fail_health: bool = typer.Option(False, "--fail-health", help="Fault: /health always answers 503"),
     exit_after: int | None = typer.Option(
@@ -50,6 +53,7 @@ def sim_engine(
             ttft_ms=ttft_ms,
             tokens_per_s=tokens_per_s,
             slots=slots,
+            kv_tokens=kv_tokens,
             startup_s=startup_s,
             fail_health=fail_health,
             exit_after=exit_after,
