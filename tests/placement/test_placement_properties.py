@@ -137,7 +137,12 @@ def test_place_is_sound_complete_and_deterministic(
     if prof.nodes == 1:
         assert isinstance(res, Placement) == _oracle_single(prof, s, extra)
     if not extra:
-        assert explain(prof, s).next == res
+        ex = explain(prof, s)
+        assert ex.next == res
+        if prof.nodes == 1:
+            assert [v.node for v in ex.nodes if v.rank == 1] == (
+                list(res.nodes) if isinstance(res, Placement) else []
+            )
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

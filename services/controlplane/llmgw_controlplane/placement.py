@@ -17,6 +17,7 @@ Scores, most important first (lower sort key wins):
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
@@ -149,6 +150,9 @@ class Fleet:
             self._used.setdefault(node, set()).update(gpus)
         self._free: dict[str, dict[str, list[int]]] = {}
         self._load: Counter[str] = Counter()
+        self._pack: dict[str | None, dict[int, list[str]]] = {}
+        self._members: dict[str, list[str]] | None = None
+        self._static_sets: dict[_Shape, frozenset[str]] = {}
         self._model_node: dict[str, Counter[str]] = {}
         self._model_fabric: dict[str, Counter[str]] = {}
         for r in snap.replicas:
@@ -207,6 +211,24 @@ class Fleet:
             return "shared"
         return None
 
+    def score_tables(
+        self, profile: ModelProfile
+    ) -> tuple[Mapping[str, int], AbstractSet[str], AbstractSet[str], Mapping[str, int]]:
+        """What a score reads, as plain tables: replicas of the model per node, nodes holding the weights
+        locally, fabrics with them on shared storage, replicas of the model per fabric."""
+        if self._local is None:
+            self._index_weights()
+        wn = profile.weights_name
+        return (
+            self._model_node.get(profile.name, {}),
+            (self._local or {}).get(wn, set()),
+            self._shared.get(wn, set()),
+            self._model_fabric.get(profile.name, {}),
+        )
+
+    def loads(self) -> Mapping[str, int]:
+        return self._load
+
     def score(self, profile: ModelProfile, name: str, free: int | None) -> NodeScore:
         fabric = self.snap.nodes[name].fabric
         return NodeScore(
@@ -221,10 +243,66 @@ class Fleet:
 
     def take(self, placement: Placement) -> None:
         """Record a decided placement: its GPUs are no longer free, its nodes now host the model."""
+        nodes = [s.node for s in placement.shards]
+        before = {(cls, n): self._pack_value(cls, n) for cls in self._pack for n in nodes}
         for s in placement.shards:
             self._used.setdefault(s.node, set()).update(s.gpus)
             self._free.pop(s.node, None)
-        self._count(placement.model, [s.node for s in placement.shards])
+        self._count(placement.model, nodes)
+        for (cls, n), old in before.items():
+            new = self._pack_value(cls, n)
+            if new != old:
+                idx = self._pack[cls]
+                lst = idx[old]
+                del lst[bisect_left(lst, n)]
+                if not lst:
+                    del idx[old]
+                insort(idx.setdefault(new, []), n)
+
+    # ------------------------------------------------------------ indexes for the fast path
+
+    def _pack_value(self, cls: str | None, name: str) -> int:
+        return len(self.free(name, cls)) if cls is not None else self._load[name]
+
+    def pack_index(self, cls: str | None) -> dict[int, list[str]]:
+        """Nodes by packing value, each list sorted by name: free GPUs of the class, or (CPU) shards run."""
+        idx = self._pack.get(cls)
+        if idx is None:
+            idx = {}
+            for name in self.names:
+                idx.setdefault(self._pack_value(cls, name), []).append(name)
+            self._pack[cls] = idx
+        return idx
+
+    def members(self, fabric: str) -> list[str]:
+        if self._members is None:
+            members: dict[str, list[str]] = {}
+            for name in self.names:
+                f = self.snap.nodes[name].fabric
+                if f is not None:
+                    members.setdefault(f, []).append(name)
+            self._members = members
+        return self._members.get(fabric, [])
+
+    def special(self, model: str, weights_name: str) -> set[str]:
+        """Nodes whose score is not the default one: they host the model, hold its weights, or share a fabric
+        with a replica of it or with its shared weights. Every other node scores only on packing."""
+        out = set(self._model_node.get(model, ()))
+        if self._local is None:
+            self._index_weights()
+        out.update(self._local.get(weights_name, ()) if self._local else ())
+        fabrics = set(self._model_fabric.get(model, ())) | self._shared.get(weights_name, set())
+        for f in fabrics:
+            out.update(self.members(f))
+        return out
+
+    def static_set(self, profile: ModelProfile, exclude: frozenset[str]) -> frozenset[str]:
+        shape = _shape(profile, exclude)
+        hit = self._static_sets.get(shape)
+        if hit is None:
+            hit = frozenset(self.static(profile, exclude)[0])
+            self._static_sets[shape] = hit
+        return hit
 
     # ------------------------------------------------------------ internals
 
@@ -501,7 +579,11 @@ def place_in(
     wn = profile.weights_name
     if profile.nodes == 1:
         best: tuple[int, int, int, int, str] | None = None
-        for name in ok:
+        # Large candidate sets: score the few nodes with a non-default score one by one, and find the best
+        # of all others from the packing index (the first fitting node in it is the best of them).
+        fast = len(ok) * 4 >= len(fleet.names) and len(ok) > 64
+        special = fleet.special(model, wn) if fast else set()
+        for name in (special & fleet.static_set(profile, exclude_nodes)) if fast else ok:
             free = -1
             if cls is not None:
                 free = len(fleet.free(name, cls))
@@ -517,6 +599,10 @@ def place_in(
             )
             if best is None or key < best:
                 best = key
+        if fast:
+            generic = _best_generic(fleet, profile, fleet.static_set(profile, exclude_nodes), special)
+            if generic is not None and (best is None or generic < best):
+                best = generic
         if best is None:
             return _unplaceable(profile, fleet, exclude_nodes)
         chosen = best[4]
@@ -525,22 +611,52 @@ def place_in(
     return _place_multi(profile, fleet, ok, exclude_nodes)
 
 
+def _best_generic(
+    fleet: Fleet, profile: ModelProfile, ok: frozenset[str], special: set[str]
+) -> tuple[int, int, int, int, str] | None:
+    """The best node whose score is the default one (no replica of the model near, no weights): the first
+    fitting node in packing order."""
+    idx = fleet.pack_index(profile.gpu_class)
+    need = profile.gpus
+    gpu = profile.gpu_class is not None
+    for k in sorted(idx):
+        if gpu and k < need:
+            continue
+        for name in idx[k]:
+            if name in ok and name not in special:
+                return (0, 1, 0, k - need if gpu else k, name)
+    return None
+
+
 def _place_multi(
     profile: ModelProfile, fleet: Fleet, ok: list[str], exclude: frozenset[str]
 ) -> Placement | Unplaceable:
     cls = profile.gpu_class
     need = profile.gpus
     by_fabric: dict[str, list[tuple[tuple[int, int, int, int, str], str]]] = {}
+    # The score inlined (NodeScore.key): this loop runs over every eligible node.
+    on_node, holders, shared_in, in_fabric = fleet.score_tables(profile)
+    nodes = fleet.snap.nodes
+    load = fleet.loads()
     for name in ok:
-        n = fleet.node(name)
-        if n.fabric is None:
+        fabric = nodes[name].fabric
+        if fabric is None:
             continue
-        free: int | None = None
         if cls is not None:
             free = len(fleet.free(name, cls))
             if free < need:
                 continue
-        by_fabric.setdefault(n.fabric, []).append((fleet.score(profile, name, free).key(name), name))
+            pack = free - need
+        else:
+            pack = load[name]
+        key = (
+            on_node.get(name, 0),
+            0 if name in holders or fabric in shared_in else 1,
+            in_fabric.get(fabric, 0),
+            pack,
+            name,
+        )
+        by_fabric.setdefault(fabric, []).append((key, name))
     best: tuple[tuple[int, int, int, int, str], list[str]] | None = None
     for fabric, cands in by_fabric.items():
         if len(cands) < profile.nodes:
