@@ -133,7 +133,9 @@ class Bus:
         """Every event in the stream, in order (optionally only some kinds)."""
         info = await self.js.stream_info(self.subjects.events_stream)
         out: list[Event] = []
-        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        if not info.state.messages:
+            return out
+        for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1):
             with contextlib.suppress(nats.js.errors.NotFoundError):
                 raw = await self.js.get_msg(self.subjects.events_stream, seq)
                 assert raw.data is not None

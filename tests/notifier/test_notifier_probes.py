@@ -1,0 +1,172 @@
+"""Probes of watched models through a (fake, real-HTTP) router: down once, recovered once, slow is fine."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+from notifier_helpers import Bus, running, wait_until
+
+from llmgw_common.catalog import WatchSpec
+from llmgw_common.messages import Webhook
+from llmgw_common.natsserver import NatsServer
+from llmgw_common.settings import NotifierSettings
+from llmgw_notifier.probes import DOWN, RECOVERED, probe_once
+
+KEY = "sk-probe-test"
+
+
+class FakeRouter:
+    """``/v1/chat/completions`` answering per ``mode``: ok, fail (500), hang, slow, unauth (401)."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.slow_s = 0.4
+        self.requests: list[dict[str, Any]] = []
+        self.answered: dict[str, int] = {}  # model -> probes answered 200
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def count(self, model: str) -> int:
+        return sum(1 for r in self.requests if r["body"]["model"] == model)
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append({"body": body, "auth": request.headers.get("Authorization")})
+        mode = self.mode
+        if mode == "hang":
+            await asyncio.sleep(30)
+        if mode == "slow":
+            await asyncio.sleep(self.slow_s)
+        if mode == "fail":
+            return web.json_response({"error": {"message": "no ready replica"}}, status=503)
+        if mode == "unauth":
+            return web.json_response({"error": {"message": "invalid key"}}, status=401)
+        model = body["model"]
+        self.answered[model] = self.answered.get(model, 0) + 1
+        return web.json_response({"choices": [{"message": {"role": "assistant", "content": "p"}}]})
+
+    async def start(self) -> FakeRouter:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._handle)
+        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        assert site._server is not None
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+@pytest.fixture
+async def router() -> AsyncIterator[FakeRouter]:
+    r = await FakeRouter().start()
+    yield r
+    await r.stop()
+
+
+def probe_settings(nats_server: NatsServer, prefix: str, router: FakeRouter) -> NotifierSettings:
+    return NotifierSettings(
+        nats_urls=[nats_server.url],
+        prefix=prefix,
+        router_url=router.url,
+        probe_key=KEY,
+        group_window_s=0.0,
+        retry_base_s=0.05,
+        retry_max_s=0.2,
+        ack_wait_s=2.0,
+    )
+
+
+async def test_probe_once_classifies_answers(router: FakeRouter) -> None:
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    dead_port = free.getsockname()[1]
+    free.close()
+    async with httpx.AsyncClient() as client:
+        ok = await probe_once(client, router.url, KEY, "judge", 2.0)
+        assert ok.ok and ok.conclusive
+        assert router.requests[-1]["auth"] == f"Bearer {KEY}"
+        assert router.requests[-1]["body"]["max_tokens"] == 1
+        router.mode = "fail"
+        r = await probe_once(client, router.url, KEY, "judge", 2.0)
+        assert not r.ok and r.conclusive and r.error is not None and "503" in r.error
+        router.mode = "hang"
+        r = await probe_once(client, router.url, KEY, "judge", 0.3)
+        assert (
+            not r.ok and r.conclusive and r.error is not None and "0.3s budget" in r.error and r.elapsed < 2
+        )
+        router.mode = "unauth"
+        r = await probe_once(client, router.url, KEY, "judge", 2.0)
+        assert not r.ok and not r.conclusive and r.error is not None and "probe key" in r.error
+        r = await probe_once(client, f"http://127.0.0.1:{dead_port}", KEY, "judge", 2.0)
+        assert not r.ok and r.conclusive and r.error is not None and "unreachable" in r.error
+
+
+async def test_failing_probes_give_one_model_down_and_one_recovered_across_a_restart(
+    nats_server: NatsServer, prefix: str, bus: Bus, router: FakeRouter, receivers: Any
+) -> None:
+    rx = await receivers()
+    await bus.set_webhooks(Webhook(url=rx.url))
+    await bus.set_watched({"judge": WatchSpec(probe_every=0.3, budget=0.25, failures=2), "other": None})
+    s = probe_settings(nats_server, prefix, router)
+    async with running(s):
+        await wait_until(lambda: router.answered.get("judge", 0) >= 2, what="healthy probes")
+        assert await bus.events((DOWN, RECOVERED)) == []
+        router.mode = "hang"  # every probe now overruns its budget
+        await wait_until(lambda: len(rx.requests) >= 1, what="model.down delivered")
+        n = router.count("judge")
+        await wait_until(lambda: router.count("judge") >= n + 3, what="more failing probes")
+    # A restart while still down must not announce it again.
+    async with running(s):
+        n = router.count("judge")
+        await wait_until(lambda: router.count("judge") >= n + 3, what="failing probes after the restart")
+        assert [e.kind for e in await bus.events((DOWN, RECOVERED))] == [DOWN]
+        router.mode = "ok"
+        await wait_until(lambda: len(rx.requests) >= 2, what="model.recovered delivered")
+        n = router.answered["judge"]
+        await wait_until(lambda: router.answered["judge"] >= n + 2, what="healthy probes after recovery")
+    events = await bus.events((DOWN, RECOVERED))
+    assert [e.kind for e in events] == [DOWN, RECOVERED]
+    down, rec = events
+    assert down.subject == rec.subject == "judge"
+    assert down.details["source"] == "probe" and "budget" in down.summary
+    assert down.id.split(":")[-1] == rec.id.split(":")[-1]  # one episode
+    assert [r.json["kind"] for r in rx.requests] == [DOWN, RECOVERED]
+    assert router.count("other") == 0  # not watched, never probed
+    assert all(r["auth"] == f"Bearer {KEY}" for r in router.requests)
+
+
+async def test_slow_within_budget_and_refused_key_produce_nothing(
+    nats_server: NatsServer, prefix: str, bus: Bus, router: FakeRouter
+) -> None:
+    router.mode = "slow"
+    router.slow_s = 0.35
+    # One failure would be enough to declare it down: any misjudged slow answer would show.
+    await bus.set_watched({"judge": WatchSpec(probe_every=0.9, budget=0.9, failures=1)})
+    async with running(probe_settings(nats_server, prefix, router)):
+        await wait_until(lambda: router.answered.get("judge", 0) >= 3, what="three slow answers")
+        router.mode = "unauth"
+        n = router.count("judge")
+        await wait_until(lambda: router.count("judge") >= n + 2, what="probes refused for their key")
+        assert await bus.events((DOWN, RECOVERED)) == []
+        # A model leaves the watch list: its probes stop.
+        await bus.set_watched({"judge": None})
+        await asyncio.sleep(0.2)  # a probe already in flight may still land
+        n = router.count("judge")
+        with pytest.raises(AssertionError):
+            await wait_until(lambda: router.count("judge") > n, timeout=2.0, what="no more probes")
+    assert await bus.events((DOWN, RECOVERED)) == []
