@@ -52,7 +52,7 @@ async def test_slack_and_signed_json_payloads(
 
 
 async def test_receiver_500_then_recovering_gets_every_event_once_in_order(
-    nats_server: NatsServer, prefix: str, bus: Bus, receivers: Any
+    nats_server: NatsServer, prefix: str, bus: Bus, receivers: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     rx = await receivers()
     down_until = time.monotonic() + 1.5
@@ -71,6 +71,7 @@ async def test_receiver_500_then_recovering_gets_every_event_once_in_order(
     refused = [r.event_id for r in rx.requests if r.status != 200]
     assert set(refused) == {sent[0].id}
     assert info.num_ack_pending == 0 and info.ack_floor.stream_seq == len(sent)
+    assert "did not take" in caplog.text and rx.url not in caplog.text  # logged, without its URL
 
 
 async def test_storm_is_one_message(nats_server: NatsServer, prefix: str, bus: Bus, receivers: Any) -> None:

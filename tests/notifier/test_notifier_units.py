@@ -13,7 +13,7 @@ from llmgw_common.catalog import WatchSpec
 from llmgw_common.messages import Event, Webhook
 from llmgw_common.settings import NotifierSettings
 from llmgw_notifier.delivery import StartGate, backoff_delay, post_until_taken, retry_after_s, wants
-from llmgw_notifier.formats import group_id, render, sign, slack_text, verify
+from llmgw_notifier.formats import group_id, render, shown_url, sign, slack_text, verify
 from llmgw_notifier.grouping import Held, plan_groups
 from llmgw_notifier.probes import DOWN, RECOVERED, ProbeState, event_id, observe, probe_event
 
@@ -238,3 +238,11 @@ def test_json_render_signature_and_group_ids() -> None:
     assert group_id(pair) == group_id(list(pair)) != group_id(pair[:1])
     with pytest.raises(ValueError):
         render([], Webhook(url="u"))
+
+
+def test_webhook_urls_are_shown_without_their_secret_path() -> None:
+    url = "https://hooks.slack.com/services/T000/B000/XXXXSECRET"
+    shown = shown_url(url)
+    assert "XXXXSECRET" not in shown and "T000" not in shown and shown.startswith("https://hooks.slack.com/")
+    assert shown != shown_url(url + "2")  # two targets on one host stay apart
+    assert "pw" not in shown_url("https://user:pw@example.com/h")

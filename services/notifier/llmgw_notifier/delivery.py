@@ -42,7 +42,7 @@ from llmgw_common.codec import DecodeError, decode
 from llmgw_common.messages import Event, Webhook
 from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import Subjects
-from llmgw_notifier.formats import Rendered, render
+from llmgw_notifier.formats import Rendered, render, shown_url
 from llmgw_notifier.grouping import Held, plan_groups
 
 log = logging.getLogger("llmgw.notifier.delivery")
@@ -128,6 +128,7 @@ async def post_until_taken(
             resp = await client.post(url, content=msg.body, headers=msg.headers, timeout=s.http_timeout_s)
         except httpx.HTTPError as e:
             error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            error = error.replace(url, shown_url(url))  # the URL may be a credential (Slack)
         else:
             if 200 <= resp.status_code < 300:
                 return Outcome(True, attempt, None)
@@ -146,7 +147,7 @@ async def post_until_taken(
         log.log(
             level,
             "webhook %s did not take %s (attempt %d: %s); retrying in %.1fs",
-            url,
+            shown_url(url),
             msg.id,
             attempt,
             error,
@@ -222,7 +223,7 @@ class TargetWorker:
         return ConsumerConfig(
             durable_name=self.name,
             name=self.name,
-            description=f"llmgw notifier: deliveries to {self.hook.url}",
+            description=f"llmgw notifier: deliveries to {shown_url(self.hook.url)}",
             deliver_policy=DeliverPolicy.BY_START_TIME,
             opt_start_time=datetime.fromtimestamp(self.since, UTC),  # type: ignore[arg-type]
             ack_policy=AckPolicy.EXPLICIT,
@@ -251,7 +252,10 @@ class TargetWorker:
                     await self._session()
                 except nats.errors.Error as e:
                     log.warning(
-                        "target %s: bus trouble (%s: %s); rebinding in 1s", self.hook.url, type(e).__name__, e
+                        "target %s: bus trouble (%s: %s); rebinding in 1s",
+                        shown_url(self.hook.url),
+                        type(e).__name__,
+                        e,
                     )
                     await asyncio.sleep(1.0)
         finally:
@@ -274,7 +278,7 @@ class TargetWorker:
                     log.info(
                         "target %s: %d event(s) the previous notifier held come back within %.0fs; "
                         "newer ones wait for them",
-                        self.hook.url,
+                        shown_url(self.hook.url),
                         self._gate.outstanding,
                         self.s.ack_wait_s,
                     )
@@ -333,7 +337,7 @@ class TargetWorker:
                     await self.msgs[seq].ack()
                 self.stats.delivered_events += len(seqs)
                 self.stats.delivered_messages += 1
-                self.stats.per_target[self.hook.url] = self.stats.per_target.get(self.hook.url, 0) + 1
+                self.stats.per_target[self.target_id] = self.stats.per_target.get(self.target_id, 0) + 1
             else:
                 log.error(
                     "GAVE UP delivering %s (%d event(s): %s) to %s after %d attempts over %.0fs: %s; "
@@ -341,7 +345,7 @@ class TargetWorker:
                     rendered.id,
                     len(seqs),
                     ", ".join(e.id for e in group.events[:10]),
-                    self.hook.url,
+                    shown_url(self.hook.url),
                     outcome.attempts,
                     self.s.retry_for_s,
                     outcome.last_error,

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import urlsplit
 
 from llmgw_common.messages import Event, Webhook
 
@@ -76,6 +77,14 @@ def group_id(events: Sequence[Event]) -> str:
         return events[0].id
     h = hashlib.sha256("\n".join(e.id for e in events).encode()).hexdigest()[:24]
     return f"group-{h}"
+
+
+def shown_url(url: str) -> str:
+    """A webhook URL fit for logs: scheme and host only, plus a short hash to tell targets apart.
+    A Slack incoming-webhook URL is itself a credential: its path must never reach a log."""
+    parts = urlsplit(url)
+    tag = hashlib.sha256(url.encode()).hexdigest()[:8]
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}/… [{tag}]"
 
 
 def sign(body: bytes, secret: str) -> str:

@@ -28,7 +28,7 @@ from llmgw_common.messages import ClusterSettings, Webhook
 from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import DESIRED_SETTINGS, Subjects
 from llmgw_notifier.delivery import NotifierStats, TargetWorker, consumer_name
-from llmgw_notifier.formats import FORMATS
+from llmgw_notifier.formats import FORMATS, shown_url
 
 log = logging.getLogger("llmgw.notifier.targets")
 
@@ -46,10 +46,14 @@ def webhooks_by_target(cs: ClusterSettings) -> dict[str, Webhook]:
     for hook in cs.webhooks:
         tid = target_id(hook.url)
         if tid in out:
-            log.warning("webhook %s is listed twice in the settings; the first entry is used", hook.url)
+            log.warning(
+                "webhook %s is listed twice in the settings; the first entry is used", shown_url(hook.url)
+            )
             continue
         if hook.format not in FORMATS:
-            log.warning("webhook %s: unknown format %r, sending generic JSON", hook.url, hook.format)
+            log.warning(
+                "webhook %s: unknown format %r, sending generic JSON", shown_url(hook.url), hook.format
+            )
         out[tid] = hook
     return out
 
@@ -142,12 +146,20 @@ class Targets:
                 task = asyncio.create_task(worker.run(), name=f"notifier-target-{tid}")
                 task.add_done_callback(_report)
                 self.workers[tid] = (worker, task)
-                log.info("delivering events to %s (%s) via consumer %s", hook.url, hook.format, worker.name)
+                log.info(
+                    "delivering events to %s (%s) via consumer %s",
+                    shown_url(hook.url),
+                    hook.format,
+                    worker.name,
+                )
             for tid in [t for t in self.workers if t not in desired]:
                 worker, task = self.workers.pop(tid)
                 await _cancel(task)
                 await self._delete_consumer(worker.name)
-                log.info("webhook %s removed from the settings: no longer delivering to it", worker.hook.url)
+                log.info(
+                    "webhook %s removed from the settings: no longer delivering to it",
+                    shown_url(worker.hook.url),
+                )
             if not self._cleaned:
                 self._cleaned = True
                 await self._delete_orphans(set(desired))
