@@ -239,3 +239,17 @@ def test_explain_agrees_with_place_when_unplaceable() -> None:
         ("f2", False, ("b",)),
     ]
     assert H100 in ex.needs and ex.needs.startswith("2 nodes x 8")
+
+
+def test_summary_names_near_fabrics_only_and_compresses_many() -> None:
+    nodes = [node(f"{f}-1", fabric=f) for f in ("f1", "f2", "f3", "f4", "f5", "f6")]
+    nodes += [node(f"e{i}", fabric=f"empty{i}", cordoned=True) for i in range(30)]
+    res = place(profile("big", gpus_per_node=8, nodes=2), snap(nodes))
+    assert isinstance(res, Unplaceable)
+    assert len(res.fabrics) == 36
+    assert res.summary == (
+        "no fabric has 2 whole nodes for model big: fabric f1 has 1 node with 8 free H100-80GB, needs 2; "
+        "fabric f2 has 1 node with 8 free H100-80GB, needs 2; fabric f3 has 1 node with 8 free H100-80GB, "
+        "needs 2; fabric f4 has 1 node with 8 free H100-80GB, needs 2; 2 more fabrics short of whole nodes; "
+        "30 nodes (e0, e1, e10 and 27 more): is cordoned"
+    )

@@ -333,3 +333,24 @@ def test_ports_exhausted_makes_the_model_unplaceable_with_the_reason() -> None:
         "cannot place model m on a: address h1 has no free port in 20000-20000: all 1 are in use"
     )
     assert not plan.place
+
+
+def test_unplaceable_reasons_are_reused_while_recent_but_the_decision_is_fresh() -> None:
+    s = snap([node("a", n_gpus=2)], models=[profile(gpus_per_node=4)])
+    p1 = reconcile(s, reasons_refresh_s=10)
+    # Same refusal, 5 s later: the reasons are the memo's (no verdict per node), and the memo is unchanged.
+    p2 = reconcile(replace(s, now=1005.0), p1.memo, reasons_refresh_s=10)
+    assert p2.unplaceable["m"] is p1.unplaceable["m"]
+    assert p2.memo is p1.memo
+    # The node shrank: within the window the old reasons stand, after it they are worked out again.
+    shrunk = replace(s, nodes={"a": node("a", n_gpus=1)})
+    p3 = reconcile(replace(shrunk, now=1009.0), p2.memo, reasons_refresh_s=10)
+    assert p3.unplaceable["m"].summary.endswith("a has 2 free H100-80GB, needs 4")
+    p4 = reconcile(replace(shrunk, now=1010.0), p3.memo, reasons_refresh_s=10)
+    assert p4.unplaceable["m"].summary.endswith("a has 1 free H100-80GB, needs 4")
+    assert p4.memo.model("m").unplaceable_since == 1000.0
+    # Capacity appears inside the window: placed at once, and the remembered refusal is dropped.
+    grown = replace(s, nodes={"a": node("a", n_gpus=2), "b": node("b")}, now=1011.0)
+    p5 = reconcile(grown, p4.memo, reasons_refresh_s=10)
+    assert [r.shards[0].node for r in p5.place] == ["b"]
+    assert p5.memo.model("m").unplaceable is None and p5.memo.model("m").unplaceable_since is None

@@ -73,6 +73,8 @@ class NodeRejection:
 class FabricRejection:
     fabric: str
     reason: str
+    # Nodes of the fabric that passed every node filter (fewer than the replica needs).
+    eligible: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -515,7 +517,12 @@ def summarize(
     fabrics: Iterable[FabricRejection] = (),
 ) -> str:
     """One line: the closest misses first, identical reasons grouped with their nodes counted."""
-    fabric_parts = [f.reason for f in fabrics]
+    # Fabrics that came close, closest first; those without a single eligible node are explained by
+    # their nodes' own reasons.
+    near = sorted((f for f in fabrics if f.eligible > 0), key=lambda f: (-f.eligible, f.fabric))
+    fabric_parts = [f.reason for f in near[:_SUMMARY_GROUPS]]
+    if len(near) > _SUMMARY_GROUPS:
+        fabric_parts.append(f"{len(near) - _SUMMARY_GROUPS} more fabrics short of whole nodes")
     groups: dict[str, list[NodeRejection]] = {}
     for r in rejections:
         if r.stage == STAGE_FABRIC and fabric_parts and not r.reason.startswith("has no fabric"):
@@ -555,7 +562,9 @@ def _unplaceable(profile: ModelProfile, fleet: Fleet, exclude: frozenset[str]) -
     rejections = tuple(
         NodeRejection(v.node, v.reason or "", v.stage or 0) for v in verdicts if not v.feasible
     )
-    frej = tuple(FabricRejection(f.fabric, f.reason or "") for f in fabrics if not f.feasible)
+    frej = tuple(
+        FabricRejection(f.fabric, f.reason or "", len(f.eligible_nodes)) for f in fabrics if not f.feasible
+    )
     out = Unplaceable(
         profile.name, rejections, summarize(profile.name, profile.nodes, rejections, frej), frej
     )
@@ -567,9 +576,13 @@ def _unplaceable(profile: ModelProfile, fleet: Fleet, exclude: frozenset[str]) -
 
 
 def place_in(
-    profile: ModelProfile, fleet: Fleet, *, exclude_nodes: frozenset[str] = frozenset()
+    profile: ModelProfile, fleet: Fleet, *, exclude_nodes: frozenset[str] = frozenset(), detail: bool = True
 ) -> Placement | Unplaceable:
-    """:func:`place` over a pass's :class:`Fleet`; the caller calls ``fleet.take()`` if it keeps the result."""
+    """:func:`place` over a pass's :class:`Fleet`; the caller calls ``fleet.take()`` if it keeps the result.
+
+    ``detail=False`` answers a refusal without its reasons (``reasons == ()`` and ``summary == ""``): the
+    decision is as exact, and it costs no verdict per node, for a caller that already holds recent reasons.
+    """
     if _profile_problem(profile) is not None:
         return _unplaceable(profile, fleet, exclude_nodes)
     ok, _ = fleet.static(profile, exclude_nodes)
@@ -604,11 +617,11 @@ def place_in(
             if generic is not None and (best is None or generic < best):
                 best = generic
         if best is None:
-            return _unplaceable(profile, fleet, exclude_nodes)
+            return _unplaceable(profile, fleet, exclude_nodes) if detail else Unplaceable(model, (), "")
         chosen = best[4]
         gpus = tuple(fleet.free(chosen, cls)[:need]) if cls is not None else ()
         return Placement(model, (ShardPlan(chosen, gpus),), _why(profile, fleet, [chosen], len(ok)))
-    return _place_multi(profile, fleet, ok, exclude_nodes)
+    return _place_multi(profile, fleet, ok, exclude_nodes, detail)
 
 
 def _best_generic(
@@ -629,7 +642,7 @@ def _best_generic(
 
 
 def _place_multi(
-    profile: ModelProfile, fleet: Fleet, ok: list[str], exclude: frozenset[str]
+    profile: ModelProfile, fleet: Fleet, ok: list[str], exclude: frozenset[str], detail: bool
 ) -> Placement | Unplaceable:
     cls = profile.gpu_class
     need = profile.gpus
@@ -673,7 +686,7 @@ def _place_multi(
         if best is None or fkey < best[0]:
             best = (fkey, [name for _, name in pick])
     if best is None:
-        return _unplaceable(profile, fleet, exclude)
+        return _unplaceable(profile, fleet, exclude) if detail else Unplaceable(profile.name, (), "")
     chosen = best[1]
     shards = tuple(
         ShardPlan(name, tuple(fleet.free(name, cls)[:need]) if cls is not None else ()) for name in chosen

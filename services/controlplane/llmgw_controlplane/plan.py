@@ -70,6 +70,10 @@ class ModelMemo:
     next_attempt: float = 0.0
     # When placement of this model first failed in the current streak; None when it is placed.
     unplaceable_since: float | None = None
+    # The last refusal with its reasons, and when they were worked out: reasons cost a verdict per node,
+    # so a pass that finds the model still unplaceable reuses them until they are ``reasons_refresh_s`` old.
+    unplaceable: Unplaceable | None = None
+    unplaceable_checked: float | None = None
 
 
 def _empty_models() -> Mapping[str, ModelMemo]:

@@ -126,9 +126,15 @@ class _Pass:
     """The working state of one reconcile pass. Private; lives for one call of :func:`reconcile`."""
 
     def __init__(
-        self, snap: Snapshot, memo: ReconcileMemo, new_id: NewId | None, ports: tuple[int, int]
+        self,
+        snap: Snapshot,
+        memo: ReconcileMemo,
+        new_id: NewId | None,
+        ports: tuple[int, int],
+        refresh_s: float,
     ) -> None:
         self.snap = snap
+        self.reasons_refresh_s = refresh_s
         self.memo = memo
         self.new_id = new_id
         self.port_lo, self.port_hi = ports
@@ -184,16 +190,19 @@ def reconcile(
     placing: bool = True,
     new_id: NewId | None = None,
     port_range: tuple[int, int] = (PORT_LO, PORT_HI),
+    reasons_refresh_s: float = 10.0,
 ) -> Plan:
     """One pass: what to place, stop and mark draining so that the cluster moves towards the catalog.
 
     ``placing=False`` computes stops and drains but places nothing (e.g. during the settling window
     after a restart). ``new_id(model, seq)`` mints replica ids; the default is :func:`default_replica_id`.
-    A node absent from ``snap.nodes`` counts as lost.
+    A node absent from ``snap.nodes`` counts as lost. Whether a model fits is decided afresh every pass;
+    the reasons why it does not are worked out again at most every ``reasons_refresh_s`` (they cost a
+    verdict per node).
     """
     memo = memo if memo is not None else ReconcileMemo()
     now = snap.now
-    p = _Pass(snap, memo, new_id, port_range)
+    p = _Pass(snap, memo, new_id, port_range, reasons_refresh_s)
     catalog = {m.name: m for m in snap.catalog.models}
     nodes = snap.nodes
     active: dict[str, list[_Active]] = {}
@@ -311,7 +320,7 @@ def _reconcile_model(
     m = p.models.get(name)
     if missing <= 0:
         if m is not None and m.unplaceable_since is not None:
-            p.set_model(name, replace(m, unplaceable_since=None))
+            p.set_model(name, replace(m, unplaceable_since=None, unplaceable=None, unplaceable_checked=None))
         return
     if m is not None and m.next_attempt > now:
         p.backoff[name] = Backoff(m.next_attempt, m.failures, m.last_error or "failed")
@@ -320,19 +329,32 @@ def _reconcile_model(
         return
     fleet = p.fleet()
     for _ in range(missing):
-        placed = place_in(profile, fleet)
+        m = p.models.get(name)
+        fresh = (
+            m is not None
+            and m.unplaceable is not None
+            and m.unplaceable_checked is not None
+            and now - m.unplaceable_checked < p.reasons_refresh_s
+        )
+        placed = place_in(profile, fleet, detail=not fresh)
         res = _with_ports(p, placed) if isinstance(placed, Placement) else placed
         if isinstance(res, Unplaceable):
-            p.unplaceable[name] = res
             m = p.models.get(name) or ModelMemo()
+            if fresh and m.unplaceable is not None:
+                res = m.unplaceable
+            else:
+                m = replace(m, unplaceable=res, unplaceable_checked=now)
             if m.unplaceable_since is None:
-                p.set_model(name, replace(m, unplaceable_since=now))
+                m = replace(m, unplaceable_since=now)
+            p.set_model(name, m)
+            p.unplaceable[name] = res
             return
         assert isinstance(placed, Placement)
         fleet.take(placed)
         p.place.append(res)
+    m = p.models.get(name)
     if m is not None and m.unplaceable_since is not None:
-        p.set_model(name, replace(p.models[name], unplaceable_since=None))
+        p.set_model(name, replace(m, unplaceable_since=None, unplaceable=None, unplaceable_checked=None))
 
 
 def _with_ports(p: _Pass, placement: Placement) -> NewReplica | Unplaceable:
