@@ -179,7 +179,7 @@ def test_nodes_known_only_from_records_are_judged_from_our_start():
 
 def test_adopted_replicas_get_the_startup_timeout_from_when_we_could_observe():
     st = _state()
-    st.observed_from = 500.0
+    st.set_observed_from(500.0)
     st.put_replica(
         ReplicaRecord(
             id="r1", model="m", created=1.0, shards=(ShardPlacement(shard=0, node="a", gpus=(), port=1),)

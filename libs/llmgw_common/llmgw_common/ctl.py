@@ -273,6 +273,8 @@ class DebugStatsReply(Message):
     pass_p50_ms: float = 0.0
     pass_p95_ms: float = 0.0
     pass_max_ms: float = 0.0
+    # The last passes' durations, oldest first (a benchmark takes those of its own window).
+    recent_pass_ms: tuple[float, ...] = ()
     # Time spent in the pure reconcile() alone, last pass.
     last_reconcile_ms: float = 0.0
     heartbeats: int = 0

@@ -31,6 +31,7 @@ from llmgw_common.ctl import DebugStatsReply
 from llmgw_common.messages import (
     Assignment,
     ClusterSettings,
+    Event,
     Heartbeat,
     IdleReport,
     Inventory,
@@ -106,6 +107,7 @@ class ControlPlane:
         self._tasks: list[asyncio.Task[None]] = []
         self._desired_cache: tuple[int, dict[str, NodeShards]] | None = None
         self._synced_generation = -1
+        self._routing_key: tuple[int, dict[str, str]] | None = None
 
     # ------------------------------------------------------------ start
 
@@ -254,6 +256,7 @@ class ControlPlane:
         self.state.set_replicas(records)
         self._desired_cache = None
         self._synced_generation = -1
+        self._routing_key = None
         await self.routing.load()
         stored, _ = await bus.kv_get(self.kv_desired, DESIRED_CATALOG, Catalog, self.drops)
         if stored is not None and stored != self.state.catalog:
@@ -264,7 +267,7 @@ class ControlPlane:
         # Reports are awaited for a settling window from when this process began listening: a standby
         # that has listened that long already acts at once.
         self.settle_until = self.started_at + self.s.settle_s
-        self.state.observed_from = self.started_at
+        self.state.set_observed_from(self.started_at)
         self.leader = True
         await self.api.start(self.nc)
         log.info(
@@ -332,16 +335,22 @@ class ControlPlane:
             snap = self.state.snapshot(now)
         self.unplaceable = {m: u.summary for m, u in plan.unplaceable.items()}
         self.backoff = {
-            m: f"crash loop: {b.failures} failure(s), last: {b.reason}; next attempt in {max(0.0, b.until - now):.0f}s"
+            m: f"crash loop: {b.failures} failure(s), last: {b.reason}; next attempt at "
+            f"{time.strftime('%H:%M:%S', time.localtime(b.until))}"
             for m, b in plan.backoff.items()
         }
-        self.reasons = {**self.unplaceable, **self.backoff}
-        endpoints, unavailable = routing_content(snap, self.reasons)
-        self.reasons = unavailable
-        await self.routing.publish_endpoints(endpoints, unavailable)
-        ready = {m: len(eps) for m, eps in endpoints.items()}
-        watched = [p.name for p in snap.catalog.models if p.watch is not None]
-        events = self.detector.models(ready, watched, unavailable, now)
+        why = {**self.unplaceable, **self.backoff}
+        key = (self.state.version, why)
+        events: list[Event] = []
+        if key != self._routing_key:
+            # Only when the snapshot or the reasons changed: a steady pass skips this entirely.
+            endpoints, unavailable = routing_content(snap, why)
+            self.reasons = unavailable
+            await self.routing.publish_endpoints(endpoints, unavailable)
+            ready = {m: len(eps) for m, eps in endpoints.items()}
+            watched = [p.name for p in snap.catalog.models if p.watch is not None]
+            events = self.detector.models(ready, watched, unavailable, now)
+            self._routing_key = key
         events += self.detector.placement(self.unplaceable, now)
         await self.events.publish(events)
         self.passes += 1
@@ -448,6 +457,7 @@ class ControlPlane:
             pass_p50_ms=statistics.median(ms) if ms else 0.0,
             pass_p95_ms=sorted(ms)[int(len(ms) * 0.95)] if ms else 0.0,
             pass_max_ms=max(ms) if ms else 0.0,
+            recent_pass_ms=tuple(round(x, 3) for x in ms[-50:]),
             last_reconcile_ms=self.last_reconcile_ms,
             heartbeats=self.state.heartbeats,
             heartbeats_per_s=rate,

@@ -8,6 +8,7 @@ the caller marks the loop dirty only then (heartbeats that repeat the same state
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -64,8 +65,11 @@ class NodeRecord:
     restarts: int = 0
     # Health the last time the state was judged: a transition is an event and a reason to reconcile.
     health: NodeState = NodeState.READY
+    # Bumped when anything its view shows changes (inventory content, address, heard).
+    rev: int = 0
     view: NodeView | None = None
-    view_key: tuple[object, ...] = ()
+    view_rev: int = -1
+    view_marks: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +97,8 @@ class ClusterState:
         self.replicas: dict[str, ReplicaRecord] = {}
         self.catalog = catalog or Catalog()
         self.catalog_version = 0
-        self.marks = Marks()
+        self._marks = Marks()
+        self.marks_rev = 0
         self.details: dict[ShardKey, ShardDetail] = {}
         self.loads: dict[str, ReplicaLoad] = {}
         self.heartbeats = 0
@@ -102,6 +107,26 @@ class ClusterState:
         self.observed_from = 0.0
         # Bumped whenever replica records or the catalog change: cached assignments are rebuilt.
         self.generation = 0
+        # Snapshot caches: views are rebuilt only for what changed, so a steady pass costs little.
+        self._replica_views: dict[str, ReplicaView] = {}
+        self._dirty_replicas: set[str] = set()
+        self._replicas_tuple: tuple[ReplicaView, ...] = ()
+        self._nodes_map: MappingProxyType[str, NodeView] = MappingProxyType({})
+        # Bumped whenever a snapshot's content differs from the previous one's.
+        self.version = 0
+
+    @property
+    def marks(self) -> Marks:
+        return self._marks
+
+    @marks.setter
+    def marks(self, marks: Marks) -> None:
+        self._marks = marks
+        self.marks_rev += 1
+
+    def _touch_shards(self, keys: Iterable[ShardKey]) -> None:
+        for rid, _ in keys:
+            self._dirty_replicas.add(rid)
 
     # ------------------------------------------------------------ ingest
 
@@ -115,13 +140,16 @@ class ClusterState:
     def _heard(self, rec: NodeRecord, boot_id: str, now: float) -> bool:
         """Common part of every message from a node; True when it matters to the reconciler."""
         changed = not rec.heard
-        rec.heard = True
+        if not rec.heard:
+            rec.heard = True
+            rec.rev += 1
         if rec.boot_id != boot_id:
             if rec.boot_id:
                 rec.restarts += 1
             rec.boot_id = boot_id
             rec.seq = -1
             # A restarted agent reports afresh; what the old boot said is void.
+            self._touch_shards(rec.shards)
             rec.shards = {}
             changed = True
         rec.last_seen = max(rec.last_seen, now)
@@ -140,11 +168,14 @@ class ClusterState:
         rec.last_sent_at = hb.sent_at
         if rec.address != hb.address:
             rec.address = hb.address
+            rec.rev += 1
             self.generation += 1  # multi-node leaders' addresses are in assignments
             changed = True
         shards = {(s.replica_id, s.shard): s for s in hb.shards}
-        if _states(shards) != _states(rec.shards):
+        now_states, before = _states(shards), _states(rec.shards)
+        if now_states != before:
             changed = True
+            self._touch_shards(k for k, _ in set(now_states.items()) ^ set(before.items()))
         rec.shards = shards
         return changed
 
@@ -155,9 +186,11 @@ class ClusterState:
             # Only a change of content makes a new view; the 60 s repeat of the same inventory does not.
             rec.inventory = inv
             rec.inventory_rev += 1
+            rec.rev += 1
             changed = True
         if rec.address != inv.address:
             rec.address = inv.address
+            rec.rev += 1
             self.generation += 1
             changed = True
         return changed
@@ -174,6 +207,7 @@ class ClusterState:
             return changed  # older than the heartbeat that already told us the state
         old = rec.shards.get(key)
         if old is None or old.state is not st.state or old.port != st.port:
+            self._dirty_replicas.add(st.replica_id)
             rec.shards[key] = ShardReport(
                 replica_id=st.replica_id,
                 shard=st.shard,
@@ -215,15 +249,24 @@ class ClusterState:
     def set_replicas(self, records: dict[str, ReplicaRecord]) -> None:
         self.replicas = dict(records)
         self.generation += 1
+        self._replica_views = {}
+        self._dirty_replicas = set(self.replicas)
+        self._replicas_tuple = ()
+
+    def set_observed_from(self, t: float) -> None:
+        self.observed_from = t
+        self._dirty_replicas.update(self.replicas)
 
     def put_replica(self, rec: ReplicaRecord) -> None:
         self.replicas[rec.id] = rec
         self.generation += 1
+        self._dirty_replicas.add(rec.id)
 
     def drop_replica(self, replica_id: str) -> ReplicaRecord | None:
         rec = self.replicas.pop(replica_id, None)
         if rec is not None:
             self.generation += 1
+            self._dirty_replicas.add(replica_id)
             self.loads.pop(replica_id, None)
             for s in rec.shards:
                 self.details.pop((replica_id, s.shard), None)
@@ -233,27 +276,26 @@ class ClusterState:
         self.catalog = catalog
         self.catalog_version = version
         self.generation += 1
+        self.version += 1
 
     # ------------------------------------------------------------ views
 
-    def node_view(self, rec: NodeRecord, now: float) -> NodeView | None:
-        """The node as the pure side sees it; None for a name nothing has been heard from."""
-        if not rec.heard and rec.inventory is None:
-            # Known only from the replica table: present so its replicas are judged, but silent.
-            state = self.health(rec, now)
-            if state is NodeState.READY:
-                state = NodeState.UNREACHABLE
-            return NodeView(name=rec.name, state=state, address=rec.address, last_seen=rec.last_seen)
+    def node_view(self, rec: NodeRecord, now: float) -> NodeView:
+        """The node as the pure side sees it (``last_seen`` as of when the view was last rebuilt)."""
         state = self.health(rec, now)
         if rec.inventory is None and state is NodeState.READY:
-            # Heartbeats but no inventory yet (e.g. just after a control-plane restart): keeps its
-            # replicas, takes no new ones until we know what it has.
+            # Heartbeats but no inventory yet (e.g. just after a control-plane restart), or known only
+            # from the replica table: keeps its replicas, takes no new ones until we know what it has.
             state = NodeState.UNREACHABLE
+        if (
+            rec.view is not None
+            and rec.view.state is state
+            and rec.view_rev == rec.rev
+            and rec.view_marks == self.marks_rev
+        ):
+            return rec.view
         cordoned = rec.name in self.marks.cordoned
         deadline = self.marks.draining.get(rec.name)
-        key = (rec.inventory_rev, state, cordoned, deadline, rec.address)
-        if rec.view is not None and rec.view_key == key:
-            return rec.view
         inv = rec.inventory
         if inv is None:
             view = NodeView(
@@ -285,7 +327,7 @@ class ClusterState:
                 address=rec.address,
                 last_seen=rec.last_seen,
             )
-        rec.view, rec.view_key = view, key
+        rec.view, rec.view_rev, rec.view_marks = view, rec.rev, self.marks_rev
         return view
 
     def replica_view(self, rec: ReplicaRecord) -> ReplicaView:
@@ -313,13 +355,41 @@ class ClusterState:
         )
 
     def snapshot(self, now: float) -> Snapshot:
+        """The frozen view at ``now``. Reuses every view whose inputs did not change since the last one."""
+        old = self._nodes_map
+        changed = len(old) != len(self.nodes)
         nodes: dict[str, NodeView] = {}
+        # Inlined health and cache check: this loop runs over every node every pass.
+        unreachable_after = self.interval_s * self.missed
+        lost_after = self.lost_s
+        marks_rev = self.marks_rev
+        ready, unreachable, lost = NodeState.READY, NodeState.UNREACHABLE, NodeState.LOST
         for name, rec in self.nodes.items():
-            v = self.node_view(rec, now)
-            if v is not None:
-                nodes[name] = v
-        replicas = tuple(self.replica_view(r) for r in sorted(self.replicas.values(), key=lambda r: r.id))
-        return Snapshot(now=now, nodes=MappingProxyType(nodes), replicas=replicas, catalog=self.catalog)
+            silent = now - rec.last_seen
+            state = lost if silent > lost_after else unreachable if silent > unreachable_after else ready
+            if state is ready and rec.inventory is None:
+                state = unreachable
+            v = rec.view
+            if v is None or v.state is not state or rec.view_rev != rec.rev or rec.view_marks != marks_rev:
+                v = self.node_view(rec, now)
+            nodes[name] = v
+            if not changed and old.get(name) is not v:
+                changed = True
+        if changed:
+            self._nodes_map = MappingProxyType(nodes)
+            self.version += 1
+        if self._dirty_replicas:
+            views = self._replica_views
+            for rid in self._dirty_replicas:
+                record = self.replicas.get(rid)
+                if record is None:
+                    views.pop(rid, None)
+                else:
+                    views[rid] = self.replica_view(record)
+            self._dirty_replicas = set()
+            self._replicas_tuple = tuple(views[k] for k in sorted(views))
+            self.version += 1
+        return Snapshot(now=now, nodes=self._nodes_map, replicas=self._replicas_tuple, catalog=self.catalog)
 
 
 def _content(inv: Inventory) -> dict[str, object]:
