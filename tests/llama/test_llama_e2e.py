@@ -1,0 +1,299 @@
+"""A real llama.cpp server serving a real model on CPU, through agent, control plane and router.
+
+Real processes on the session's nats-server: a control plane with a one-model catalog (engine
+``llamacpp``, no GPU class), an agent on a real node (its weights found by its own storage scan, its
+engine the compiled ``llama-server``), and a router. A client with the official ``openai`` package
+gets real completions; the agent's load reports carry llama.cpp's own ``requests_processing`` and
+``requests_deferred``, and a blank KV use, because a current llama-server exports no KV metric.
+
+Skipped, with how to enable it, where ``make llama`` has not installed the server and the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+from llama_kit import (
+    ENABLE_HINT,
+    Service,
+    clean_env,
+    diagnostics,
+    find_gguf,
+    find_llama_server,
+    free_port,
+    start_service,
+)
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from llmgw_common import bus
+from llmgw_common.codec import decode
+from llmgw_common.messages import Heartbeat, LoadReport, ReplicaLoad, RoutingEndpoints
+from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
+
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("llama"), pytest.mark.timeout(420)]
+
+MODEL = "gemma-3-270m"
+NODE = "llama-node"
+# Loading on a busy 2-core machine: generous, but a hang still ends well inside the test timeout.
+READY_TIMEOUT_S = 240.0
+LOAD_TIMEOUT_S = 60.0
+# One slot: a second concurrent request is deferred, so `waiting` is seen non-zero from the engine.
+ENGINE_ARGS = ["--threads", "2", "--ctx-size", "2048", "--parallel", "1"]
+# Generation long enough to span several 1 s load ticks (~20 tokens/s on this machine).
+LONG_TOKENS = 96
+
+
+@dataclass
+class Observed:
+    """Load reports and heartbeats of the agent under test, as they arrive."""
+
+    loads: list[LoadReport] = field(default_factory=list)
+    beats: list[Heartbeat] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def replica_loads(self, replica_id: str) -> list[ReplicaLoad]:
+        return [r for rep in self.loads for r in rep.replicas if r.replica_id == replica_id]
+
+    async def wait_load(
+        self, replica_id: str, pred: Callable[[ReplicaLoad], bool], timeout: float, what: str
+    ) -> ReplicaLoad:
+        """The first report (from now on) of the replica that satisfies ``pred``."""
+        start = len(self.loads)
+        deadline = time.monotonic() + timeout
+        while True:
+            for rep in self.loads[start:]:
+                for r in rep.replicas:
+                    if r.replica_id == replica_id and pred(r):
+                        return r
+            left = deadline - time.monotonic()
+            if left <= 0:
+                seen = [(r.running, r.waiting, r.kv_use) for r in self.replica_loads(replica_id)[-10:]]
+                raise AssertionError(f"no load report with {what} in {timeout:.0f} s; last: {seen}")
+            self.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), left)
+
+
+@contextlib.asynccontextmanager
+async def observe(nc: NATS, prefix: str) -> AsyncIterator[Observed]:
+    seen = Observed()
+    subjects = Subjects(prefix)
+
+    async def on_load(msg: Msg) -> None:
+        seen.loads.append(decode(msg.data, LoadReport))
+        seen.changed.set()
+
+    async def on_beat(msg: Msg) -> None:
+        seen.beats.append(decode(msg.data, Heartbeat))
+
+    subs = [
+        await nc.subscribe(subjects.load(NODE), cb=on_load),
+        await nc.subscribe(subjects.heartbeat(NODE), cb=on_beat),
+    ]
+    try:
+        yield seen
+    finally:
+        for s in subs:
+            await s.unsubscribe()
+
+
+@pytest.fixture
+def llama_server() -> Path:
+    path, why = find_llama_server()
+    if path is None:
+        pytest.skip(f"no llama-server ({why}): {ENABLE_HINT}")
+    return path
+
+
+@pytest.fixture
+def gguf() -> Path:
+    path, why = find_gguf()
+    if path is None:
+        pytest.skip(f"no Gemma 3 270M GGUF ({why}): {ENABLE_HINT}")
+    return path
+
+
+def catalog_yaml(weights: str) -> str:
+    args = ", ".join(f'"{a}"' for a in ENGINE_ARGS)
+    return f"""
+models:
+  - name: {MODEL}
+    engine: llamacpp
+    replicas: 1
+    weights: {weights}
+    startup_timeout_s: {READY_TIMEOUT_S:.0f}
+    args: [{args}]
+"""
+
+
+async def wait_endpoint(nc: NATS, prefix: str, services: list[Service], engine_logs: Path) -> str:
+    """The replica id of the model's first ready endpoint, once the control plane publishes it."""
+    kv = await nc.jetstream().key_value(Subjects(prefix).bucket_routing)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    last: RoutingEndpoints | None = None
+    while time.monotonic() < deadline:
+        dead = [s.name for s in services if s.proc.poll() is not None]
+        if dead:
+            raise AssertionError(f"{dead} exited\n{diagnostics(services, engine_logs)}")
+        with contextlib.suppress(Exception):  # the bucket appears when the control plane starts
+            last, _ = await bus.kv_get(kv, ROUTING_ENDPOINTS, RoutingEndpoints)
+        if last is not None and last.endpoints.get(MODEL):
+            return last.endpoints[MODEL][0].replica_id
+        await asyncio.sleep(0.5)
+    why = last.unavailable.get(MODEL) if last else "no endpoints published"
+    raise AssertionError(
+        f"{MODEL} not ready in {READY_TIMEOUT_S:.0f} s ({why})\n{diagnostics(services, engine_logs)}"
+    )
+
+
+async def wait_http(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=2.0) as http:
+        while True:
+            try:
+                if (await http.get(url)).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{url} did not answer 200 in {timeout:.0f} s")
+            await asyncio.sleep(0.2)
+
+
+async def stream_text(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> str:
+    """One streamed chat completion that does not stop at end-of-sequence: the full token budget."""
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    parts = []
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+    return "".join(parts)
+
+
+async def test_real_llama_server_through_router(
+    llama_server: Path, gguf: Path, nats_server, prefix: str, nc: NATS, tmp_path: Path
+) -> None:
+    # The agent finds the weights itself: a model directory holding the GGUF, named by its stem.
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / gguf.name).symlink_to(gguf)
+    catalog = tmp_path / "catalog.yaml"
+    catalog.write_text(catalog_yaml(weights=gguf.name.removesuffix(".gguf")))
+    state_dir = tmp_path / "agent-state"
+    engine_logs = state_dir / "logs"
+    router_port = free_port()
+    bus_args = ["--nats", nats_server.url, "--prefix", prefix]
+    env = clean_env()
+
+    services: list[Service] = []
+    engine_pids: set[int] = set()
+    t0 = time.monotonic()
+    try:
+        services.append(
+            start_service(
+                "controlplane",
+                ["controlplane", *bus_args, "--catalog", str(catalog), "--admin-port", "0"],
+                tmp_path,
+                env,
+            )
+        )
+        agent_args = ["agent", *bus_args, "--node", NODE, "--model-dir", str(models)]
+        agent_args += ["--real-engines", "--state-dir", str(state_dir)]
+        services.append(
+            start_service("agent", agent_args, tmp_path, clean_env(LLMGW_LLAMA_SERVER=str(llama_server)))
+        )
+        services.append(
+            start_service(
+                "router",
+                ["router", *bus_args, "--port", str(router_port), "--admin-port", "0", "--no-auth"],
+                tmp_path,
+                env,
+            )
+        )
+        async with observe(nc, prefix) as seen:
+            replica = await wait_endpoint(nc, prefix, services, engine_logs)
+            ready_s = time.monotonic() - t0
+            base = f"http://127.0.0.1:{router_port}"
+            await wait_http(f"{base}/health", 30.0)
+            client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+            try:
+                await check_completion(client, services, engine_logs)
+                await check_load(client, seen, replica)
+            finally:
+                await client.close()
+            engine_pids = {s.pid for b in seen.beats for s in b.shards if s.replica_id == replica and s.pid}
+            assert engine_pids, f"no heartbeat named the engine's pid\n{diagnostics(services, engine_logs)}"
+            print(f"llama e2e: ready after {ready_s:.1f} s, done after {time.monotonic() - t0:.1f} s")
+    finally:
+        for s in reversed(services):
+            s.stop()
+    # A clean agent stop takes its engine with it: no orphan llama-server.
+    alive = [p for p in engine_pids if running(p)]
+    assert not alive, f"llama-server {alive} outlived the agent"
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+async def check_completion(client: openai.AsyncOpenAI, services: list[Service], engine_logs: Path) -> None:
+    """A real answer: text, and token counts that add up."""
+    try:
+        resp = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Name one colour of the rainbow."}],
+            max_tokens=16,
+            temperature=0,
+        )
+    except openai.APIError as e:
+        raise AssertionError(f"completion failed: {e}\n{diagnostics(services, engine_logs)}") from e
+    text = resp.choices[0].message.content or ""
+    assert text.strip(), f"empty answer: {resp}"
+    assert resp.usage is not None, f"no usage: {resp}"
+    assert resp.usage.prompt_tokens > 0
+    assert 0 < resp.usage.completion_tokens <= 16
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+async def check_load(client: openai.AsyncOpenAI, seen: Observed, replica: str) -> None:
+    """Running and waiting come from llama.cpp's metrics; KV use stays blank (it exports none)."""
+    idle = await seen.wait_load(
+        replica, lambda r: r.running == 0 and r.waiting == 0, LOAD_TIMEOUT_S, "running=0, waiting=0"
+    )
+    assert idle.kv_use is None
+    # Two long requests on one slot: one is processed, the other deferred by the engine.
+    first = asyncio.create_task(stream_text(client, "Count slowly from one to one hundred.", LONG_TOKENS))
+    second = asyncio.create_task(stream_text(client, "List animals, one per line.", LONG_TOKENS))
+    try:
+        busy = await seen.wait_load(
+            replica, lambda r: r.running == 1 and r.waiting == 1, LOAD_TIMEOUT_S, "running=1, waiting=1"
+        )
+        assert busy.kv_use is None
+        texts = await asyncio.wait_for(asyncio.gather(first, second), LOAD_TIMEOUT_S * 2)
+    finally:
+        for t in (first, second):
+            t.cancel()
+        await asyncio.gather(first, second, return_exceptions=True)
+    assert all(t.strip() for t in texts), texts
+    await seen.wait_load(replica, lambda r: r.running == 0 and r.waiting == 0, LOAD_TIMEOUT_S, "idle again")
+    scraped = [r for r in seen.replica_loads(replica) if r.running is not None]
+    assert scraped and all(r.kv_use is None for r in scraped), [r.kv_use for r in scraped]
