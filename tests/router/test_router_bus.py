@@ -114,11 +114,12 @@ async def _is(coro, value) -> bool:
     return await coro == value
 
 
-async def test_idle_usage_and_load(nats_server, prefix, nc, engines, routers):
+async def test_idle_usage_and_load(nats_server, prefix, nc, engines, routers, port):
     eng = await engines("m1")
     eps = [
         Endpoint(replica_id="used", model="m1", url=eng.url, node="n1"),
         Endpoint(replica_id="never", model="m1", url=eng.url + "/", node="n2", draining=True),
+        Endpoint(replica_id="dead", model="m1", url=f"http://127.0.0.1:{port()}", node="n3"),
     ]
     await _publish_routing(nc, prefix, {"m1": eps})
     subj = Subjects(prefix)
@@ -130,18 +131,23 @@ async def test_idle_usage_and_load(nats_server, prefix, nc, engines, routers):
     r = await routers(nats_urls=[nats_server.url], prefix=prefix, tick_s=0.1, auth=False, router_id="rA")
     await asyncio.wait_for(r.synced.wait(), 10)
     before = time.time()
-    assert await _status(f"http://127.0.0.1:{r.port}/v1/chat/completions", None, CHAT) == 200
+    for _ in range(30):
+        assert await _status(f"http://127.0.0.1:{r.port}/v1/chat/completions", None, CHAT) == 200
 
     async def stamped() -> bool:
-        return any("used" in i.last_used for i in idles)
+        return any("used" in i.last_used and i.breakers for i in idles)
 
     assert await _poll(stamped, 3.0)
     last = idles[-1]
     assert last.router == "rA" and last.since == r.ctx.started
     assert "never" not in last.last_used  # unknown is absent, never 0 (ARCHITECTURE #1)
     assert last.last_used["used"] >= before
-    assert await _poll(lambda: _true(any(u.usage.get("-", {}).get("m1") for u in usages)), 3.0)
-    assert usages[-1].usage["-"]["m1"][0] == 1
+    # The dead replica's breaker opened; the report carries it for `ctl replicas`.
+    assert last.breakers == {"dead": "open"}
+    assert await _poll(
+        lambda: _true(bool(usages) and usages[-1].usage.get("-", {}).get("m1", [0])[0] == 30), 3.0
+    )
+    assert usages[-1].since == r.ctx.started and usages[-1].router == "rA"
     # Load reports reach the pool; a garbage payload on the subject is dropped with one line.
     await nc.publish(subj.load("n1"), b"\x00garbage")
     await nc.publish(

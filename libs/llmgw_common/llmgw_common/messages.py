@@ -193,6 +193,9 @@ class IdleReport(Message):
     since: float
     sent_at: float
     last_used: dict[str, float] = Field(default_factory=dict)
+    # Replicas whose circuit breaker in this router is not closed: replica id -> "open" | "half_open".
+    # Absent: closed (or never used). For `ctl replicas`.
+    breakers: dict[str, str] = Field(default_factory=dict)
 
 
 class UsageReport(Message):

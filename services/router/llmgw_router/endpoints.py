@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from llmgw_common.catalog import Catalog, ModelProfile
 from llmgw_common.messages import Endpoint, LoadReport, RoutingEndpoints
-from llmgw_router.breaker import Breaker
+from llmgw_router.breaker import Breaker, BreakerState
 
 # Weight of the newest sample in the latency average.
 EWMA_ALPHA = 0.2
@@ -142,6 +142,14 @@ class Pool:
         if reason:
             return f"model {model!r} has no ready replica: {reason}"
         return f"model {model!r} has no ready replica"
+
+    def breakers_not_closed(self) -> dict[str, str]:
+        """replica id -> breaker state, for replicas whose breaker is open or half-open."""
+        out: dict[str, str] = {}
+        for st in self.by_key.values():
+            if st.breaker.state is not BreakerState.CLOSED:
+                out[st.replica_id] = st.breaker.state.value
+        return out
 
     def in_flight_total(self) -> int:
         return sum(e.in_flight for e in self.by_key.values())

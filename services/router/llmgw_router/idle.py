@@ -19,5 +19,11 @@ class IdleMap:
     def stamp(self, replica_id: str, now: float) -> None:
         self.last_used[replica_id] = now
 
-    def report(self, router: str, now: float) -> IdleReport:
-        return IdleReport(router=router, since=self.since, sent_at=now, last_used=dict(self.last_used))
+    def report(self, router: str, now: float, breakers: dict[str, str] | None = None) -> IdleReport:
+        return IdleReport(
+            router=router,
+            since=self.since,
+            sent_at=now,
+            last_used=dict(self.last_used),
+            breakers=breakers or {},
+        )

@@ -205,20 +205,21 @@ async def _stream(
             await resp.prepare(request)
         except ConnectionResetError:
             return resp, CLIENT_GONE, None
+        content = up.content
         chunk: bytes = first
-        while chunk:
+        while True:
             if want_usage:
                 tail = (tail + chunk)[-TAIL_BYTES:] if len(chunk) < TAIL_BYTES else chunk[-TAIL_BYTES:]
             try:
+                if not chunk or content.is_eof():
+                    # Nothing more will come: the last bytes and the end of the stream in one write.
+                    await resp.write_eof(chunk)
+                    break
                 await resp.write(chunk)
             except ConnectionResetError:
                 # The client went away mid-stream; closing the upstream tells the engine to stop.
                 return resp, CLIENT_GONE, None
-            chunk = await up.content.readany()
-        try:
-            await resp.write_eof()
-        except ConnectionResetError:
-            return resp, CLIENT_GONE, None
+            chunk = await content.readany()
     except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ServerTimeoutError) as e:
         # The engine failed after the first byte: nothing to retry; end the client's stream.
         log.warning("stream from %s broke after the first byte: %s", ep.replica_id, _describe(e))

@@ -74,6 +74,8 @@ class Router:
         self._tasks: list[asyncio.Task[None]] = []
         self._followers: list[bus.KvFollower] = []
         self.synced = asyncio.Event()
+        # On stop, requests in flight (streams included) get this long to finish.
+        self.shutdown_grace_s = 10.0
 
     # ------------------------------------------------------------ lifecycle
 
@@ -82,7 +84,12 @@ class Router:
         if s.admin_port and s.admin_host not in _ADMIN_LOOPBACK:
             raise ValueError(f"admin listener must be on loopback, not {s.admin_host}")
         self.ctx.session = self.ctx.new_session()
-        runner = web.AppRunner(build_app(self.ctx), handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(
+            build_app(self.ctx),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=self.shutdown_grace_s,
+        )
         await runner.setup()
         site = web.TCPSite(runner, s.host, s.port, backlog=4096, reuse_address=True)
         await site.start()
@@ -100,7 +107,7 @@ class Router:
         else:
             self.synced.set()
 
-    async def stop(self, grace_s: float = 5.0) -> None:
+    async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -153,7 +160,8 @@ class Router:
             return
         now = time.time()
         rid = self.settings.router_id
-        await self.nc.publish(self.subjects.idle(rid), encode(self.ctx.idle.report(rid, now)))
+        idle = self.ctx.idle.report(rid, now, self.ctx.pool.breakers_not_closed())
+        await self.nc.publish(self.subjects.idle(rid), encode(idle))
         await self.nc.publish(self.subjects.usage(rid), encode(self.ctx.usage.report(rid, now)))
         await self.nc.flush(timeout=2)
 
