@@ -1,0 +1,145 @@
+"""What the chaos tests read from the bus: heartbeats (engine PIDs), routing endpoints, records, ctl."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from llmgw_common import bus
+from llmgw_common.ctl import CtlClient, CtlError, DebugStatsReply, LeaseRecord
+from llmgw_common.messages import ApiKeyRecord, Heartbeat, ReplicaRecord, RoutingEndpoints, ShardState
+from llmgw_common.settings import BusSettings
+from llmgw_common.subjects import LEADER_KEY, ROUTING_ENDPOINTS, Subjects
+
+T = TypeVar("T")
+log = logging.getLogger("chaos")
+
+
+class BusView:
+    """A test's own NATS client (reconnecting forever, so it survives a server restart)."""
+
+    def __init__(self, nc: NATS, prefix: str) -> None:
+        self.nc = nc
+        self.prefix = prefix
+        self.subjects = Subjects(prefix)
+        self.ctl = CtlClient(nc, prefix, timeout=1.0)
+        self.heartbeats: dict[str, Heartbeat] = {}
+        # Own clock (monotonic) of each node's last heartbeat.
+        self.heard_at: dict[str, float] = {}
+
+    @classmethod
+    async def connect(cls, url: str, prefix: str) -> BusView:
+        nc = await bus.connect(BusSettings(nats_urls=[url], prefix=prefix), "chaos-test")
+        view = cls(nc, prefix)
+        await bus.subscribe(
+            nc, view.subjects.all_nodes("heartbeat"), Heartbeat, view._on_heartbeat, bus.DropLog(log)
+        )
+        await nc.flush()
+        return view
+
+    async def close(self) -> None:
+        await self.nc.close()
+
+    def _on_heartbeat(self, hb: Heartbeat, _: Msg) -> None:
+        self.heartbeats[hb.node] = hb
+        self.heard_at[hb.node] = time.monotonic()
+
+    # ------------------------------------------------------------ engines
+
+    def engine_pids(self, node: str | None = None) -> dict[tuple[str, int], int]:
+        """(replica id, shard) -> engine PID of every READY shard in the latest heartbeats."""
+        out = {}
+        for n, hb in self.heartbeats.items():
+            if node is not None and n != node:
+                continue
+            for s in hb.shards:
+                if s.state is ShardState.READY and s.pid is not None:
+                    out[(s.replica_id, s.shard)] = s.pid
+        return out
+
+    def nodes_hosting(self, model: str) -> set[str]:
+        return {
+            n
+            for n, hb in self.heartbeats.items()
+            for s in hb.shards
+            if s.model == model and s.pid is not None
+        }
+
+    # ------------------------------------------------------------ buckets
+
+    async def endpoints(self) -> RoutingEndpoints | None:
+        kv = await self.nc.jetstream().key_value(self.subjects.bucket_routing)
+        value, _ = await bus.kv_get(kv, ROUTING_ENDPOINTS, RoutingEndpoints)
+        return value
+
+    async def endpoint_nodes(self, model: str) -> list[str]:
+        """The node of every endpoint the routers are told of for ``model`` (a replica twice: listed twice)."""
+        eps = await self.endpoints()
+        return [] if eps is None else [e.node for e in eps.endpoints.get(model, ())]
+
+    async def records(self) -> dict[str, ReplicaRecord]:
+        kv = await self.nc.jetstream().key_value(self.subjects.bucket_replicas)
+        out = {}
+        for k in await bus.kv_keys(kv):
+            rec, _ = await bus.kv_get(kv, k, ReplicaRecord)
+            if rec is not None:
+                out[k] = rec
+        return out
+
+    async def keys(self) -> dict[str, ApiKeyRecord]:
+        kv = await self.nc.jetstream().key_value(self.subjects.bucket_keys)
+        out = {}
+        for k in await bus.kv_keys(kv):
+            rec, _ = await bus.kv_get(kv, k, ApiKeyRecord)
+            if rec is not None:
+                out[k] = rec
+        return out
+
+    async def desired_raw(self) -> dict[str, bytes]:
+        kv = await self.nc.jetstream().key_value(self.subjects.bucket_desired)
+        out = {}
+        for k in await bus.kv_keys(kv):
+            e = await kv.get(k)
+            if e.value is not None:
+                out[k] = e.value
+        return out
+
+    async def lease(self) -> tuple[LeaseRecord | None, int]:
+        kv = await self.nc.jetstream().key_value(self.subjects.bucket_leader)
+        return await bus.kv_get(kv, LEADER_KEY, LeaseRecord)
+
+    async def stats(self) -> DebugStatsReply | None:
+        """The active control plane's stats, or None when none answers."""
+        try:
+            return await self.ctl.debug_stats()
+        except CtlError:
+            return None
+
+
+async def poll(
+    what: str, probe: Callable[[], Awaitable[T | None]], timeout: float, every: float = 0.2
+) -> tuple[T, float]:
+    """Call ``probe`` until it returns a truthy value; (value, seconds taken). AssertionError on timeout."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    last: T | None = None
+    while True:
+        try:
+            last = await probe()
+        except (CtlError, TimeoutError, OSError, nats.errors.Error) as e:
+            last = None
+            why = repr(e)
+        else:
+            why = repr(last)
+        if last:
+            return last, time.monotonic() - t0
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f}s (last: {why[:300]})")
+        await asyncio.sleep(every)

@@ -1,0 +1,85 @@
+"""Node loss under traffic: SIGKILL an agent and its engines while four clients stream.
+
+The lost node's replica is rebuilt on a survivor; requests that started after the kill all succeed
+(the router retries a dead endpoint before the first byte, and the other replica serves meanwhile);
+requests in flight on the killed node at the moment of the kill are counted and reported.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from chaos_bus import BusView, poll
+from chaos_harness import ChaosCluster, boot
+from chaos_traffic import Traffic, wait_serving
+
+pytestmark = [pytest.mark.xdist_group("chaos"), pytest.mark.e2e, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ChaosCluster, str]]:
+    c, key = boot(Path(tmp_path_factory.mktemp("chaos-node-loss")))
+    yield c, key
+    c.close()
+
+
+def kill_node(cluster: ChaosCluster, view: BusView, node: str) -> list[int]:
+    """SIGKILL the node's agent and every engine group it reported: the node is gone at once."""
+    engines = sorted(set(view.engine_pids(node).values()))
+    cluster.procs[f"agent-{node}"].signal(signal.SIGKILL)
+    for pid in engines:
+        try:
+            os.killpg(pid, signal.SIGKILL)  # each engine leads its own process group
+        except ProcessLookupError:
+            pass
+    cluster.procs[f"agent-{node}"].kill()  # reap
+    return engines
+
+
+async def test_node_loss_under_traffic(cluster: tuple[ChaosCluster, str]) -> None:
+    c, key = cluster
+    view = await BusView.connect(c.nats_url, c.prefix)
+    traffic = Traffic(c.router_url(), key, clients=4)
+    try:
+        await wait_serving(c.router_url(), key)
+        hosts, _ = await poll("two nodes host chat", lambda: _two(view.nodes_hosting("chat")), 15)
+        victim = sorted(hosts)[0]
+        traffic.start()
+        await traffic.run_for(2.0)
+        t_kill = time.monotonic()
+        engines = kill_node(c, view, victim)
+        assert engines, f"{victim} reported no engine to kill"
+
+        async def rebuilt() -> list[str] | None:
+            nodes = await view.endpoint_nodes("chat")
+            return nodes if len(nodes) == 2 and victim not in nodes else None
+
+        nodes, took = await poll(f"chat rebuilt away from {victim}", rebuilt, 40)
+        await wait_serving(c.router_url(), key)
+        await traffic.run_for(2.0)
+        await traffic.stop()
+        before = traffic.ended_before(t_kill, "finished before the kill")
+        after = traffic.started_after(t_kill, "started after the kill")
+        flying = traffic.in_flight_at(t_kill, "in flight at the kill")
+        report = (
+            f"node loss: killed {victim} (engines {engines}); replacement serving after {took:.1f}s on "
+            f"{sorted(nodes)}\n  {before.line()}\n  {flying.line()}\n  {after.line()}"
+        )
+        print(report)
+        assert before.ok > 0, report
+        assert after.ok > 0, report
+        assert not after.failed, report
+        assert sorted(set(nodes)) != [victim] and all(n != victim for n in nodes), report
+        assert not c.engine_pids() & set(engines), f"killed engines still alive\n{report}"
+    finally:
+        await traffic.stop()
+        await view.close()
+
+
+async def _two(hosts: set[str]) -> set[str] | None:
+    return hosts if len(hosts) == 2 else None
