@@ -14,6 +14,8 @@ from notifier_helpers import Bus, ev, wait_until
 
 from llmgw_common.messages import Webhook
 from llmgw_common.natsserver import NatsServer
+from llmgw_notifier.delivery import consumer_name
+from llmgw_notifier.targets import target_id
 
 pytestmark = pytest.mark.e2e
 
@@ -47,6 +49,9 @@ async def test_sigkill_mid_delivery_loses_nothing_and_repeats_only_the_unconfirm
             await bus.publish(e)
         await wait_until(lambda: events[3].id in stuck.ids, timeout=20, what="the 4th event in flight")
         await wait_until(lambda: len(fast.taken()) == 10, timeout=10, what="the fast receiver takes all")
+        # Taken is not yet confirmed: wait for the fast target's acks to reach the server.
+        settled = await bus.settled(consumer_name(prefix, target_id(fast.url)))
+        assert settled.num_ack_pending == 0
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         stuck.hang_on = set()  # its next try is answered
@@ -73,4 +78,6 @@ async def test_sigkill_mid_delivery_loses_nothing_and_repeats_only_the_unconfirm
     assert stuck.ids == ids[:4] + ids[3:] + [late.id], log.read_text()[-3000:]
     # The fast receiver had confirmed everything: nothing repeated.
     assert fast.ids == [*ids, late.id], log.read_text()[-3000:]
+    # No webhook URL in the log: a Slack URL is a credential.
+    assert fast.url not in log.read_text() and stuck.url not in log.read_text()
     assert proc.returncode == 0

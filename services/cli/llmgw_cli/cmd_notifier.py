@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import typer
 
 
@@ -44,6 +46,8 @@ def notifier(
         typer.echo(f"llmgw notifier: bad settings: {e}", err=True)
         raise typer.Exit(2) from None
     setup_logging(settings.log_level, name="notifier")
+    # httpx logs every request's full URL at INFO; a Slack webhook URL is a credential.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     run_service(lambda stop: serve(settings, stop))
 
 
