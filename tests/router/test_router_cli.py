@@ -1,0 +1,82 @@
+"""``llmgw router`` as a real process: static mode, openai client, SIGTERM; bad files refused."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+
+import aiohttp
+import openai
+import yaml
+from typer.testing import CliRunner
+
+from llmgw_router.keys import generate_key, hash_key
+
+
+async def test_router_process_in_static_mode(engines, tmp_path, port):
+    eng = await engines("m1")
+    key = generate_key()
+    static = tmp_path / "static.yaml"
+    static.write_text(
+        yaml.safe_dump(
+            {
+                "keys": [{"name": "k", "hash": hash_key(key)}],
+                "models": [{"name": "m1", "endpoints": [eng.url]}],
+            }
+        )
+    )
+    p, admin = port(), port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "llmgw_cli",
+        "router",
+        "--static",
+        str(static),
+        "--port",
+        str(p),
+        "--admin-port",
+        str(admin),
+        "--router-id",
+        "cli",
+        start_new_session=True,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        async with aiohttp.ClientSession() as s:
+            while True:
+                try:
+                    async with s.get(f"http://127.0.0.1:{p}/health") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    assert time.monotonic() < deadline and proc.returncode is None
+                    await asyncio.sleep(0.1)
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{p}/v1", api_key=key, max_retries=0)
+        reply = await client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "hi"}])
+        assert reply.choices[0].message.content
+        await client.close()
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{admin}/metrics") as r:
+            assert 'llmgw_router_requests_total{model="m1",status="200"} 1.0' in await r.text()
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+    finally:
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+
+
+def test_bad_static_file_is_refused_with_every_problem(tmp_path):
+    from llmgw_cli.main import app
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"models": [{"name": "m", "endpoints": "nope"}], "extra": 1}))
+    res = CliRunner().invoke(app, ["router", "--static", str(bad)])
+    assert res.exit_code == 2
+    assert "'endpoints' must be a list" in res.stderr and "unknown top-level field 'extra'" in res.stderr
+    res = CliRunner().invoke(app, ["router", "--static", str(tmp_path / "missing.yaml")])
+    assert res.exit_code == 2 and "cannot read" in res.stderr
