@@ -112,8 +112,8 @@ models:
 
         g = await eventually(moved, timeout=10)
         assert g[other].shards[0].replica_id != s.replica_id
-        ep = await _endpoints(bus_nc, prefix)
-        assert "small" not in ep.endpoints  # the lost node's endpoint is withdrawn
+        # The lost node's endpoint is withdrawn (published in the same pass, just after the assignment).
+        await eventually(lambda: _no_endpoint(bus_nc, prefix, "small"))
         # The lost node's assignment no longer holds the replaced shard: if it comes back, it stops it.
         kv = await bus_nc.jetstream().key_value(Subjects(prefix).bucket_assign)
         old, _ = await bus.kv_get(kv, first_node, Assignment)
@@ -130,6 +130,11 @@ models:
 
 async def _ready_node(run, node):
     return str(run.cp.state.health(run.cp.state.nodes[node], run.cp.clock())) == "ready"
+
+
+async def _no_endpoint(nc, prefix, model):
+    e = await _endpoints(nc, prefix)
+    return e is not None and model not in e.endpoints and model in e.unavailable
 
 
 async def _has_endpoint(nc, prefix, model):
