@@ -93,7 +93,9 @@ async def test_controlplane_restart_under_traffic(cluster: tuple[ChaosCluster, s
         c.procs["cp-a"].kill()
         t_kill = time.monotonic()
         c.start_controlplane("cp-a")
-        st, took = await poll("the restarted control plane reconciles", lambda: _leader_pass(view, old.fence), 40)
+        st, took = await poll(
+            "the restarted control plane reconciles", lambda: _leader_pass(view, old.fence), 40
+        )
         # A few more passes with every agent reporting: anything it would restart, it would by now.
         await poll("five more passes", lambda: _more_passes(view, st.passes + 5), 20)
         await traffic.run_for(1.0)
@@ -110,7 +112,7 @@ async def test_controlplane_restart_under_traffic(cluster: tuple[ChaosCluster, s
         assert all_.ok > 0 and not all_.failed, report
         assert not restarted, report
         assert set(after) == set(before), report
-        assert set((await view.records())) == set(records), report
+        assert set(await view.records()) == set(records), report
     finally:
         await traffic.stop()
         await view.close()
@@ -159,6 +161,7 @@ async def test_leader_failover_under_traffic(cluster: tuple[ChaosCluster, str]) 
             f"leader failover: {standby.name} (pid {standby.pid}) made its first pass {took:.2f}s after "
             f"SIGKILL of {active.name} (lease TTL {LEASE_TTL_S:g}s; goal < {2 * LEASE_TTL_S:g}s), "
             f"fence {old.fence} -> {st.fence}, holder {lease.holder if lease else None}\n  {all_.line()}\n"
+            f"  {traffic.started_after(t_kill, 'started after the kill').line()}\n"
             f"  most endpoints listed for chat: {watch.most} over {watch.samples} samples; records "
             f"{sorted(records)} -> {sorted(new_records)}; engines restarted: {restarted}"
         )
@@ -167,7 +170,9 @@ async def test_leader_failover_under_traffic(cluster: tuple[ChaosCluster, str]) 
         assert all_.ok > 0 and not all_.failed, report
         assert not restarted and set(after) == set(before), report
         assert new_records.keys() == records.keys(), report
-        assert {k: r.shards for k, r in new_records.items()} == {k: r.shards for k, r in records.items()}, report
+        assert {k: r.shards for k, r in new_records.items()} == {k: r.shards for k, r in records.items()}, (
+            report
+        )
         assert watch.samples > 0 and watch.most == 2, report
         assert took < 2 * LEASE_TTL_S + 1.0, report
     finally:
