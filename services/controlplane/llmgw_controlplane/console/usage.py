@@ -1,0 +1,77 @@
+"""Tokens per API key and model, merged from the routers' usage reports.
+
+Each router reports, once a tick, everything it counted since it started. The book keeps each router's
+newest report and sums across routers, so a report lost or repeated changes nothing. A router that
+restarts comes back under a new id; its old report stays counted (it is what that process served).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmgw_common.messages import UsageReport
+
+# Routers remembered at most; past it the one heard from longest ago is forgotten first.
+MAX_ROUTERS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRow:
+    key: str
+    model: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class UsageView:
+    """What the Usage page shows: rows by total tokens, largest first."""
+
+    routers: int
+    # The earliest start among the counted routers: the totals cover from then on.
+    since: float | None
+    # When the newest report arrived, by the control plane's clock.
+    updated_at: float | None
+    rows: tuple[UsageRow, ...]
+
+
+class UsageBook:
+    def __init__(self, max_routers: int = MAX_ROUTERS) -> None:
+        self.max_routers = max_routers
+        self._reports: dict[str, tuple[UsageReport, float]] = {}
+
+    def add(self, report: UsageReport, now: float) -> None:
+        """Keep ``report`` unless this router already sent a newer one (reports can arrive out of order)."""
+        old = self._reports.get(report.router)
+        if old is not None and old[0].sent_at > report.sent_at:
+            return
+        self._reports[report.router] = (report, now)
+        if len(self._reports) > self.max_routers:
+            oldest = min(self._reports, key=lambda r: self._reports[r][1])
+            del self._reports[oldest]
+
+    def view(self) -> UsageView:
+        totals: dict[tuple[str, str], list[int]] = {}
+        for rep, _ in self._reports.values():
+            for key, per_model in rep.usage.items():
+                for model, (requests, prompt, completion) in per_model.items():
+                    t = totals.setdefault((key, model), [0, 0, 0])
+                    t[0] += requests
+                    t[1] += prompt
+                    t[2] += completion
+        rows = sorted(
+            (UsageRow(k, m, t[0], t[1], t[2]) for (k, m), t in totals.items()),
+            key=lambda r: (-r.total_tokens, -r.requests, r.key, r.model),
+        )
+        reports = self._reports.values()
+        return UsageView(
+            routers=len(self._reports),
+            since=min((r.since for r, _ in reports), default=None),
+            updated_at=max((at for _, at in reports), default=None),
+            rows=tuple(rows),
+        )
