@@ -27,6 +27,7 @@ from typing import IO, Annotated
 import httpx
 import typer
 from nats import errors as nats_errors
+from nats.js.errors import NotFoundError
 
 from llmgw_cli.devcluster import (
     Child,
@@ -44,7 +45,7 @@ from llmgw_common.bus import connect, ensure_all
 from llmgw_common.catalog import Catalog, CatalogError, load_catalog_file
 from llmgw_common.natsserver import NatsServer, NatsServerError, ensure_on_path
 from llmgw_common.settings import BusSettings
-from llmgw_common.subjects import Subjects, check_token
+from llmgw_common.subjects import DESIRED_CATALOG, Subjects, check_token
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 STATE_FILE = "up.json"
@@ -122,17 +123,42 @@ class StopFlag:
         return self.event.is_set()
 
 
-async def _prepare_bus(nats_url: str, prefix: str, key_file: Path) -> tuple[str, bool]:
+@dataclass(frozen=True, slots=True)
+class BusReady:
+    key: str
+    minted: bool
+    # The bus already held a catalog: the control plane keeps it and does not load the file.
+    had_catalog: bool
+
+
+async def _prepare_bus(nats_url: str, prefix: str, key_file: Path) -> BusReady:
     # `up` reports its own errors; the bus helper's warnings (a "disconnected" on close) are noise here.
     logging.getLogger("llmgw.bus").setLevel(logging.ERROR)
     settings = BusSettings(nats_urls=[nats_url], prefix=prefix)
+    subjects = Subjects(prefix)
     nc = await connect(settings, "llmgw-up", wait=False)
     try:
-        js = nc.jetstream()
-        buckets = await ensure_all(js, Subjects(prefix))
-        return await ensure_dev_key(buckets[Subjects(prefix).bucket_keys], prefix, key_file)
+        buckets = await ensure_all(nc.jetstream(), subjects)
+        try:
+            entry = await buckets[subjects.bucket_desired].get(DESIRED_CATALOG)
+            had_catalog = entry.value is not None
+        except NotFoundError:  # absent, or deleted
+            had_catalog = False
+        key, minted = await ensure_dev_key(buckets[subjects.bucket_keys], prefix, key_file)
+        return BusReady(key, minted, had_catalog)
     finally:
         await nc.close()
+
+
+def served_models(client: httpx.Client, base: str, key: str) -> list[str]:
+    """The models the router lists (the catalog in the bus, which may not be the file's); [] if none."""
+    try:
+        r = client.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {key}"})
+        if r.status_code == 200:
+            return [str(m["id"]) for m in r.json()["data"]]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        pass
+    return []
 
 
 def try_chat(client: httpx.Client, base: str, key: str, model: str) -> str | None:
@@ -168,7 +194,7 @@ def report_dead(children: list[Child]) -> None:
             err(f"  | {line}")
 
 
-def usage_text(base: str, key: str, model: str, catalog: Catalog, layout: Layout, ready_s: float) -> str:
+def usage_text(base: str, key: str, model: str, models: list[str], layout: Layout, ready_s: float) -> str:
     pre = "" if layout.prefix == "llmgw" else f" --prefix {layout.prefix}"
     nats = "" if layout.nats_url == "nats://127.0.0.1:4222" else f" --nats {layout.nats_url}"
     console = (
@@ -182,7 +208,7 @@ llmgw is up: a chat completion went through the router {ready_s:.1f} s after sta
   OpenAI base URL  {base}/v1
   API key          {key}
                    (kept in {layout.data_dir / "dev-key"}; reused by the next run)
-  models           {", ".join(catalog.names)}
+  models           {", ".join(models)}
 {console}  NATS             {layout.nats_url} (prefix {layout.prefix})
   logs             {layout.logs_dir}/
 
@@ -283,7 +309,7 @@ def _run_locked(
             nats = _start_nats(opts, data_dir)
         nats_url = nats.url if nats is not None else str(opts.nats_url)
         try:
-            key, minted = asyncio.run(_prepare_bus(nats_url, opts.prefix, data_dir / "dev-key"))
+            bus = asyncio.run(_prepare_bus(nats_url, opts.prefix, data_dir / "dev-key"))
         except (OSError, TimeoutError, nats_errors.Error) as e:
             raise UpError(f"cannot reach NATS at {nats_url}: {e}") from None
         layout = Layout(
@@ -295,14 +321,19 @@ def _run_locked(
             router_admin_port=free_port(host),
             controlplane_admin_port=opts.admin_port or free_port(host),
             catalog_file=opts.catalog_file.resolve(),
-            dev_key=key,
+            dev_key=bus.key,
             local_agent=opts.local_agent,
         )
         run_token = secrets.token_hex(8)
         sup = Supervisor(layout, run_token, say=err)
         out(f"llmgw up: NATS at {nats_url}, data in {data_dir}, logs in {layout.logs_dir}/")
-        if minted:
+        if bus.minted:
             out(f"llmgw up: minted a development key ({data_dir / 'dev-key'})")
+        if bus.had_catalog:
+            out(
+                f"llmgw up: the bus already holds a catalog (from an earlier run): {opts.catalog_file} is not loaded; "
+                "change it with `llmgw ctl catalog apply FILE`"
+            )
         for spec in plan_children(layout, fleet):
             if stop.is_set:
                 break
@@ -318,13 +349,15 @@ def _run_locked(
             "nats_url": nats_url,
             "nats_pid": nats.pid if nats is not None else None,
             "prefix": opts.prefix,
-            "key": key,
+            "key": bus.key,
             "logs_dir": str(layout.logs_dir),
             "children": [{"name": c.spec.name, "pid": c.pid, "pgid": c.pgid} for c in sup.children],
             "ready": False,
         }
         write_state(data_dir / STATE_FILE, state)
-        return _wait_ready_then_serve(stop, t0, sup, nats, layout, catalog, key, state, opts.ready_timeout_s)
+        return _wait_ready_then_serve(
+            stop, t0, sup, nats, layout, catalog, bus.key, state, opts.ready_timeout_s
+        )
     finally:
         if stop.signum is not None:
             out(f"\nllmgw up: {signal.Signals(stop.signum).name}: stopping")
@@ -374,7 +407,7 @@ def _wait_ready_then_serve(
                     err(f"  {m}: {why}")
                 err(f"logs: {layout.logs_dir}/")
                 return 1
-            for m in catalog.names:
+            for m in served_models(client, base, key) or catalog.names:
                 answer = try_chat(client, base, key, m)
                 if answer is None:
                     ready_model = m
@@ -382,10 +415,11 @@ def _wait_ready_then_serve(
                 last[m] = answer
             else:
                 stop.wait(0.5)
+        models = served_models(client, base, key) or list(catalog.names)
     ready_s = time.monotonic() - t0
     state.update(ready=True, ready_s=round(ready_s, 2), model=ready_model)
     write_state(layout.data_dir / STATE_FILE, state)
-    out(usage_text(base, key, ready_model, catalog, layout, ready_s))
+    out(usage_text(base, key, ready_model, models, layout, ready_s))
     reported: set[str] = set()
     while not stop.wait(1.0):
         sup.note_descendants()

@@ -1,0 +1,108 @@
+"""Ctrl-C on `llmgw up` leaves no process behind; a second run on the same data dir keeps key and catalog.
+
+These stop the shared cluster, so they run after every other e2e test (marker ``e2e_last``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from e2e_cluster import Cluster, chat_once, start_up, stop_up
+
+from llmgw_cli.devcluster import run_processes
+
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("e2e"), pytest.mark.e2e_last]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def in_groups(pgids: set[int]) -> list[int]:
+    out = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(p.pid) in pgids and alive(p.pid):
+                out.append(p.pid)
+        except (OSError, psutil.Error):
+            continue
+    return out
+
+
+def stop_and_check_nothing_left(cluster: Cluster) -> None:
+    state = json.loads((cluster.data_dir / "up.json").read_text())
+    up = psutil.Process(cluster.proc.pid)
+    # The catalog's five replicas run as engines, children of the agents in their own groups.
+    deadline = time.monotonic() + 60
+    while True:
+        procs = up.children(recursive=True)
+        engines = [p for p in procs if "sim-engine" in " ".join(p.cmdline())]
+        if len(engines) >= 5:
+            break
+        assert time.monotonic() < deadline, [p.cmdline() for p in procs]
+        time.sleep(0.5)
+    pgids = {c["pgid"] for c in state["children"]} | {os.getpgid(e.pid) for e in engines}
+    assert all(os.getpgid(e.pid) == e.pid for e in engines)
+
+    t0 = time.monotonic()
+    rc = stop_up(cluster)
+    took = time.monotonic() - t0
+    out = cluster.output()
+    assert rc == 0, out[-3000:]
+    assert "llmgw up: stopped" in out
+    assert [p.pid for p in procs if alive(p.pid)] == []
+    assert state["nats_pid"] and not alive(state["nats_pid"])
+    assert in_groups(pgids) == []
+    assert run_processes(state["run_token"], cluster.data_dir) == []
+    assert not (cluster.data_dir / "up.json").exists()
+    # Each service stopped what it owns: `up` had nothing to sweep.
+    assert "left behind" not in out, out[-3000:]
+    assert took < 30, f"stopping took {took:.1f} s"
+
+
+def ctl_models(cluster: Cluster) -> dict[str, Any]:
+    bus = ["--nats", cluster.nats_url, "--prefix", cluster.prefix]
+    r = subprocess.run(
+        [sys.executable, "-m", "llmgw_cli", "ctl", "models", "-o", "json", *bus],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 0, r.stderr
+    return {m["name"]: m for m in json.loads(r.stdout)["models"]}
+
+
+def test_sigint_leaves_no_process_behind(cluster: Cluster) -> None:
+    stop_and_check_nothing_left(cluster)
+
+
+def test_second_run_keeps_key_and_desired_state(cluster: Cluster, tmp_path: Path) -> None:
+    assert cluster.proc.poll() is not None, "runs after the shutdown test"
+    first_models = {"llama-3.1-8b", "qwen2.5-coder-7b", "tiny-cpu", "llama-3.1-70b"}
+    other = tmp_path / "catalog.yaml"
+    other.write_text("models: [{name: only-this, engine: sim}]\n")
+    again = start_up(cluster.data_dir, "--catalog", str(other))
+    try:
+        assert again.key == cluster.key
+        assert "minted" not in again.output()
+        assert (
+            f"the bus already holds a catalog (from an earlier run): {other} is not loaded" in again.output()
+        )
+        assert (cluster.data_dir / "dev-key").read_text().strip() == cluster.key
+        # The bus had a catalog: the file given this time is not loaded over it.
+        assert set(ctl_models(again)) == first_models
+        assert chat_once(again, "tiny-cpu").status_code == 200
+    finally:
+        if again.proc.poll() is None:
+            stop_and_check_nothing_left(again)
