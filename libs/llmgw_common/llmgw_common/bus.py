@@ -52,7 +52,8 @@ async def connect(s: BusSettings, name: str, *, connect_timeout: float = 5.0, wa
         log.warning("nats (%s): %s", name, e)
 
     async def disconnected_cb() -> None:
-        log.warning("nats (%s): disconnected", name)
+        # A short-lived client (the CLI) disconnects on every close: not news.
+        log.log(logging.WARNING if wait else logging.DEBUG, "nats (%s): disconnected", name)
 
     async def reconnected_cb() -> None:
         log.info("nats (%s): reconnected", name)
