@@ -84,7 +84,7 @@ class Snapshot:
     now: float
     nodes: Mapping[str, NodeView]
     replicas: tuple[ReplicaView, ...] = ()
-    catalog: Catalog = Catalog()
+    catalog: Catalog = field(default_factory=Catalog)
 
     def used_gpus(self) -> dict[str, set[int]]:
         """GPU indexes held by replicas, per node."""
