@@ -313,3 +313,67 @@ async def test_sigkilled_agent_readopts_its_engines(
             kill_group(p)
         with contextlib.suppress(OSError):
             print(log.read_text()[-4000:])
+
+
+async def test_stop_while_nats_is_unreachable_returns(tmp_path: Path) -> None:
+    s = AgentSettings(node="n4", nats_urls=[f"nats://127.0.0.1:{free_port()}"], state_dir=str(tmp_path))
+    stop = asyncio.Event()
+    agent = asyncio.create_task(
+        serve(s, stop, collect=lambda s, b, now: Inventory(node=s.node, boot_id=b, sent_at=now))
+    )
+    await asyncio.sleep(0.5)  # let it try to connect; there is no event for "still retrying"
+    assert not agent.done()
+    stop.set()
+    await asyncio.wait_for(agent, 10)
+
+
+async def test_bad_node_id_is_refused(tmp_path: Path) -> None:
+    s = AgentSettings(node="bad.node", state_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"node id 'bad\.node'"):
+        await serve(s, asyncio.Event())
+
+
+async def test_a_loop_that_dies_stops_the_agent_and_its_engines(
+    nats_server: NatsServer, nc: NATS, prefix: str, tmp_path: Path
+) -> None:
+    node = "n5"
+    calls = 0
+    ready = asyncio.Event()
+    seen = await watch_node(nc, prefix, node)
+
+    def collect(s: AgentSettings, boot_id: str, now: float) -> Inventory:
+        nonlocal calls
+        calls += 1
+        if ready.is_set():
+            raise RuntimeError("inventory bug")
+        return Inventory(node=s.node, boot_id=boot_id, sent_at=now)
+
+    s = AgentSettings(
+        node=node,
+        nats_urls=[nats_server.url],
+        prefix=prefix,
+        state_dir=str(tmp_path),
+        heartbeat_interval_s=0.3,
+        load_interval_s=0.3,
+        inventory_interval_s=0.3,
+        stop_grace_s=2.0,
+    )
+    kv = await ensure_kv(nc.jetstream(), Subjects(prefix).bucket_assign)
+    a = ShardAssignment(replica_id="r", shard=0, model="m", engine="sim", port=free_port())
+    await kv.put(node, encode(Assignment(node=node, shards=(a,))))
+    agent = asyncio.create_task(serve(s, asyncio.Event(), collect=collect))
+    pid = None
+    try:
+        hb = await seen.wait(
+            "heartbeat", lambda h: (x := shard_of(h, "r")) is not None and x.state == "ready"
+        )
+        pid = shard_of(hb, "r").pid
+        ready.set()
+        with pytest.raises(RuntimeError, match="inventory bug"):
+            await asyncio.wait_for(agent, 20)
+        assert pid is not None and not alive(pid)
+    finally:
+        if not agent.done():
+            agent.cancel()
+        if pid:
+            kill_group(pid)

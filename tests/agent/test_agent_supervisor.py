@@ -260,3 +260,38 @@ def test_read_tail(tmp_path: Path) -> None:
     p.write_text("".join(f"l{i}\n" for i in range(200)))
     assert read_tail(p) == tuple(f"l{i}" for i in range(150, 200))
     assert read_tail(tmp_path / "absent.log") == ()
+
+
+async def test_unwritable_log_is_failed_with_the_path(tmp_path: Path, engine_script: Path) -> None:
+    rec = Recorder()
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "logs").write_text("a file where the log directory should be")
+    s = Supervisor(tmp_path / "state", rec)
+    try:
+        port = free_port()
+        await s.start(assignment(port), script_spec(engine_script, port))
+        sh = s.shards[("r1", 0)]
+        assert rec.states(sh.key) == [ShardState.FAILED]
+        assert sh.error is not None and sh.error.startswith("cannot write engine log")
+        assert sh.pid is None
+    finally:
+        await s.aclose()
+
+
+async def test_unwritable_state_file_still_supervises(
+    tmp_path: Path, engine_script: Path, caplog: pytest.LogCaptureFixture, reap_groups: list[int]
+) -> None:
+    rec = Recorder()
+    (tmp_path / "state" / "engines.tmp").mkdir(parents=True)
+    s = Supervisor(tmp_path / "state", rec, stop_grace_s=0.5)
+    try:
+        port = free_port()
+        await s.start(assignment(port), script_spec(engine_script, port))
+        sh = s.shards[("r1", 0)]
+        reap_groups.append(sh.pgid or 0)
+        await rec.wait(sh.key, ShardState.READY)
+        assert "cannot write state file" in caplog.text
+        assert not s.state_path.exists()
+    finally:
+        await s.stop_all()
+        await s.aclose()

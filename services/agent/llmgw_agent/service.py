@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import nats.errors
@@ -38,13 +39,14 @@ from llmgw_common.messages import (
     ShardStatus,
 )
 from llmgw_common.settings import AgentSettings
-from llmgw_common.subjects import Subjects
+from llmgw_common.subjects import Subjects, check_token
 
 log = logging.getLogger("llmgw.agent")
 
 Collect = Callable[[AgentSettings, str, float], Inventory]
 # Re-collect the inventory this often (capped by inventory_interval_s) to notice a change.
 INVENTORY_CHECK_S = 10.0
+CONVERGE_EVERY_S = 10.0
 
 
 def _nvml_collect(s: AgentSettings) -> tuple[Collect, Callable[[], None]]:
@@ -240,8 +242,10 @@ class Agent:
             await self.supervisor.start(desired[k], spec)
 
     async def _converge_loop(self) -> None:
+        """Converge on every change, and every ``CONVERGE_EVERY_S`` anyway (level-triggered)."""
         while True:
-            await self._wake.wait()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), CONVERGE_EVERY_S)
             self._wake.clear()
             await self.converge()
 
@@ -252,7 +256,7 @@ class Agent:
         js = self.nc.jetstream()
         kv = await ensure_kv(js, self.subjects.bucket_assign, replicas=self.s.kv_replicas)
         follower = KvFollower(kv, self.on_assignment, key=self.s.node, name="assign")
-        tasks: list[asyncio.Task[None]] = []
+        tasks: list[asyncio.Task[Any]] = []
         try:
             await self._inventory_if_due(self.clock())
             await follower.start()
@@ -263,13 +267,18 @@ class Agent:
                 asyncio.create_task(self._tick_loop(), name="agent-tick"),
                 asyncio.create_task(self._converge_loop(), name="agent-converge"),
             ]
-            await stop.wait()
+            stopped = asyncio.create_task(stop.wait(), name="agent-stop")
+            tasks.append(stopped)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t is not stopped:
+                    # A loop that ends is a bug: stop cleanly (engines too) and let the error show.
+                    log.error("agent task %s ended; shutting down", t.get_name())
+                    t.result()
         finally:
             for t in tasks:
                 t.cancel()
-            for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
+            await asyncio.gather(*tasks, return_exceptions=True)
             await follower.stop()
             await self.supervisor.stop_all()
             await self._publish(self.subjects.heartbeat(self.s.node), self.heartbeat())
@@ -290,7 +299,26 @@ async def serve(
     close_probe: Callable[[], None] | None = None
     if collect is None:
         collect, close_probe = _nvml_collect(s)
-    nc = await connect(s, name=f"llmgw-agent-{s.node}")
+    check_token(s.node, "node id")
+    # A stop while NATS is still unreachable must not wait for NATS (connect retries forever).
+    connecting = asyncio.create_task(connect(s, name=f"llmgw-agent-{s.node}"), name="agent-connect")
+    stopping = asyncio.create_task(stop.wait(), name="agent-stop-early")
+    await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not connecting.done():
+        # nats-py can swallow one cancellation inside its retry loop: cancel until it is over.
+        while not connecting.done():
+            connecting.cancel()
+            await asyncio.wait({connecting}, timeout=0.5)
+        await asyncio.gather(stopping, return_exceptions=True)
+        if not connecting.cancelled() and connecting.exception() is None:
+            await connecting.result().close()
+        log.info("stopped before NATS answered")
+        if close_probe is not None:
+            close_probe()
+        return
+    await asyncio.gather(stopping, return_exceptions=True)
+    nc = connecting.result()
     try:
         agent = Agent(s, nc, collect=collect, clock=clock)
         log.info("agent %s up (boot %s, state in %s)", s.node, agent.boot_id, s.state_dir)

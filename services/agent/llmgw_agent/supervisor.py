@@ -264,10 +264,20 @@ class Supervisor:
             for sh in self.shards.values()
             if sh.pid is not None and sh.pgid is not None and sh.create_time is not None
         ]
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"version": STATE_VERSION, "engines": records}, indent=1), encoding="utf-8")
-        os.replace(tmp, self.state_path)
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.state_path.with_suffix(".tmp")
+            tmp.write_text(
+                json.dumps({"version": STATE_VERSION, "engines": records}, indent=1), encoding="utf-8"
+            )
+            os.replace(tmp, self.state_path)
+        except OSError as e:
+            # Engines still run and are supervised; only re-adoption after an agent restart is lost.
+            log.error(
+                "cannot write state file %s (engines will not be re-adopted after a restart): %s",
+                self.state_path,
+                e,
+            )
 
     # ---------------------------------------------------------------- queries
 
@@ -304,7 +314,13 @@ class Supervisor:
         if not port_free(spec.bind_host, a.port):
             await self._set(sh, ShardState.FAILED, f"port {a.port} already in use")
             return
-        fd = _open_log(sh.log_path)
+        try:
+            fd = _open_log(sh.log_path)
+        except OSError as e:
+            await self._set(
+                sh, ShardState.FAILED, f"cannot write engine log {sh.log_path}: {e.strerror or e}"
+            )
+            return
         try:
             sh.proc = await asyncio.create_subprocess_exec(
                 *spec.argv,

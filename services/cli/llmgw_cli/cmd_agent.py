@@ -57,6 +57,7 @@ def agent(
     from llmgw_agent.service import serve
     from llmgw_common.runtime import run_service, setup_logging
     from llmgw_common.settings import AgentSettings, load_settings
+    from llmgw_common.subjects import check_token
 
     overrides = dict(
         nats_urls=_urls(nats),
@@ -74,7 +75,9 @@ def agent(
     )
     try:
         settings = load_settings(AgentSettings, config, **overrides)
-    except ValidationError as e:
+        check_token(settings.node, "node id")
+        check_token(settings.prefix, "prefix")
+    except (ValidationError, ValueError) as e:
         typer.echo(f"llmgw agent: bad settings: {e}", err=True)
         raise typer.Exit(2) from None
     setup_logging(settings.log_level, name=f"agent[{settings.node}]")
