@@ -377,3 +377,99 @@ async def test_a_loop_that_dies_stops_the_agent_and_its_engines(
             agent.cancel()
         if pid:
             kill_group(pid)
+
+
+def fake_collect(s: AgentSettings, boot_id: str, now: float) -> Inventory:
+    return Inventory(node=s.node, boot_id=boot_id, sent_at=now)
+
+
+async def test_load_report_reads_the_engine_and_blanks_what_it_cannot_scrape(
+    nc: NATS, tmp_path: Path, engine_script: Path, reap_groups: list[int]
+) -> None:
+    from agent_helpers import assignment, script_spec
+
+    from llmgw_agent.service import Agent
+    from llmgw_agent.supervisor import Shard
+    from llmgw_common.messages import ReplicaLoad
+
+    agent = Agent(AgentSettings(node="n6", state_dir=str(tmp_path)), nc, collect=fake_collect)
+    try:
+        port = free_port()
+        await agent.supervisor.start(assignment(port, replica="live"), script_spec(engine_script, port))
+        live = agent.supervisor.shards["live", 0]
+        reap_groups.append(live.pgid or 0)
+        dead_port = free_port()
+        dead = Shard(
+            assignment=assignment(dead_port, replica="dead"),
+            spec=script_spec(engine_script, dead_port),
+            log_path=tmp_path / "dead.log",
+            state=ShardState.READY,
+        )
+        agent.supervisor.shards[dead.key] = dead
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 15
+        while live.state is not ShardState.READY:
+            assert loop.time() < deadline
+            await asyncio.sleep(0.05)
+        report = await agent.load_report()
+        by = {r.replica_id: r for r in report.replicas}
+        # The script's /metrics: vLLM names for running and waiting, no KV metric at all.
+        assert by["live"] == ReplicaLoad(replica_id="live", shard=0, running=2.0, waiting=1.0, kv_use=None)
+        # Nothing answers: every figure blank, not 0.
+        assert by["dead"] == ReplicaLoad(replica_id="dead", shard=0)
+        assert report.node == "n6"
+    finally:
+        agent.supervisor.shards.pop(("dead", 0), None)
+        await agent.supervisor.stop_all()
+        await agent.supervisor.aclose()
+
+
+async def test_nats_restart_resends_inventory_and_keeps_engines(tmp_path: Path, prefix: str) -> None:
+    port = free_port()
+    srv = NatsServer(tmp_path / "nats", port=port)
+    await asyncio.to_thread(srv.start)
+    node = "n7"
+    s = AgentSettings(
+        node=node,
+        nats_urls=[srv.url],
+        prefix=prefix,
+        state_dir=str(tmp_path / "agent"),
+        heartbeat_interval_s=0.3,
+        load_interval_s=0.3,
+        stop_grace_s=2.0,
+    )
+
+    async def quiet(e: Exception) -> None:  # the restart makes the test's own client complain
+        return None
+
+    watcher = await nats.connect(srv.url, reconnect_time_wait=0.2, max_reconnect_attempts=-1, error_cb=quiet)
+    seen = await watch_node(watcher, prefix, node)
+    kv = await ensure_kv(watcher.jetstream(), Subjects(prefix).bucket_assign)
+    a = ShardAssignment(replica_id="r", shard=0, model="m", engine="sim", port=free_port())
+    await kv.put(node, encode(Assignment(node=node, shards=(a,))))
+    stop = asyncio.Event()
+    agent = asyncio.create_task(serve(s, stop, collect=fake_collect))
+    pid = None
+    try:
+        hb = await seen.wait(
+            "heartbeat", lambda h: (x := shard_of(h, "r")) is not None and x.state == "ready"
+        )
+        pid = shard_of(hb, "r").pid
+        n_inv = seen.mark("inventory")
+        await asyncio.to_thread(srv.stop)
+        # A fresh object on the same port and store: NatsServer.start() on a stopped instance keeps
+        # the old monitor port and never sees the new server healthy.
+        srv = NatsServer(tmp_path / "nats", port=port)
+        await asyncio.to_thread(srv.start)
+        # Reconnected: the inventory is sent again at once (not after inventory_interval_s = 60 s).
+        inv = await seen.wait("inventory", lambda m: True, since=n_inv, timeout=20)
+        assert inv.boot_id == hb.boot_id
+        hb2 = await seen.wait("heartbeat", lambda h: h.seq > hb.seq + 1, since=seen.mark("heartbeat"))
+        assert shard_of(hb2, "r").pid == pid and alive(pid)
+    finally:
+        stop.set()
+        await asyncio.wait_for(agent, 20)
+        await watcher.close()
+        await asyncio.to_thread(srv.stop)
+        if pid:
+            kill_group(pid)
