@@ -202,6 +202,7 @@ def test_simulated_multi_node_follower_gets_rank_and_leader() -> None:
     assert flag(s.argv, "--world") == "3"
     assert flag(s.argv, "--leader") == "127.0.0.1:20001"
     assert s.health_url == "http://127.0.0.1:20002/health"
+    assert s.metrics_url is None
 
 
 # ------------------------------------------------------------------ metrics

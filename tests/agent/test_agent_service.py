@@ -473,3 +473,55 @@ async def test_nats_restart_resends_inventory_and_keeps_engines(tmp_path: Path, 
         await asyncio.to_thread(srv.stop)
         if pid:
             kill_group(pid)
+
+
+async def test_multi_node_sim_replica_leader_ready_only_with_its_follower(
+    nats_server: NatsServer, nc: NATS, prefix: str, tmp_path: Path
+) -> None:
+    """Two agents, one replica over both nodes: the leader turns ready once the follower has joined."""
+    kv = await ensure_kv(nc.jetstream(), Subjects(prefix).bucket_assign)
+    leader_port, follower_port = free_port(), free_port()
+    common = dict(replica_id="mn", shards=2, model="big", engine="sim", leader=f"127.0.0.1:{leader_port}")
+    lead = ShardAssignment(shard=0, port=leader_port, startup_timeout_s=30, **common)  # type: ignore[arg-type]
+    follow = ShardAssignment(shard=1, port=follower_port, **common)  # type: ignore[arg-type]
+    seen_a, seen_b = await watch_node(nc, prefix, "na"), await watch_node(nc, prefix, "nb")
+
+    def settings(node: str) -> AgentSettings:
+        return AgentSettings(
+            node=node,
+            nats_urls=[nats_server.url],
+            prefix=prefix,
+            state_dir=str(tmp_path / node),
+            heartbeat_interval_s=0.3,
+            load_interval_s=0.3,
+            stop_grace_s=2.0,
+        )
+
+    stop = asyncio.Event()
+    agents = [asyncio.create_task(serve(settings(n), stop, collect=fake_collect)) for n in ("na", "nb")]
+    pids: list[int] = []
+    try:
+        await kv.put("na", encode(Assignment(node="na", shards=(lead,))))
+        # Alone, the leader starts but is not ready: its follower has not joined.
+        hb = await seen_a.wait("heartbeat", lambda h: (x := shard_of(h, "mn")) is not None and x.pid)
+        pids.append(shard_of(hb, "mn").pid)
+        mark = seen_a.mark("heartbeat")
+        await seen_a.wait("heartbeat", lambda h: seen_a.mark("heartbeat") >= mark + 4, since=mark)
+        assert shard_of(seen_a.msgs["heartbeat"][-1], "mn").state is ShardState.STARTING
+        await kv.put("nb", encode(Assignment(node="nb", shards=(follow,))))
+        hb_b = await seen_b.wait(
+            "heartbeat", lambda h: (x := shard_of(h, "mn")) is not None and x.state == "ready"
+        )
+        pids.append(shard_of(hb_b, "mn").pid)
+        await seen_a.wait("heartbeat", lambda h: (x := shard_of(h, "mn")) is not None and x.state == "ready")
+        # Load comes from the leader only (a follower has no /metrics).
+        load_a = await seen_a.wait("load", lambda m: len(m.replicas) == 1)
+        assert load_a.replicas[0].running == 0.0
+        load_b = seen_b.msgs["load"][-1]
+        assert load_b.replicas == ()
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*agents), 20)
+        for p in pids:
+            kill_group(p)
+    assert not any(alive(p) for p in pids)

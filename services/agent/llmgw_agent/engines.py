@@ -241,7 +241,8 @@ def sim_adapter(a: ShardAssignment, s: AgentSettings, style: str = "vllm") -> La
         argv=tuple(argv),
         env=c.env,
         health_url=f"{c.url}/health",
-        metrics_url=f"{c.url}/metrics",
+        # A simulated follower serves /health only; its replica's load is the leader's.
+        metrics_url=f"{c.url}/metrics" if a.shard == 0 else None,
         metrics=c.names,
         bind_host=c.host,
         simulated=True,
