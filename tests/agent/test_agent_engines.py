@@ -93,11 +93,11 @@ def test_vllm_uses_local_weights_directory(tmp_path: Path) -> None:
     assert s.argv[2] == str(tmp_path / "llama-8b")
 
 
-def test_fingerprint_changes_with_the_command() -> None:
+def test_argv_hash_changes_with_the_command() -> None:
     a = spec_of(shard(gpus=(0,)), settings())
     b = spec_of(shard(gpus=(1,)), settings())
-    assert a.fingerprint == spec_of(shard(gpus=(0,)), settings()).fingerprint
-    assert a.fingerprint != b.fingerprint
+    assert a.argv_hash == spec_of(shard(gpus=(0,)), settings()).argv_hash
+    assert a.argv_hash != b.argv_hash
 
 
 # ------------------------------------------------------------------ llama.cpp

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from agent_helpers import Recorder, alive, assignment, free_port, script_spec
 
+from llmgw_agent.converge import assignment_fingerprint
 from llmgw_agent.engines import LaunchSpec, launch_spec
 from llmgw_agent.metrics import VLLM_METRICS
 from llmgw_agent.supervisor import Supervisor, read_tail
@@ -196,7 +197,9 @@ async def test_readoption_by_a_new_supervisor(
     s2 = Supervisor(tmp_path / "state", rec2, stop_grace_s=0.5, health_interval_s=0.2)
     try:
         records = s2.load_state()
-        assert [(r.pid, r.fingerprint) for r in records] == [(pid, spec.fingerprint)]
+        assert [(r.pid, r.fingerprint, r.argv_hash) for r in records] == [
+            (pid, assignment_fingerprint(a), spec.argv_hash)
+        ]
         await s2.adopt(records[0], a, spec)
         await rec2.wait(sh1.key, ShardState.READY)
         assert s2.shards[sh1.key].pid == pid

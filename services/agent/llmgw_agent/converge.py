@@ -1,33 +1,52 @@
 """What the agent must do to make its engines match its assignment: a pure function over snapshots.
 
-Rules:
+Shards are compared by the fingerprint of their *assignment*, not of the command line the agent
+derived from it: a running engine is never restarted because something on the node changed (weights
+appearing in a model directory, a newer agent building its flags differently). Rules:
 
-- A shard assigned and running with the same launch fingerprint is left alone, whatever its state:
-  a failed shard stays failed until its assignment changes (the control plane decides about retries,
-  with backoff; the agent never crash-loops an engine on its own).
-- A shard whose fingerprint changed is stopped and started again.
-- A shard this node refuses is recorded failed with the reason (once, while the reason holds).
+- A shard assigned and running from the same assignment is left alone, whatever its state: a failed
+  shard stays failed until its assignment changes (the control plane decides about retries, with
+  backoff; the agent never crash-loops an engine on its own).
+- A shard whose assignment changed is stopped and started again.
+- A shard this node refuses is recorded failed with the reason; the reason is re-evaluated on every
+  pass, so a refusal that no longer holds (the weights arrived) turns into a start.
 - An engine of a previous agent run that is still alive is adopted when it is still assigned with the
-  same fingerprint, and stopped otherwise.
+  same assignment, and stopped otherwise.
 - Everything running and not assigned is stopped.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from llmgw_agent.engines import LaunchSpec, Refusal
+from llmgw_common.messages import ShardAssignment
 
 ShardKey = tuple[str, int]
 
 
+def assignment_fingerprint(a: ShardAssignment) -> str:
+    """A short hash of everything the control plane asked of this shard."""
+    return hashlib.sha256(a.model_dump_json().encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class Wanted:
+    """One assigned shard: its assignment's fingerprint and what this node would run for it."""
+
+    fingerprint: str
+    spec: LaunchSpec | Refusal
+
+
 @dataclass(frozen=True, slots=True)
 class Running:
-    """What the supervisor holds for one shard: its fingerprint (None: refused) and error."""
+    """What the supervisor holds for one shard."""
 
-    fingerprint: str | None
-    error: str | None = None
+    fingerprint: str
+    # The refusal reason when this node refused the shard (nothing runs); None for an engine.
+    refused: str | None = None
 
 
 @dataclass(slots=True)
@@ -44,35 +63,35 @@ class Plan:
 
 
 def plan_converge(
-    specs: Mapping[ShardKey, LaunchSpec | Refusal],
+    wanted: Mapping[ShardKey, Wanted],
     running: Mapping[ShardKey, Running],
     adoptable: Mapping[ShardKey, str],
 ) -> Plan:
-    """``specs``: the assigned shards' launch specs or refusals; ``adoptable``: key -> fingerprint."""
+    """``adoptable``: engines of a previous run still alive, key -> their assignment fingerprint."""
     plan = Plan()
     for key in sorted(running):
-        if key not in specs:
+        if key not in wanted:
             plan.stop.append(key)
     for key in sorted(adoptable):
-        spec = specs.get(key)
-        if key in running or not isinstance(spec, LaunchSpec) or spec.fingerprint != adoptable[key]:
+        w = wanted.get(key)
+        if key in running or w is None or isinstance(w.spec, Refusal) or w.fingerprint != adoptable[key]:
             plan.stop_orphans.append(key)
-    for key in sorted(specs):
-        spec = specs[key]
+    for key in sorted(wanted):
+        w = wanted[key]
         have = running.get(key)
-        if isinstance(spec, Refusal):
-            if have is not None and have.fingerprint is None and have.error == spec.reason:
+        if have is not None and have.refused is None and have.fingerprint == w.fingerprint:
+            continue  # the engine of this very assignment: left alone, ready or failed
+        if isinstance(w.spec, Refusal):
+            if have is not None and have.refused == w.spec.reason:
                 continue
             if have is not None:
                 plan.stop.append(key)
             plan.refuse.append(key)
             continue
         if have is not None:
-            if have.fingerprint == spec.fingerprint:
-                continue
             plan.stop.append(key)
             plan.start.append(key)
-        elif adoptable.get(key) == spec.fingerprint:
+        elif adoptable.get(key) == w.fingerprint:
             plan.adopt.append(key)
         else:
             plan.start.append(key)

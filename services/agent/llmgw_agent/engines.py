@@ -54,8 +54,8 @@ class LaunchSpec:
     simulated: bool = False
 
     @property
-    def fingerprint(self) -> str:
-        """A short hash of what the process was started with: a change means restart."""
+    def argv_hash(self) -> str:
+        """A short hash of the command line and environment, kept in the state file for diagnosis."""
         blob = json.dumps([list(self.argv), sorted(self.env.items())]).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

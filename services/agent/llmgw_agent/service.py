@@ -22,7 +22,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from pydantic import BaseModel
 
-from llmgw_agent.converge import Running, ShardKey, plan_converge
+from llmgw_agent.converge import Running, ShardKey, Wanted, assignment_fingerprint, plan_converge
 from llmgw_agent.engines import LaunchSpec, Refusal, launch_spec
 from llmgw_agent.metrics import extract_load, parse_prometheus
 from llmgw_agent.supervisor import EngineRecord, Shard, Supervisor
@@ -215,12 +215,13 @@ class Agent:
         desired = self.desired
         if desired is None:
             return
-        specs: dict[ShardKey, LaunchSpec | Refusal] = {k: launch_spec(a, self.s) for k, a in desired.items()}
+        wanted = {k: Wanted(assignment_fingerprint(a), launch_spec(a, self.s)) for k, a in desired.items()}
         running = {
-            k: Running(fingerprint=sh.fingerprint, error=sh.error) for k, sh in self.supervisor.shards.items()
+            k: Running(sh.fingerprint, refused=sh.error if sh.spec is None else None)
+            for k, sh in self.supervisor.shards.items()
         }
         adoptable = {k: r.fingerprint for k, r in self.adoptable.items()}
-        plan = plan_converge(specs, running, adoptable)
+        plan = plan_converge(wanted, running, adoptable)
         if plan.empty:
             return
         records, self.adoptable = self.adoptable, {}
@@ -229,15 +230,15 @@ class Agent:
             *(self.supervisor.stop_orphan(records[k]) for k in plan.stop_orphans),
         )
         for k in plan.adopt:
-            spec = specs[k]
+            spec = wanted[k].spec
             assert isinstance(spec, LaunchSpec)
             await self.supervisor.adopt(records[k], desired[k], spec)
         for k in plan.refuse:
-            spec = specs[k]
+            spec = wanted[k].spec
             assert isinstance(spec, Refusal)
             await self.supervisor.refuse(desired[k], spec.reason)
         for k in plan.start:
-            spec = specs[k]
+            spec = wanted[k].spec
             assert isinstance(spec, LaunchSpec)
             await self.supervisor.start(desired[k], spec)
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from llmgw_agent.converge import assignment_fingerprint
 from llmgw_agent.engines import LaunchSpec
 from llmgw_common.messages import ShardAssignment, ShardReport, ShardState
 
@@ -50,9 +51,11 @@ class EngineRecord:
     pid: int
     pgid: int
     port: int
+    # Of the assignment (see converge.assignment_fingerprint): what decides re-adoption.
     fingerprint: str
     create_time: float
     started_at: float
+    argv_hash: str = ""
 
     @property
     def key(self) -> ShardKey:
@@ -83,8 +86,8 @@ class Shard:
         return (self.assignment.replica_id, self.assignment.shard)
 
     @property
-    def fingerprint(self) -> str | None:
-        return self.spec.fingerprint if self.spec is not None else None
+    def fingerprint(self) -> str:
+        return assignment_fingerprint(self.assignment)
 
     def report(self) -> ShardReport:
         a = self.assignment
@@ -256,9 +259,10 @@ class Supervisor:
                     pid=sh.pid,
                     pgid=sh.pgid,
                     port=sh.assignment.port,
-                    fingerprint=sh.fingerprint or "",
+                    fingerprint=sh.fingerprint,
                     create_time=sh.create_time,
                     started_at=sh.started_at,
+                    argv_hash=sh.spec.argv_hash if sh.spec is not None else "",
                 )
             )
             for sh in self.shards.values()
