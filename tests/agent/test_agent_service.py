@@ -525,3 +525,39 @@ async def test_multi_node_sim_replica_leader_ready_only_with_its_follower(
         for p in pids:
             kill_group(p)
     assert not any(alive(p) for p in pids)
+
+
+async def test_inventory_sent_on_change_and_on_interval_only(nc: NATS, prefix: str, tmp_path: Path) -> None:
+    from llmgw_agent.service import INVENTORY_CHECK_S, Agent
+
+    labels = {"role": "a"}
+
+    def collect(s: AgentSettings, boot_id: str, now: float) -> Inventory:
+        return Inventory(node=s.node, boot_id=boot_id, sent_at=now, labels=dict(labels))
+
+    s = AgentSettings(node="n8", prefix=prefix, state_dir=str(tmp_path), inventory_interval_s=60)
+    sent: list[Inventory] = []
+
+    async def on(msg: Msg) -> None:
+        sent.append(decode(msg.data, Inventory))
+
+    await nc.subscribe(Subjects(prefix).inventory("n8"), cb=on)
+    agent = Agent(s, nc, collect=collect)
+    try:
+        for now, change in [(1000.0, None), (1001.0, "b"), (1000 + INVENTORY_CHECK_S, None), (1025.0, None)]:
+            if change:
+                labels["role"] = change  # changed, but not looked at before the next check
+            await agent._inventory_if_due(now)
+        await agent._inventory_if_due(1071.0)  # unchanged, but 60 s since the last one: sent again
+        await nc.flush()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while len(sent) < 3 and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        assert [(m.sent_at, m.labels["role"]) for m in sent] == [
+            (1000.0, "a"),
+            (1000 + INVENTORY_CHECK_S, "b"),
+            (1071.0, "b"),
+        ]
+    finally:
+        await agent.supervisor.aclose()

@@ -263,6 +263,8 @@ def test_read_tail(tmp_path: Path) -> None:
     p.write_text("".join(f"l{i}\n" for i in range(200)))
     assert read_tail(p) == tuple(f"l{i}" for i in range(150, 200))
     assert read_tail(tmp_path / "absent.log") == ()
+    p.write_text("x" * 5000 + "\nshort\n")
+    assert read_tail(p) == ("x" * 1000 + " …", "short")
 
 
 async def test_unwritable_log_is_failed_with_the_path(tmp_path: Path, engine_script: Path) -> None:

@@ -37,6 +37,7 @@ log = logging.getLogger("llmgw.agent.supervisor")
 
 ShardKey = tuple[str, int]
 LOG_TAIL_LINES = 50
+MAX_LINE = 1000
 STATE_FILE = "engines.json"
 STATE_VERSION = 1
 
@@ -177,7 +178,10 @@ def read_tail(path: Path, lines: int = LOG_TAIL_LINES, max_bytes: int = 64 * 102
     except OSError:
         return ()
     text = data.decode("utf-8", errors="replace")
-    return tuple(text.splitlines()[-lines:])
+    # Long lines are cut so that a status message stays far below NATS' payload limit.
+    return tuple(
+        line if len(line) <= MAX_LINE else line[:MAX_LINE] + " …" for line in text.splitlines()[-lines:]
+    )
 
 
 def _safe(name: str) -> str:
