@@ -74,6 +74,9 @@ class ModelMemo:
     # so a pass that finds the model still unplaceable reuses them until they are ``reasons_refresh_s`` old.
     unplaceable: Unplaceable | None = None
     unplaceable_checked: float | None = None
+    # How many nodes the fleet had when they were worked out: a node joining or leaving makes them stale
+    # at once (else "no node has reported" outlives the first inventories by ``reasons_refresh_s``).
+    unplaceable_nodes: int = -1
 
 
 def _empty_models() -> Mapping[str, ModelMemo]:

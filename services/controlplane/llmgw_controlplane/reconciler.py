@@ -335,6 +335,7 @@ def _reconcile_model(
             and m.unplaceable is not None
             and m.unplaceable_checked is not None
             and now - m.unplaceable_checked < p.reasons_refresh_s
+            and m.unplaceable_nodes == len(p.snap.nodes)
         )
         placed = place_in(profile, fleet, detail=not fresh)
         res = _with_ports(p, placed) if isinstance(placed, Placement) else placed
@@ -343,7 +344,7 @@ def _reconcile_model(
             if fresh and m.unplaceable is not None:
                 res = m.unplaceable
             else:
-                m = replace(m, unplaceable=res, unplaceable_checked=now)
+                m = replace(m, unplaceable=res, unplaceable_checked=now, unplaceable_nodes=len(p.snap.nodes))
             if m.unplaceable_since is None:
                 m = replace(m, unplaceable_since=now)
             p.set_model(name, m)
