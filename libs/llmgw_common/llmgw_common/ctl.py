@@ -182,6 +182,9 @@ class ClassCapacity(Message):
     used: int = 0
     free: int = 0
     unhealthy: int = 0
+    # Healthy idle cards on nodes that take no new replica (cordoned, draining, unreachable): not free,
+    # not used. total = used + free + unhealthy + held.
+    held: int = 0
 
 
 class UnplaceableInfo(Message):

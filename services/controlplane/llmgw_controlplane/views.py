@@ -29,11 +29,21 @@ from llmgw_controlplane.idle import IdleMerger
 from llmgw_controlplane.placement import Explanation, Placement
 from llmgw_controlplane.routing import endpoint_url, serving
 from llmgw_controlplane.snapshot import NodeState, Snapshot
-from llmgw_controlplane.state import ClusterState, ReplicaPhase, replica_phase
+from llmgw_controlplane.state import ClusterState, NodeRecord, ReplicaPhase, replica_phase
 
 
 def _gpu_summary(classes: Counter[str]) -> str:
     return ", ".join(f"{n}x{c}" for c, n in sorted(classes.items()))
+
+
+def node_state_text(state: ClusterState, rec: NodeRecord, now: float) -> str:
+    """The node's state as the tables show it; `status` counts the same words, so they cannot disagree."""
+    health = state.health(rec, now)
+    if health is NodeState.READY and not rec.heard:
+        return "not heard"
+    if health is NodeState.READY and rec.inventory is None:
+        return "waiting"
+    return str(health)
 
 
 def nodes_info(state: ClusterState, snap: Snapshot) -> tuple[NodeInfo, ...]:
@@ -47,10 +57,7 @@ def nodes_info(state: ClusterState, snap: Snapshot) -> tuple[NodeInfo, ...]:
         rec = state.nodes[name]
         view = snap.nodes.get(name)
         inv = rec.inventory
-        health = state.health(rec, snap.now)
-        st = "waiting" if inv is None and health is NodeState.READY else str(health)
-        if not rec.heard and health is NodeState.READY:
-            st = "not heard"
+        st = node_state_text(state, rec, snap.now)
         gpus = inv.gpus if inv is not None else ()
         u = used.get(name, set())
         unhealthy = [g for g in gpus if not g.healthy]
@@ -205,12 +212,14 @@ def status_info(
             elif placeable:
                 c["free"] += 1
                 healthy_free += 1
+            else:
+                c["held"] += 1  # idle, but on a node that takes nothing new: not room
         healthy = sum(1 for g in n.gpus if g.healthy)
         if placeable and healthy and healthy_free == healthy:
             free_nodes[n.fabric or "-"] += 1
         for w in n.weights:
             weights.setdefault(n.fabric or "-", set()).add(w.name)
-    nodes_by_state = Counter(str(state.health(rec, snap.now)) for rec in state.nodes.values())
+    nodes_by_state = Counter(node_state_text(state, rec, snap.now) for rec in state.nodes.values())
     replicas_by_state = Counter(replica_phase(r) for r in snap.replicas)
     idle_reps = tuple(
         r.id
@@ -233,7 +242,12 @@ def status_info(
         catalog_version=catalog_version,
         capacity=tuple(
             ClassCapacity(
-                gpu_class=k, total=v["total"], used=v["used"], free=v["free"], unhealthy=v["unhealthy"]
+                gpu_class=k,
+                total=v["total"],
+                used=v["used"],
+                free=v["free"],
+                unhealthy=v["unhealthy"],
+                held=v["held"],
             )
             for k, v in sorted(cap.items())
         ),
