@@ -187,3 +187,21 @@ def test_adopted_replicas_get_the_startup_timeout_from_when_we_could_observe():
     )
     assert st.snapshot(501.0).replicas[0].created == 500.0
     assert st.replicas["r1"].created == 1.0
+
+
+def test_control_plane_outage_is_not_the_nodes_silence() -> None:
+    from llmgw_controlplane.snapshot import NodeState
+    from llmgw_controlplane.state import ClusterState
+
+    st = ClusterState(heartbeat_interval_s=1.0, unreachable_after_missed=3, node_lost_s=10.0)
+    st.know_node("n1", 0.0)
+    st.judge(0.0)
+    # Without excusing, 20 s of silence is a lost node...
+    assert [t.new for t in st.judge(20.0)] == [NodeState.LOST]
+    st2 = ClusterState(heartbeat_interval_s=1.0, unreachable_after_missed=3, node_lost_s=10.0)
+    st2.know_node("n1", 0.0)
+    st2.judge(0.0)
+    # ...but when the control plane itself was cut off until t=20, the node's clock restarts then.
+    st2.excuse_silence(20.0)
+    assert st2.judge(21.0) == []
+    assert [t.new for t in st2.judge(31.0)] == [NodeState.LOST]

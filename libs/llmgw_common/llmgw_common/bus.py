@@ -41,7 +41,15 @@ def _tls_context(s: BusSettings) -> ssl.SSLContext | None:
     return ctx
 
 
-async def connect(s: BusSettings, name: str, *, connect_timeout: float = 5.0, wait: bool = True) -> NATS:
+async def connect(
+    s: BusSettings,
+    name: str,
+    *,
+    connect_timeout: float = 5.0,
+    wait: bool = True,
+    on_disconnect: Callable[[], None] | None = None,
+    on_reconnect: Callable[[], None] | None = None,
+) -> NATS:
     """A NATS client that reconnects forever and notices a dead server within seconds.
 
     With ``wait`` (the default for services) the first connection is retried until it succeeds, so a
@@ -54,9 +62,13 @@ async def connect(s: BusSettings, name: str, *, connect_timeout: float = 5.0, wa
     async def disconnected_cb() -> None:
         # A short-lived client (the CLI) disconnects on every close: not news.
         log.log(logging.WARNING if wait else logging.DEBUG, "nats (%s): disconnected", name)
+        if on_disconnect is not None:
+            on_disconnect()
 
     async def reconnected_cb() -> None:
         log.info("nats (%s): reconnected", name)
+        if on_reconnect is not None:
+            on_reconnect()
 
     opts: dict[str, Any] = dict(
         servers=s.nats_urls,

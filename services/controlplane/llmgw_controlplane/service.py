@@ -99,6 +99,9 @@ class ControlPlane:
         self.dirty = asyncio.Event()
         self.started_at = clock()
         self.settle_until = self.started_at + s.settle_s
+        # False while this process is cut off from NATS: heartbeats cannot arrive, so no node's
+        # silence may be judged (ARCHITECTURE: a lost command or reconnect must not leave nodes wrong).
+        self.bus_up = True
         self.pass_ms: deque[float] = deque(maxlen=200)
         self.passes = 0
         self.last_reconcile_ms = 0.0
@@ -279,6 +282,18 @@ class ControlPlane:
         )
         self.dirty.set()
 
+    def bus_lost(self) -> None:
+        self.bus_up = False
+
+    def bus_back(self) -> None:
+        """Reconnected: restart every node's silence clock and wait a settling window for reports."""
+        now = self.clock()
+        self.state.excuse_silence(now)
+        self.settle_until = max(self.settle_until, now + self.s.settle_s)
+        self.bus_up = True
+        log.info("bus back: waiting %.1fs for agents to report before reconciling", self.s.settle_s)
+        self.dirty.set()
+
     async def _step_down(self) -> None:
         if self.leader:
             log.warning("no longer leading: stopped acting")
@@ -292,6 +307,8 @@ class ControlPlane:
             self.dirty.clear()
             if stop.is_set():
                 return
+            if not self.bus_up:
+                continue
             now = self.clock()
             transitions = self.state.judge(now)
             node_events = self.detector.nodes(transitions, now)
@@ -497,9 +514,21 @@ def _adopt_from_assignments(
 
 async def serve(s: ControlPlaneSettings, stop: asyncio.Event) -> None:
     """Run the control plane until ``stop`` is set. Raises :class:`StartupError` when it cannot start."""
-    nc = await bus.connect(s, "controlplane")
+    # The client exists before the ControlPlane that must hear of its reconnects.
+    running: list[ControlPlane] = []
+
+    def lost() -> None:
+        for cp in running:
+            cp.bus_lost()
+
+    def back() -> None:
+        for cp in running:
+            cp.bus_back()
+
+    nc = await bus.connect(s, "controlplane", on_disconnect=lost, on_reconnect=back)
     try:
         cp = ControlPlane(s, nc)
+        running.append(cp)
         await cp.start()
         log.info("control plane %s up on prefix %s", cp.holder, s.prefix)
         await cp.run(stop)

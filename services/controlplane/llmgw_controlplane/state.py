@@ -225,6 +225,15 @@ class ClusterState:
             if r.shard == 0:
                 self.loads[r.replica_id] = r
 
+    def excuse_silence(self, now: float) -> None:
+        """The control plane itself was cut off from the bus: nobody's silence so far is the node's.
+
+        Every node's clock restarts at ``now``, as after a control-plane restart; a node that really
+        died is found lost ``node_lost_s`` later instead of every healthy node being lost at once.
+        """
+        for rec in self.nodes.values():
+            rec.last_seen = max(rec.last_seen, now)
+
     def know_node(self, name: str, now: float) -> None:
         """A node named by the replica table that has not reported since this control plane started."""
         self._node(name, now)
