@@ -189,7 +189,11 @@ async def test_assign_ready_load_garbage_delete(
         await kv.delete(node)
         await seen.wait("heartbeat", lambda h: h.shards == (), since=mark)
         for r in ("rv", "rl", "rx"):
-            await seen.wait("status", lambda m, r=r: m.replica_id == r and m.state is ShardState.STOPPED)
+
+            def stopped(m: ShardStatus, r: str = r) -> bool:
+                return m.replica_id == r and m.state is ShardState.STOPPED
+
+            await seen.wait("status", stopped)
         assert not any(alive(p) for p in pids)
         assert not agent.done()
     finally:

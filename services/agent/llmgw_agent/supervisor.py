@@ -125,6 +125,12 @@ def port_free(host: str, port: int) -> bool:
 
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes of a process group."""
+    try:
+        os.killpg(pgid, 0)  # cheap: no member at all (not even a zombie) ends it here
+    except ProcessLookupError:
+        return []
+    except PermissionError:
+        pass
     out = []
     for pid in psutil.pids():
         try:
