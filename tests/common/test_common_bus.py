@@ -108,3 +108,17 @@ async def test_single_key_follower_sees_a_delete_on_resync(nats_server, prefix):
         assert await bus.kv_get(kv, "n1", Heartbeat) == (None, 0)
     finally:
         await nc.close()
+
+
+def test_nats_server_restarts_on_the_same_port(tmp_path):
+    from llmgw_common.natsserver import NatsServer
+
+    srv = NatsServer(tmp_path)
+    srv.start()
+    try:
+        url = srv.url
+        srv.stop()
+        srv.start()
+        assert srv.url == url and srv.proc is not None and srv.proc.poll() is None
+    finally:
+        srv.stop()

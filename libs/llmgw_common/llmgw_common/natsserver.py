@@ -64,6 +64,10 @@ class NatsServer:
         return f"nats://{self.host}:{self.port}"
 
     def start(self, timeout: float = 15.0) -> NatsServer:
+        if self.port is not None:
+            # A restart keeps the client port, so that clients reconnect to the same URL.
+            self.requested_port = self.port
+            self.port = self.monitor_port = None
         self.data_dir.mkdir(parents=True, exist_ok=True)
         ports_dir = self.data_dir / "ports"
         ports_dir.mkdir(exist_ok=True)
