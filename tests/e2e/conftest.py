@@ -4,7 +4,7 @@ It runs as a real ``python -m llmgw_cli up`` process in a temporary data directo
 with its own embedded NATS. The fixture waits until `up` reports a chat completion went through
 (``<data-dir>/up.json`` with ``ready: true``), then yields what a client needs.
 
-Tests that stop the cluster are marked ``e2e_last`` and run after all others.
+Tests that stop a cluster start their own (see ``test_e2e_shutdown.py``), so no test depends on order.
 """
 
 from __future__ import annotations
@@ -13,14 +13,6 @@ from collections.abc import Iterator
 
 import pytest
 from e2e_cluster import Cluster, start_up, stop_up
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "e2e_last: stops the shared cluster; runs after every other e2e test")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda it: it.get_closest_marker("e2e_last") is not None)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Ctrl-C on `llmgw up` leaves no process behind; a second run on the same data dir keeps key and catalog.
 
-These stop the shared cluster, so they run after every other e2e test (marker ``e2e_last``).
+This test stops what it starts, so it runs its own `llmgw up` rather than the shared one: it holds
+whichever worker runs it, without depending on test order.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from e2e_cluster import Cluster, chat_once, start_up, stop_up
 
 from llmgw_cli.devcluster import run_processes
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("e2e"), pytest.mark.e2e_last]
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("e2e")]
 
 
 def alive(pid: int) -> bool:
@@ -61,14 +62,15 @@ def stop_and_check_nothing_left(cluster: Cluster) -> None:
     out = cluster.output()
     assert rc == 0, out[-3000:]
     assert "llmgw up: stopped" in out
-    assert [p.pid for p in procs if alive(p.pid)] == []
+    diag = cluster.diagnostics()
+    assert [p.pid for p in procs if alive(p.pid)] == [], diag
     assert state["nats_pid"] and not alive(state["nats_pid"])
-    assert in_groups(pgids) == []
-    assert run_processes(state["run_token"], cluster.data_dir) == []
+    assert in_groups(pgids) == [], diag
+    assert run_processes(state["run_token"], cluster.data_dir) == [], diag
     assert not (cluster.data_dir / "up.json").exists()
     # Each service stopped what it owns: `up` had nothing to sweep.
-    assert "left behind" not in out, out[-3000:]
-    assert took < 30, f"stopping took {took:.1f} s"
+    assert "left behind" not in out, diag
+    assert took < 30, f"stopping took {took:.1f} s\n{diag}"
 
 
 def ctl_models(cluster: Cluster) -> dict[str, Any]:
@@ -83,26 +85,27 @@ def ctl_models(cluster: Cluster) -> dict[str, Any]:
     return {m["name"]: m for m in json.loads(r.stdout)["models"]}
 
 
-def test_sigint_leaves_no_process_behind(cluster: Cluster) -> None:
-    stop_and_check_nothing_left(cluster)
-
-
-def test_second_run_keeps_key_and_desired_state(cluster: Cluster, tmp_path: Path) -> None:
-    assert cluster.proc.poll() is not None, "runs after the shutdown test"
+def test_sigint_leaves_nothing_and_a_second_run_keeps_key_and_catalog(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    first = start_up(data)
+    try:
+        stop_and_check_nothing_left(first)
+    finally:
+        stop_up(first)
     first_models = {"llama-3.1-8b", "qwen2.5-coder-7b", "tiny-cpu", "llama-3.1-70b"}
     other = tmp_path / "catalog.yaml"
     other.write_text("models: [{name: only-this, engine: sim}]\n")
-    again = start_up(cluster.data_dir, "--catalog", str(other))
+    again = start_up(data, "--catalog", str(other))
     try:
-        assert again.key == cluster.key
+        assert again.key == first.key
         assert "minted" not in again.output()
         assert (
             f"the bus already holds a catalog (from an earlier run): {other} is not loaded" in again.output()
         )
-        assert (cluster.data_dir / "dev-key").read_text().strip() == cluster.key
+        assert (data / "dev-key").read_text().strip() == first.key
         # The bus had a catalog: the file given this time is not loaded over it.
         assert set(ctl_models(again)) == first_models
         assert chat_once(again, "tiny-cpu").status_code == 200
+        stop_and_check_nothing_left(again)
     finally:
-        if again.proc.poll() is None:
-            stop_and_check_nothing_left(again)
+        stop_up(again)
