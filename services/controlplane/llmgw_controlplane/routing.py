@@ -86,6 +86,10 @@ def routing_content(
                 Endpoint(replica_id=r.id, model=r.model, url=url, node=r.shards[0].node, draining=r.draining)
             )
         if eps:
+            if all(e.draining for e in eps):
+                # Nothing replaces them yet: draining replicas keep taking requests until a replacement
+                # serves (#8); flagging them now would refuse every request of the model meanwhile.
+                eps = [e.model_copy(update={"draining": False}) for e in eps]
             endpoints[profile.name] = tuple(eps)
             continue
         if profile.replicas == 0:
