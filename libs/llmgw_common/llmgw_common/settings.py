@@ -104,6 +104,11 @@ class AgentSettings(BusSettings):
     load_interval_s: float = Field(default=1.0, gt=0)
     inventory_interval_s: float = Field(default=60.0, gt=0)
     stop_grace_s: float = Field(default=10.0, ge=0, description="SIGTERM to SIGKILL for engines")
+    quiesce_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="Longest wait for an unassigned engine's requests in progress to finish before it is stopped",
+    )
     llama_server: str = Field(default="llama-server", description="llama.cpp server binary")
     vllm: str = Field(default="vllm", description="vLLM binary")
 

@@ -82,7 +82,11 @@ class Agent:
         self.subjects = Subjects(s.prefix)
         self.drops = DropLog(log)
         self.supervisor = Supervisor(
-            s.state_dir, self._on_shard_change, stop_grace_s=s.stop_grace_s, clock=clock
+            s.state_dir,
+            self._on_shard_change,
+            stop_grace_s=s.stop_grace_s,
+            quiesce_s=s.quiesce_s,
+            clock=clock,
         )
         # None until a readable assignment (or its absence) is known: nothing is started or stopped.
         self.desired: dict[ShardKey, ShardAssignment] | None = None
@@ -226,7 +230,7 @@ class Agent:
             return
         records, self.adoptable = self.adoptable, {}
         await asyncio.gather(
-            *(self.supervisor.stop(k) for k in plan.stop),
+            *(self.supervisor.stop(k, quiesce=True) for k in plan.stop),
             *(self.supervisor.stop_orphan(records[k]) for k in plan.stop_orphans),
         )
         for k in plan.adopt:

@@ -31,6 +31,7 @@ import psutil
 
 from llmgw_agent.converge import assignment_fingerprint
 from llmgw_agent.engines import LaunchSpec
+from llmgw_agent.metrics import extract_load, parse_prometheus
 from llmgw_common.messages import ShardAssignment, ShardReport, ShardState
 
 log = logging.getLogger("llmgw.agent.supervisor")
@@ -225,6 +226,7 @@ class Supervisor:
         health_interval_s: float = 1.0,
         health_failures: int = 3,
         headless_settle_s: float = 1.0,
+        quiesce_s: float = 0.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.state_dir = Path(state_dir)
@@ -233,6 +235,7 @@ class Supervisor:
         self.health_interval_s = health_interval_s
         self.health_failures = health_failures
         self.headless_settle_s = headless_settle_s
+        self.quiesce_s = quiesce_s
         self.clock = clock
         self.shards: dict[ShardKey, Shard] = {}
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=1.0))
@@ -384,14 +387,22 @@ class Supervisor:
         if same_process(rec.pid, rec.create_time):
             await terminate_group(rec.pgid, self.stop_grace_s)
 
-    async def stop(self, key: ShardKey) -> None:
-        """Stop one shard: its monitor first (so the exit is not a failure), then the process group."""
+    async def stop(self, key: ShardKey, quiesce: bool = False) -> None:
+        """Stop one shard: its monitor first (so the exit is not a failure), then the process group.
+
+        With ``quiesce`` (a stop the assignment asked for), a ready engine is first reported stopping (so
+        it leaves the routers' endpoints) and given up to ``quiesce_s`` to finish the requests it holds:
+        an engine aborts them when it is stopped, and a drain must not drop one (ARCHITECTURE #8).
+        """
         sh = self.shards.get(key)
         if sh is None:
             return
         await self._cancel_monitor(sh)
         if sh.pgid is not None and sh.state is not ShardState.FAILED:
+            was_ready = sh.state is ShardState.READY
             await self._set(sh, ShardState.STOPPING)
+            if quiesce and was_ready and self.quiesce_s > 0:
+                await self._quiesce(sh)
             await terminate_group(sh.pgid, self.stop_grace_s, sh.proc)
         await self._cancel_exit_task(sh)
         self.shards.pop(key, None)
@@ -438,6 +449,37 @@ class Supervisor:
             if left <= 0:
                 return False, None
             await asyncio.sleep(min(0.25, left))
+
+    async def _quiesce(self, sh: Shard, every: float = 0.2) -> None:
+        """Until the engine reports nothing running or waiting twice in a row, or ``quiesce_s`` passed.
+
+        Returns at once when it cannot tell: no metrics, a scrape that fails (the engine is gone), or an
+        engine that does not expose a running count.
+        """
+        spec = sh.spec
+        if spec is None or spec.metrics_url is None:
+            return
+        deadline = time.monotonic() + self.quiesce_s
+        quiet = 0
+        while True:
+            try:
+                r = await self._http.get(spec.metrics_url)
+                r.raise_for_status()
+            except httpx.HTTPError:
+                return
+            load = extract_load(parse_prometheus(r.text), spec.metrics)
+            if load.running is None:
+                return
+            quiet = quiet + 1 if load.running == 0 and not load.waiting else 0
+            if quiet >= 2:
+                return
+            if time.monotonic() >= deadline:
+                log.info(
+                    "stopping %s/%d with %g request(s) still running after %gs",
+                    sh.assignment.replica_id, sh.assignment.shard, load.running, self.quiesce_s,
+                )  # fmt: skip
+                return
+            await asyncio.sleep(every)
 
     async def _healthy(self, url: str) -> str | None:
         """None when healthy, else why not."""
