@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -60,7 +61,7 @@ def _pct(values: list[float], q: float) -> float:
 # ---------------------------------------------------------------- processes
 
 
-def start_engine(*extra: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_engine(*extra: str, model: str = "bench") -> tuple[subprocess.Popen[bytes], str]:
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -70,7 +71,7 @@ def start_engine(*extra: str) -> tuple[subprocess.Popen[bytes], str]:
             "--port",
             "0",
             "--model",
-            "bench",
+            model,
             "--log-level",
             "WARNING",
             *extra,
@@ -81,6 +82,7 @@ def start_engine(*extra: str) -> tuple[subprocess.Popen[bytes], str]:
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()
     if "listening on" not in line:
+        stop(proc)
         raise RuntimeError(f"sim-engine did not start: {line!r}")
     return proc, line.split("listening on ", 1)[1].split()[0]
 
@@ -270,28 +272,32 @@ def cpu_s(pid: int) -> float:
 async def main(quick: bool) -> int:
     seconds = 1.0 if quick else 2.0
     steps = 3 if quick else 4
-    eng, eng_url = start_engine("--zero", "--slots", "4096")
-    slow, slow_url = start_engine("--ttft-ms", "0", "--tokens-per-s", "25", "--slots", "4096", model="slow")
-    tmp = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
-    static = tmp / "static.yaml"
-    import hashlib
-
-    h = hashlib.sha256(KEY.encode()).hexdigest()
-    static.write_text(
-        f"keys: [{{name: bench, hash: {h}}}]\nmodels:\n  - {{name: bench, endpoints: [{eng_url}]}}\n"
-        f"  - {{name: slow, endpoints: [{slow_url}]}}\n"
-    )
-    port = _free_port()
-    router = start_router(static, port)
-    base = f"http://127.0.0.1:{port}"
+    procs: list[subprocess.Popen[bytes]] = []
     out: dict[str, object] = {}
     try:
+        eng, eng_url = start_engine("--zero", "--slots", "4096")
+        procs.append(eng)
+        slow, slow_url = start_engine(
+            "--ttft-ms", "0", "--tokens-per-s", "25", "--slots", "4096", model="slow"
+        )
+        procs.append(slow)
+        static = Path(tempfile.mkdtemp(prefix="llmgw-bench-")) / "static.yaml"
+        h = hashlib.sha256(KEY.encode()).hexdigest()
+        static.write_text(
+            f"keys: [{{name: bench, hash: {h}}}]\nmodels:\n  - {{name: bench, endpoints: [{eng_url}]}}\n"
+            f"  - {{name: slow, endpoints: [{slow_url}]}}\n"
+        )
+        port = _free_port()
+        router = start_router(static, port)
+        procs.append(router)
+        base = f"http://127.0.0.1:{port}"
         await wait_http(base + "/health")
         direct = f"{eng_url}/v1/chat/completions"
         via = f"{base}/v1/chat/completions"
         headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
         conn = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=conn, headers=headers) as s:
+        timeout = aiohttp.ClientTimeout(total=30)
+        async with aiohttp.ClientSession(connector=conn, headers=headers, timeout=timeout) as s:
             # Warm both paths (connection pools, first-request costs).
             await closed_loop(s, via, False, 16, 0.5)
             await closed_loop(s, direct, False, 16, 0.5)
@@ -326,9 +332,8 @@ async def main(quick: bool) -> int:
         out["streams_1000"] = {"rss_mb_idle": round(rss_base, 1), "rss_mb_peak": round(rss_peak, 1), "ok": ok}
         print("streams_1000", json.dumps(out["streams_1000"]), flush=True)
     finally:
-        stop(router)
-        stop(eng)
-        stop(slow)
+        for p in procs:
+            stop(p)
     ns, st = out["nonstream"], out["stream100"]
     assert isinstance(ns, dict) and isinstance(st, dict)
     goals = {
