@@ -88,7 +88,15 @@ def start_up(data_dir: Path, *extra: str, timeout: float = START_TIMEOUT_S) -> C
     ]  # fmt: skip
     t0 = time.monotonic()
     with open(out_path, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        # Its own process group, as a shell gives a foreground job: a Ctrl-C can then be sent to it.
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
     cluster = Cluster(proc, data_dir, out_path, {}, 0.0)
     deadline = t0 + timeout
     while True:
@@ -104,10 +112,17 @@ def start_up(data_dir: Path, *extra: str, timeout: float = START_TIMEOUT_S) -> C
         time.sleep(0.2)
 
 
-def stop_up(cluster: Cluster, timeout: float = 90.0) -> int:
-    """SIGINT, as Ctrl-C would; SIGKILL only if it does not stop in time. Returns its exit code."""
+def stop_up(cluster: Cluster, timeout: float = 90.0, *, whole_group: bool = False) -> int:
+    """SIGINT; SIGKILL only if it does not stop in time. Returns its exit code.
+
+    ``whole_group``: to its whole process group, as a terminal's Ctrl-C does (the embedded
+    nats-server, in that group, gets it too); otherwise to `llmgw up` alone, as ``kill -INT`` does.
+    """
     if cluster.proc.poll() is None:
-        cluster.proc.send_signal(signal.SIGINT)
+        if whole_group:
+            os.killpg(cluster.proc.pid, signal.SIGINT)
+        else:
+            cluster.proc.send_signal(signal.SIGINT)
         try:
             cluster.proc.wait(timeout)
         except subprocess.TimeoutExpired:

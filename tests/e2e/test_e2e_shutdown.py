@@ -41,7 +41,7 @@ def in_groups(pgids: set[int]) -> list[int]:
     return out
 
 
-def stop_and_check_nothing_left(cluster: Cluster) -> None:
+def stop_and_check_nothing_left(cluster: Cluster, *, whole_group: bool) -> None:
     state = json.loads((cluster.data_dir / "up.json").read_text())
     up = psutil.Process(cluster.proc.pid)
     # The catalog's five replicas run as engines, children of the agents in their own groups.
@@ -57,7 +57,7 @@ def stop_and_check_nothing_left(cluster: Cluster) -> None:
     assert all(os.getpgid(e.pid) == e.pid for e in engines)
 
     t0 = time.monotonic()
-    rc = stop_up(cluster)
+    rc = stop_up(cluster, whole_group=whole_group)
     took = time.monotonic() - t0
     out = cluster.output()
     assert rc == 0, out[-3000:]
@@ -89,7 +89,7 @@ def test_sigint_leaves_nothing_and_a_second_run_keeps_key_and_catalog(tmp_path: 
     data = tmp_path / "data"
     first = start_up(data)
     try:
-        stop_and_check_nothing_left(first)
+        stop_and_check_nothing_left(first, whole_group=True)  # Ctrl-C in a terminal
     finally:
         stop_up(first)
     first_models = {"llama-3.1-8b", "qwen2.5-coder-7b", "tiny-cpu", "llama-3.1-70b"}
@@ -106,6 +106,6 @@ def test_sigint_leaves_nothing_and_a_second_run_keeps_key_and_catalog(tmp_path: 
         # The bus had a catalog: the file given this time is not loaded over it.
         assert set(ctl_models(again)) == first_models
         assert chat_once(again, "tiny-cpu").status_code == 200
-        stop_and_check_nothing_left(again)
+        stop_and_check_nothing_left(again, whole_group=False)  # kill -INT <pid>
     finally:
         stop_up(again)
