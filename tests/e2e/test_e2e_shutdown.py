@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ import psutil
 import pytest
 from e2e_cluster import Cluster, chat_once, start_up, stop_up
 
-from llmgw_cli.devcluster import run_processes
+from llmgw_cli.devcluster import RUN_MARKER, run_processes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("e2e")]
 
@@ -41,13 +42,17 @@ def in_groups(pgids: set[int]) -> list[int]:
     return out
 
 
-def stop_and_check_nothing_left(cluster: Cluster, *, whole_group: bool) -> None:
+def stop_and_check_nothing_left(
+    cluster: Cluster, *, whole_group: bool, orphans: tuple[int, ...] = ()
+) -> None:
+    """Stop `up` and check that no process of the run is left; ``orphans``: engines whose agent was
+    killed, which `up` itself must sweep."""
     state = json.loads((cluster.data_dir / "up.json").read_text())
     up = psutil.Process(cluster.proc.pid)
     # The catalog's five replicas run as engines, children of the agents in their own groups.
     deadline = time.monotonic() + 60
     while True:
-        procs = up.children(recursive=True)
+        procs = up.children(recursive=True) + [psutil.Process(o) for o in orphans]
         engines = [p for p in procs if "sim-engine" in " ".join(p.cmdline())]
         if len(engines) >= 5:
             break
@@ -55,6 +60,8 @@ def stop_and_check_nothing_left(cluster: Cluster, *, whole_group: bool) -> None:
         time.sleep(0.5)
     pgids = {c["pgid"] for c in state["children"]} | {os.getpgid(e.pid) for e in engines}
     assert all(os.getpgid(e.pid) == e.pid for e in engines)
+    # Engines carry the run's marker, so the last-resort sweep finds one whose agent died first.
+    assert all(e.environ().get(RUN_MARKER) == state["run_token"] for e in engines)
 
     t0 = time.monotonic()
     rc = stop_up(cluster, whole_group=whole_group)
@@ -68,8 +75,9 @@ def stop_and_check_nothing_left(cluster: Cluster, *, whole_group: bool) -> None:
     assert in_groups(pgids) == [], diag
     assert run_processes(state["run_token"], cluster.data_dir) == [], diag
     assert not (cluster.data_dir / "up.json").exists()
-    # Each service stopped what it owns: `up` had nothing to sweep.
-    assert "left behind" not in out, diag
+    left = [line for line in out.splitlines() if "left behind:" in line]
+    # Each service stopped what it owns: `up` swept only the engines of a killed agent.
+    assert sorted(int(x.split("left behind: ")[1].split()[0]) for x in left) == sorted(orphans), diag
     assert took < 30, f"stopping took {took:.1f} s\n{diag}"
 
 
@@ -106,6 +114,15 @@ def test_sigint_leaves_nothing_and_a_second_run_keeps_key_and_catalog(tmp_path: 
         # The bus had a catalog: the file given this time is not loaded over it.
         assert set(ctl_models(again)) == first_models
         assert chat_once(again, "tiny-cpu").status_code == 200
-        stop_and_check_nothing_left(again, whole_group=False)  # kill -INT <pid>
+        # Killing one simulated node's agent is a node loss; its engine is orphaned, as on a crash.
+        agent = next(c for c in again.state["children"] if c["name"] == "agent-gpu-b1")
+        engines = [p.pid for p in psutil.Process(agent["pid"]).children(recursive=True)]
+        assert engines
+        os.kill(agent["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while "agent-gpu-b1 exited with code -9" not in again.output():
+            assert time.monotonic() < deadline, again.diagnostics()
+            time.sleep(0.3)
+        stop_and_check_nothing_left(again, whole_group=False, orphans=tuple(engines))  # kill -INT <pid>
     finally:
         stop_up(again)
