@@ -73,7 +73,7 @@ class Receiver:
 
     def events(self) -> list[dict[str, Any]]:
         """Every event received, flattened out of grouped messages."""
-        out = []
+        out: list[dict[str, Any]] = []
         for _, _, body in self.got:
             out.extend(body["events"] if "events" in body else [body])
         return out
