@@ -33,6 +33,11 @@ def test_bad_gpu_spec_names_the_expected_shape(spec: str) -> None:
     assert f"{spec!r}" in p and "'<count>x<CLASS>'" in p
 
 
+def test_gpu_class_must_name_its_memory_as_the_agent_requires() -> None:
+    (p,) = problems_of("nodes: [{name: n1, gpus: 1xL4}]")
+    assert p == "node 'n1': gpus: GPU spec '1xL4': the class must end in its memory, e.g. 'L4-24GB'"
+
+
 def test_gpu_spec_that_is_not_a_string_is_refused() -> None:
     (p,) = problems_of("nodes: [{name: n1, gpus: 8}]")
     assert "node 'n1': gpus:" in p and "<count>x<CLASS>" in p
@@ -52,7 +57,7 @@ nodes:
   - {name: a}
   - {name: 'bad.name'}
   - {name: c, memory_gb: 0}
-  - {gpus: 1xL4}
+  - {gpus: 1xL4-24GB}
   - {name: local}
 """
     )
@@ -122,10 +127,10 @@ nodes:
 
 
 def test_node_without_memory_reports_none() -> None:
-    (node,) = parse_fleet("nodes: [{name: n1, gpus: 1xL4}]").nodes
+    (node,) = parse_fleet("nodes: [{name: n1, gpus: 1xL4-24GB}]").nodes
     env = node.agent_env()
     assert "LLMGW_SIM_MEMORY_GB" not in env
-    assert json.loads(json.dumps(env))["LLMGW_SIM_GPUS"] == "1xL4"
+    assert json.loads(json.dumps(env))["LLMGW_SIM_GPUS"] == "1xL4-24GB"
 
 
 def test_example_fleet_has_what_the_issue_asks() -> None:

@@ -108,7 +108,12 @@ def start_up(data_dir: Path, *extra: str, timeout: float = START_TIMEOUT_S) -> C
         if proc.poll() is not None or time.monotonic() > deadline:
             diag = cluster.diagnostics()
             stop_up(cluster)
-            raise AssertionError(f"llmgw up did not become ready within {timeout:.0f} s\n{diag}")
+            what = (
+                f"exited with {proc.returncode}"
+                if proc.returncode is not None
+                else f"not ready in {timeout:.0f} s"
+            )
+            raise AssertionError(f"llmgw up {what}\n{diag}")
         time.sleep(0.2)
 
 

@@ -440,11 +440,11 @@ def register(app: typer.Typer) -> None:
             Path, typer.Option(help="State (NATS store, key, logs) of this dev cluster")
         ] = Path(".llmgw"),
         fleet: Annotated[
-            Path | None, typer.Option(help="Simulated nodes [default: examples/fleet.yaml]")
+            Path | None, typer.Option(help="Simulated nodes (default: examples/fleet.yaml)")
         ] = None,
         catalog: Annotated[
             Path | None,
-            typer.Option(help="Catalog loaded when the bus has none [default: examples/catalog.yaml]"),
+            typer.Option(help="Catalog loaded when the bus has none (default: examples/catalog.yaml)"),
         ] = None,
         host: Annotated[str, typer.Option(help="Address every listener binds")] = "127.0.0.1",
         port: Annotated[int, typer.Option(help="Router (OpenAI API) port; 0: a free one")] = 8080,

@@ -5,7 +5,7 @@ Format (YAML)::
     nodes:
       - name: gpu-a1              # node id: letters, digits, '-' and '_' (a NATS subject token)
         fabric: ib-a              # optional: nodes of one multi-node replica share a fabric
-        gpus: 8xH100-80GB         # optional: '<count>x<CLASS>'; absent or 0xX means no GPU
+        gpus: 8xH100-80GB         # optional: '<count>x<CLASS>', the class ending in its memory
         unhealthy: {3: XID 79}    # optional: GPU index -> reason; such GPUs are neither used nor free
         memory_gb: 2048           # optional: simulated MemTotal; absent means "not reported"
         labels: {role: coding}    # optional: for node_selector
@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from llmgw_agent.sim_gpus import parse_sim_gpus
 from llmgw_common.subjects import check_token
 
 _GPU_SPEC = re.compile(r"^\s*(\d+)\s*[xX]\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*$")
@@ -41,6 +42,11 @@ def parse_gpu_spec(spec: str) -> tuple[int, str]:
     m = _GPU_SPEC.match(spec)
     if not m:
         raise ValueError(f"GPU spec {spec!r} is not '<count>x<CLASS>', e.g. '8xH100-80GB'")
+    try:
+        # The agent's own reading of the spec (the class names its memory): refuse here what it would.
+        parse_sim_gpus(spec)
+    except ValueError as e:
+        raise ValueError(str(e).replace("sim_gpus", "GPU spec")) from None
     return int(m.group(1)), m.group(2)
 
 
