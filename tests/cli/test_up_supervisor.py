@@ -166,6 +166,18 @@ def test_a_child_that_ignores_sigterm_is_killed_after_its_grace(sup: Supervisor,
     assert 0.5 <= took < 5
 
 
+def test_hurry_cuts_the_grace_short(sup: Supervisor, rec: Path) -> None:
+    """A second Ctrl-C: SIGKILL now rather than after the grace."""
+    start_ready(sup, rec, ChildSpec("stubborn", "x", {"BEHAVE": "stubborn"}, tier=0, grace_s=60))
+    again = threading.Event()
+    threading.Timer(0.3, again.set).start()
+    t0 = time.monotonic()
+    sup.stop_all(hurry=again.is_set)
+    assert time.monotonic() - t0 < 10
+    assert rec.read_text().split() == ["stubborn"]
+    assert sup.children[0].proc.returncode == -signal.SIGKILL
+
+
 def test_a_child_dying_during_start_is_named_with_its_log(
     sup: Supervisor, rec: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

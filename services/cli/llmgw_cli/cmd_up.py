@@ -100,10 +100,13 @@ class StopFlag:
 
     event: threading.Event
     signum: int | None = None
+    # Signals received: a second one while stopping means "now", not "after the grace periods".
+    count: int = 0
     saved: dict[int, object] = field(default_factory=dict)
 
     def handler(self, signum: int, _frame: FrameType | None) -> None:
         self.signum = signum
+        self.count += 1
         self.event.set()
 
     def install(self) -> None:
@@ -117,6 +120,9 @@ class StopFlag:
 
     def wait(self, seconds: float) -> bool:
         return self.event.wait(seconds)
+
+    def hurry(self) -> bool:
+        return self.count >= 2
 
     @property
     def is_set(self) -> bool:
@@ -360,9 +366,9 @@ def _run_locked(
         )
     finally:
         if stop.signum is not None:
-            out(f"\nllmgw up: {signal.Signals(stop.signum).name}: stopping")
+            out(f"\nllmgw up: {signal.Signals(stop.signum).name}: stopping (again to kill at once)")
         if sup is not None:
-            sup.stop_all()
+            sup.stop_all(hurry=stop.hurry)
         if nats is not None:
             nats.stop()
         if sup is not None:

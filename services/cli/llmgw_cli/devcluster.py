@@ -267,12 +267,15 @@ class Supervisor:
                 with contextlib.suppress(OSError):
                     self.pgids.add(os.getpgid(k.pid))
 
-    def stop_all(self) -> None:
-        """Stop every child, the highest tier first. Call :meth:`sweep` once NATS is stopped too."""
+    def stop_all(self, hurry: Callable[[], bool] = lambda: False) -> None:
+        """Stop every child, the highest tier first. Call :meth:`sweep` once NATS is stopped too.
+
+        ``hurry()`` turning true (a second Ctrl-C) cuts every remaining grace short.
+        """
         self.note_descendants()
         for tier in sorted({c.spec.tier for c in self.children}, reverse=True):
             group = [c for c in reversed(self.children) if c.spec.tier == tier]
-            stop_groups(group, say=self.say)
+            stop_groups(group, say=self.say, hurry=hurry)
 
     def sweep(self) -> list[str]:
         """SIGKILL any process of this run still alive (NATS included: stop it first).
@@ -300,21 +303,29 @@ class Supervisor:
         return killed
 
 
-def stop_groups(children: Iterable[Child], *, say: Callable[[str], None] = lambda _: None) -> None:
-    """SIGTERM each child's process group, wait up to its grace, then SIGKILL the group."""
+def stop_groups(
+    children: Iterable[Child],
+    *,
+    say: Callable[[str], None] = lambda _: None,
+    hurry: Callable[[], bool] = lambda: False,
+) -> None:
+    """SIGTERM each child's process group, wait up to its grace (or until ``hurry()``), then SIGKILL it."""
     children = list(children)
     for c in children:
         if c.alive():
             with contextlib.suppress(OSError):
                 os.killpg(c.pgid, signal.SIGTERM)
+    # One clock for the whole tier: n hung children cost one grace, not n.
     start = time.monotonic()
     for c in children:
-        # One clock for the whole tier: n hung children cost one grace, not n.
-        left = c.spec.grace_s - (time.monotonic() - start)
-        try:
-            c.proc.wait(timeout=max(0.0, left))
-        except subprocess.TimeoutExpired:
-            say(f"{c.spec.name} did not stop within {c.spec.grace_s:.0f}s: killing it")
+        deadline = start + c.spec.grace_s
+        while c.alive() and not hurry():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                say(f"{c.spec.name} did not stop within {c.spec.grace_s:.0f}s: killing it")
+                break
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                c.proc.wait(timeout=min(left, 0.1))
         with contextlib.suppress(OSError):
             os.killpg(c.pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
