@@ -7,8 +7,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import aiohttp
-
 from llmgw_common.catalog import ModelProfile
 from llmgw_router.admission import Gate
 from llmgw_router.auth import Exemptions
@@ -16,6 +14,7 @@ from llmgw_router.endpoints import Pool
 from llmgw_router.idle import IdleMap
 from llmgw_router.keys import KeyTable
 from llmgw_router.metrics import RouterMetrics
+from llmgw_router.upstream import UpstreamClient
 from llmgw_router.usage import UsageTable
 
 
@@ -41,7 +40,7 @@ class RouterContext:
     rng: random.Random = field(default_factory=random.Random)
     gates: dict[str, Gate] = field(default_factory=dict)
     in_flight: int = 0
-    session: aiohttp.ClientSession | None = None
+    upstream: UpstreamClient | None = None
     idle: IdleMap = field(init=False)
     usage: UsageTable = field(init=False)
     metrics: RouterMetrics = field(init=False)
@@ -66,20 +65,5 @@ class RouterContext:
             if p is not None:
                 g.configure(p.max_concurrency, p.max_queue, p.queue_timeout_s)
 
-    def new_session(self) -> aiohttp.ClientSession:
-        lim = self.limits
-        timeout = aiohttp.ClientTimeout(
-            total=None,
-            connect=lim.connect_timeout_s,
-            sock_connect=lim.connect_timeout_s,
-            sock_read=lim.read_timeout_s,
-        )
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30.0, ttl_dns_cache=60)
-        # Bytes pass through untouched: no decompression, no cookies, identity encoding upstream.
-        return aiohttp.ClientSession(
-            connector=connector,
-            timeout=timeout,
-            auto_decompress=False,
-            cookie_jar=aiohttp.DummyCookieJar(),
-            skip_auto_headers=("User-Agent",),
-        )
+    def new_upstream(self) -> UpstreamClient:
+        return UpstreamClient(self.limits.connect_timeout_s, self.limits.read_timeout_s)

@@ -13,7 +13,6 @@ import logging
 import time
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -21,12 +20,12 @@ from llmgw_router.context import RouterContext
 from llmgw_router.endpoints import EndpointState
 from llmgw_router.errors import error_response
 from llmgw_router.scheduling import choose
+from llmgw_router.upstream import ReadTimeout, Response, UpstreamError
 from llmgw_router.usage import TAIL_BYTES, find_usage
 
 log = logging.getLogger("llmgw.router.proxy")
 
 RETRY_STATUSES = frozenset({502, 503})
-_UPSTREAM_HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
 _DROP = frozenset(
     h.lower()
     for h in (
@@ -69,11 +68,12 @@ def pick(ctx: RouterContext, model: str, tried: list[EndpointState], now: float)
     return ep
 
 
-def _response_headers(up: aiohttp.ClientResponse) -> CIMultiDict[str]:
+def _response_headers(up: Response) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
-    for k, v in up.headers.items():
-        if k.lower() not in _DROP:
-            out.add(k, v)
+    for k, v in up.headers:
+        name = k.decode("latin-1")
+        if name.lower() not in _DROP:
+            out.add(name, v.decode("latin-1"))
     return out
 
 
@@ -87,7 +87,6 @@ async def forward(
     want_usage: bool,
 ) -> tuple[web.StreamResponse, int]:
     """Proxy the request; return the response and the status to record."""
-    assert ctx.session is not None
     t0 = time.perf_counter()
     tried: list[EndpointState] = []
     problem = ""
@@ -145,29 +144,30 @@ async def _attempt(
     want_usage: bool,
     t0: float,
 ) -> tuple[web.StreamResponse, int, bool | None]:
-    assert ctx.session is not None
+    assert ctx.upstream is not None
     try:
-        up = await ctx.session.post(ep.url + path, data=body, headers=_UPSTREAM_HEADERS)
-    except aiohttp.ServerTimeoutError as e:
-        if isinstance(e, aiohttp.ConnectionTimeoutError):
-            raise _Retryable(f"{ep.replica_id}: connect timed out") from None
+        up = await ctx.upstream.post(ep.url, path, body)
+    except ReadTimeout:
         return _gateway_timeout(ep), 504, False
-    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
-        raise _Retryable(f"{ep.replica_id}: {_describe(e)}") from None
+    except UpstreamError as e:  # ConnectFailed, Disconnected: nothing came back
+        raise _Retryable(f"{ep.replica_id}: {e}") from None
     try:
         status = up.status
         if status in RETRY_STATUSES:
-            detail = (await up.content.read(300)).decode("utf-8", "replace")
+            try:
+                detail = (await up.readany())[:300].decode("utf-8", "replace")
+            except UpstreamError:
+                detail = ""
             raise _Retryable(f"{ep.replica_id} answered {status}: {detail}", status)
         verdict = status < 500
-        ctype = up.headers.get("Content-Type", "")
-        if up.content_length is not None and not ctype.startswith("text/event-stream"):
+        ctype = up.header(b"content-type") or b""
+        if up.content_length is not None and not ctype.startswith(b"text/event-stream"):
             try:
                 data = await up.read()
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
-                raise _Retryable(f"{ep.replica_id}: answer cut short: {_describe(e)}") from None
-            except aiohttp.ServerTimeoutError:
+            except ReadTimeout:
                 return _gateway_timeout(ep), 504, False
+            except UpstreamError as e:
+                raise _Retryable(f"{ep.replica_id}: answer cut short: {e}") from None
             elapsed = time.perf_counter() - t0
             ep.observe_latency(elapsed)
             ctx.metrics.first_byte(model, elapsed)
@@ -182,7 +182,7 @@ async def _attempt(
 async def _stream(
     ctx: RouterContext,
     request: web.Request,
-    up: aiohttp.ClientResponse,
+    up: Response,
     ep: EndpointState,
     model: str,
     key_id: str,
@@ -192,11 +192,11 @@ async def _stream(
 ) -> tuple[web.StreamResponse, int, bool | None]:
     status = up.status
     try:
-        first = await up.content.readany()
-    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
-        raise _Retryable(f"{ep.replica_id}: stream ended before its first byte: {_describe(e)}") from None
-    except aiohttp.ServerTimeoutError:
+        first = await up.readany()
+    except ReadTimeout:
         return _gateway_timeout(ep), 504, False
+    except UpstreamError as e:
+        raise _Retryable(f"{ep.replica_id}: stream ended before its first byte: {e}") from None
     ctx.metrics.first_byte(model, time.perf_counter() - t0)
     resp = web.StreamResponse(status=status, headers=_response_headers(up))
     tail = b""
@@ -205,13 +205,12 @@ async def _stream(
             await resp.prepare(request)
         except ConnectionResetError:
             return resp, CLIENT_GONE, None
-        content = up.content
         chunk: bytes = first
         while True:
             if want_usage:
                 tail = (tail + chunk)[-TAIL_BYTES:] if len(chunk) < TAIL_BYTES else chunk[-TAIL_BYTES:]
             try:
-                if not chunk or content.is_eof():
+                if not chunk or up.at_eof():
                     # Nothing more will come: the last bytes and the end of the stream in one write.
                     await resp.write_eof(chunk)
                     break
@@ -219,10 +218,10 @@ async def _stream(
             except ConnectionResetError:
                 # The client went away mid-stream; closing the upstream tells the engine to stop.
                 return resp, CLIENT_GONE, None
-            chunk = await content.readany()
-    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ServerTimeoutError) as e:
+            chunk = await up.readany()
+    except UpstreamError as e:
         # The engine failed after the first byte: nothing to retry; end the client's stream.
-        log.warning("stream from %s broke after the first byte: %s", ep.replica_id, _describe(e))
+        log.warning("stream from %s broke after the first byte: %s", ep.replica_id, e)
         return resp, 502, False
     ep.observe_latency(time.perf_counter() - t0)
     if status < 300:
@@ -232,11 +231,6 @@ async def _stream(
 
 def _gateway_timeout(ep: EndpointState) -> web.Response:
     return error_response(504, f"{ep.replica_id} did not answer in time")
-
-
-def _describe(e: BaseException) -> str:
-    text = str(e)
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def parse_request(body: bytes) -> dict[str, Any] | str:

@@ -83,7 +83,7 @@ class Router:
         s = self.settings
         if s.admin_port and s.admin_host not in _ADMIN_LOOPBACK:
             raise ValueError(f"admin listener must be on loopback, not {s.admin_host}")
-        self.ctx.session = self.ctx.new_session()
+        self.ctx.upstream = self.ctx.new_upstream()
         runner = web.AppRunner(
             build_app(self.ctx),
             handler_cancellation=True,
@@ -106,6 +106,7 @@ class Router:
             self._tasks.append(asyncio.create_task(self._bus_main(), name="router-bus"))
         else:
             self.synced.set()
+        self._tasks.append(asyncio.create_task(self._tick(), name="router-tick"))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -126,9 +127,9 @@ class Router:
             await r.shutdown()
             await r.cleanup()
         self._runners = []
-        if self.ctx.session is not None:
-            await self.ctx.session.close()
-            self.ctx.session = None
+        if self.ctx.upstream is not None:
+            await self.ctx.upstream.close()
+            self.ctx.upstream = None
 
     # ------------------------------------------------------------ bus
 
@@ -148,8 +149,13 @@ class Router:
         await routing.start()
         await keyf.start()
         self.synced.set()
+
+    async def _tick(self) -> None:
+        """Once per tick: close idle upstream connections, publish the idle and usage reports."""
         while True:
-            await asyncio.sleep(s.tick_s)
+            await asyncio.sleep(self.settings.tick_s)
+            if self.ctx.upstream is not None:
+                self.ctx.upstream.sweep()
             try:
                 await self._publish_reports()
             except (nats.errors.Error, TimeoutError) as e:

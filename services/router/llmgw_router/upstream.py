@@ -1,0 +1,361 @@
+"""A small HTTP/1.1 client for the router's one kind of upstream request: POST a body, relay the answer.
+
+Why not aiohttp's client: in the router's profile ``ClientSession._request`` and its helpers (tracing,
+cookies, redirects, auth, proxies, header merging) were about 40% of the CPU per proxied request, for
+features the router never uses. This client is an ``asyncio.Protocol`` with httptools' parser (what
+uvicorn uses), keep-alive connections pooled per endpoint, flow control on the read side, and typed
+errors that say whether anything came back. Bodies arrive de-chunked, as the bytes the engine wrote.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl
+import time
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
+
+# Pause reading from an engine while this much of its answer is buffered and not yet relayed.
+_HIGH_WATER = 256 * 1024
+
+
+class UpstreamError(Exception):
+    """The exchange with the engine failed. ``responded``: whether any byte of an answer arrived."""
+
+    responded = False
+
+
+class ConnectFailed(UpstreamError):
+    """No connection: refused, unreachable, or the connect timed out."""
+
+
+class Disconnected(UpstreamError):
+    """The engine closed the connection (or sent bytes that are not HTTP)."""
+
+
+class ReadTimeout(UpstreamError):
+    """The engine sent nothing for ``read_timeout_s``."""
+
+
+class _Conn(asyncio.Protocol):
+    __slots__ = (
+        "_buffered",
+        "_chunks",
+        "_exc",
+        "_paused",
+        "_waiter",
+        "closed",
+        "complete",
+        "headers",
+        "idle_since",
+        "keep_alive",
+        "loop",
+        "parser",
+        "responded",
+        "status",
+        "transport",
+    )
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.idle_since = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.complete = False
+        self.responded = False
+        self.keep_alive = True
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._paused = False
+        self._exc: UpstreamError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    # ------------------------------------------------------------ asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.responded = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self._fail(Disconnected(f"not an HTTP answer: {e}"))
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.complete:
+            return
+        if self.status and not self.keep_alive and exc is None:
+            # An answer without a length ends when the connection does.
+            self.complete = True
+            self._wake()
+            return
+        self._fail(Disconnected("the engine closed the connection" + (f": {exc}" if exc else "")))
+
+    # ------------------------------------------------------------ httptools callbacks
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._buffered += len(body)
+        if self._buffered > _HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self._wake()
+
+    # ------------------------------------------------------------ waiting
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _fail(self, exc: UpstreamError) -> None:
+        exc.responded = self.responded
+        self._exc = exc
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_exception(exc)
+
+    async def wait(self, timeout: float) -> None:
+        if self._exc is not None:
+            raise self._exc
+        w = self._waiter = self.loop.create_future()
+        h = self.loop.call_later(timeout, self._timeout, w, timeout)
+        try:
+            await w
+        finally:
+            h.cancel()
+            self._waiter = None
+
+    def _timeout(self, w: asyncio.Future[None], timeout: float) -> None:
+        if not w.done():
+            e = ReadTimeout(f"no answer for {timeout:g}s")
+            e.responded = self.responded
+            w.set_exception(e)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+class Response:
+    """An engine's answer: status and headers now, the body by :meth:`readany` or :meth:`read`."""
+
+    __slots__ = ("_client", "_conn", "_done", "_key", "_read_timeout", "headers", "status")
+
+    def __init__(
+        self, client: UpstreamClient, key: tuple[str, int, bool], conn: _Conn, read_timeout: float
+    ) -> None:
+        self._client, self._key, self._conn, self._read_timeout = client, key, conn, read_timeout
+        self.status = conn.status
+        self.headers = conn.headers
+        # Set once the connection has gone back to the pool or been closed: it is no longer ours.
+        self._done = False
+
+    def header(self, name: bytes) -> bytes | None:
+        name = name.lower()
+        for k, v in self.headers:
+            if k.lower() == name:
+                return v
+        return None
+
+    @property
+    def content_length(self) -> int | None:
+        v = self.header(b"content-length")
+        return int(v) if v is not None and v.isdigit() else None
+
+    def at_eof(self) -> bool:
+        """Whole answer received and every byte handed out."""
+        return self._done or (self._conn.complete and not self._conn._chunks)
+
+    async def readany(self) -> bytes:
+        """The bytes received so far (waiting for some); b"" at the end."""
+        if self._done:
+            return b""
+        c = self._conn
+        while not c._chunks:
+            if c.complete:
+                self._finish()
+                return b""
+            await c.wait(self._read_timeout)
+        data = c._chunks.popleft() if len(c._chunks) == 1 else b"".join(_drain(c._chunks))
+        c._buffered -= len(data)
+        if c._paused and c._buffered < _HIGH_WATER // 4 and c.transport is not None:
+            c._paused = False
+            c.transport.resume_reading()
+        if c.complete and not c._chunks:
+            self._finish()
+        return data
+
+    async def read(self) -> bytes:
+        parts: list[bytes] = []
+        while True:
+            data = await self.readany()
+            if not data:
+                return b"".join(parts)
+            parts.append(data)
+
+    def _finish(self) -> None:
+        """The answer is complete: the connection goes back to the pool (or is closed)."""
+        self._done = True
+        c = self._conn
+        if c.keep_alive and not c.closed:
+            self._client._release(self._key, c)
+        else:
+            c.close()
+
+    def close(self) -> None:
+        """Abandon the answer: closing the connection tells the engine to stop (no-op when finished)."""
+        if not self._done:
+            self._done = True
+            self._conn.close()
+
+
+def _drain(chunks: collections.deque[bytes]) -> list[bytes]:
+    out = list(chunks)
+    chunks.clear()
+    return out
+
+
+class UpstreamClient:
+    """Keep-alive connections per endpoint; ``post()`` sends a body and returns the :class:`Response`."""
+
+    def __init__(self, connect_timeout_s: float, read_timeout_s: float, idle_timeout_s: float = 30.0) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self._idle: dict[tuple[str, int, bool], list[_Conn]] = {}
+        self._targets: dict[str, tuple[tuple[str, int, bool], bytes, bytes]] = {}
+        self._ssl: ssl.SSLContext | None = None
+
+    def _target(self, base_url: str) -> tuple[tuple[str, int, bool], bytes, bytes]:
+        t = self._targets.get(base_url)
+        if t is None:
+            u = urlsplit(base_url)
+            tls = u.scheme == "https"
+            host = u.hostname or "127.0.0.1"
+            port = u.port or (443 if tls else 80)
+            host_header = (u.netloc or host).encode("idna")
+            t = self._targets[base_url] = ((host, port, tls), host_header, u.path.rstrip("/").encode())
+        return t
+
+    async def post(
+        self, base_url: str, path: str, body: bytes, content_type: bytes = b"application/json"
+    ) -> Response:
+        """POST ``body`` to ``base_url + path``; raises an :class:`UpstreamError` before any answer."""
+        key, host_header, prefix = self._target(base_url)
+        head = (
+            b"POST "
+            + prefix
+            + path.encode()
+            + b" HTTP/1.1\r\nHost: "
+            + host_header
+            + b"\r\nContent-Type: "
+            + content_type
+            + b"\r\nAccept-Encoding: identity\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+        )
+        conn, reused = self._take(key)
+        if conn is None:
+            conn = await self._connect(key)
+        try:
+            return await self._exchange(key, conn, head, body)
+        except Disconnected as e:
+            if not reused or e.responded:
+                raise
+        # A kept-alive connection the engine had closed meanwhile: one more try on a new one.
+        conn = await self._connect(key)
+        return await self._exchange(key, conn, head, body)
+
+    async def _exchange(self, key: tuple[str, int, bool], conn: _Conn, head: bytes, body: bytes) -> Response:
+        assert conn.transport is not None
+        conn._reset()
+        try:
+            conn.transport.writelines((head, body))
+            while not conn.status:
+                await conn.wait(self.read_timeout_s)
+        except BaseException:
+            conn.close()
+            raise
+        return Response(self, key, conn, self.read_timeout_s)
+
+    def _take(self, key: tuple[str, int, bool]) -> tuple[_Conn | None, bool]:
+        idle = self._idle.get(key)
+        if not idle:
+            return None, False
+        now = time.monotonic()
+        while idle:
+            c = idle.pop()
+            if not c.closed and now - c.idle_since < self.idle_timeout_s:
+                return c, True
+            c.close()
+        return None, False
+
+    def _release(self, key: tuple[str, int, bool], conn: _Conn) -> None:
+        conn.idle_since = time.monotonic()
+        self._idle.setdefault(key, []).append(conn)
+
+    async def _connect(self, key: tuple[str, int, bool]) -> _Conn:
+        host, port, tls = key
+        loop = asyncio.get_running_loop()
+        if tls and self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        try:
+            _, proto = await asyncio.wait_for(
+                loop.create_connection(lambda: _Conn(loop), host, port, ssl=self._ssl if tls else None),
+                self.connect_timeout_s,
+            )
+        except TimeoutError:
+            raise ConnectFailed(
+                f"connect to {host}:{port} timed out after {self.connect_timeout_s:g}s"
+            ) from None
+        except OSError as e:
+            raise ConnectFailed(f"cannot connect to {host}:{port}: {e.strerror or e}") from None
+        return proto
+
+    def sweep(self) -> None:
+        """Close connections idle for longer than ``idle_timeout_s`` (called once per tick)."""
+        now = time.monotonic()
+        for key, idle in list(self._idle.items()):
+            keep = [c for c in idle if not c.closed and now - c.idle_since < self.idle_timeout_s]
+            for c in idle:
+                if c not in keep:
+                    c.close()
+            if keep:
+                self._idle[key] = keep
+            else:
+                del self._idle[key]
+
+    async def close(self) -> None:
+        for idle in self._idle.values():
+            for c in idle:
+                c.close()
+        self._idle.clear()
+        # Let the transports finish closing inside the loop.
+        await asyncio.sleep(0)

@@ -1,0 +1,175 @@
+"""The router's upstream HTTP/1.1 client, against raw servers that misbehave on purpose."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
+import pytest
+import uvloop
+
+from llmgw_agent import sim_engine
+from llmgw_agent.sim_options import SimOptions
+from llmgw_router.upstream import ConnectFailed, Disconnected, ReadTimeout, UpstreamClient
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+BODY = b'{"model":"m","prompt":"x","max_tokens":3}'
+
+
+async def _raw_server(handler: Handler) -> tuple[asyncio.Server, str]:
+    async def wrapped(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            await handler(r, w)
+        finally:
+            w.close()
+            with contextlib.suppress(ConnectionError):
+                await w.wait_closed()
+
+    srv = await asyncio.start_server(wrapped, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    return srv, f"http://127.0.0.1:{port}"
+
+
+async def _read_request(r: asyncio.StreamReader) -> None:
+    head = await r.readuntil(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+    )
+    await r.readexactly(length)
+
+
+async def scenario_keep_alive_reuse() -> None:
+    eng = await sim_engine.start(SimOptions(port=0, zero=True, model="m"))
+    c = UpstreamClient(2.0, 5.0)
+    try:
+        r1 = await c.post(eng.url, "/v1/completions", BODY)
+        assert r1.status == 200 and b'"completion_tokens": 3' in await r1.read()
+        conn = next(iter(c._idle.values()))[0]
+        r2 = await c.post(eng.url, "/v1/completions", BODY)
+        assert r2._conn is conn
+        assert (await r2.read()).startswith(b"{")
+        # Reading past the end is harmless and does not hand the connection back twice.
+        assert await r2.readany() == b"" and len(next(iter(c._idle.values()))) == 1
+        stream = await c.post(eng.url, "/v1/completions", BODY.replace(b"}", b',"stream":true}'))
+        data = await stream.read()
+        assert data.endswith(b"data: [DONE]\n\n") and stream.content_length is None
+    finally:
+        await c.close()
+        await eng.runner.cleanup()
+
+
+async def scenario_server_closed_idle_connection() -> None:
+    async def one_then_close(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await w.drain()
+        w.close()  # keep-alive was implied, yet the server closes
+
+    srv, url = await _raw_server(one_then_close)
+    c = UpstreamClient(2.0, 5.0)
+    try:
+        for _ in range(3):
+            r = await c.post(url, "/x", b"{}")
+            assert await r.read() == b"ok"
+    finally:
+        await c.close()
+        srv.close()
+        await srv.wait_closed()
+
+
+async def scenario_length_by_close_garbage_timeout_refused() -> None:
+    async def until_close(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nhello ")
+        await w.drain()
+        w.write(b"world")
+        w.close()
+
+    async def garbage(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        w.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+        await w.drain()
+        w.close()
+
+    async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        await r.read()  # until the client gives up and closes
+
+    async def cut(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+        await w.drain()
+        w.close()
+
+    servers = [await _raw_server(h) for h in (until_close, garbage, silent, cut)]
+    c = UpstreamClient(1.0, 0.2)
+    try:
+        r = await c.post(servers[0][1], "/", b"{}")
+        assert await r.read() == b"hello world"
+        with pytest.raises(Disconnected) as e:
+            await c.post(servers[1][1], "/", b"{}")
+        assert e.value.responded
+        with pytest.raises(ReadTimeout):
+            await c.post(servers[2][1], "/", b"{}")
+        r = await c.post(servers[3][1], "/", b"{}")
+        with pytest.raises(Disconnected):
+            await r.read()
+        srv_dead, dead = await _raw_server(until_close)
+        srv_dead.close()
+        await srv_dead.wait_closed()
+        with pytest.raises(ConnectFailed) as cf:
+            await c.post(dead, "/", b"{}")
+        assert not cf.value.responded and "cannot connect" in str(cf.value)
+    finally:
+        await c.close()
+        for s, _ in servers:
+            s.close()
+            await s.wait_closed()
+
+
+async def scenario_large_answer_with_flow_control() -> None:
+    big = bytes(range(256)) * 8192  # 2 MiB: pauses and resumes reading several times
+
+    async def large(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i in range(0, len(big), 65536):
+            part = big[i : i + 65536]
+            w.write(b"%x\r\n" % len(part) + part + b"\r\n")
+            await w.drain()
+        w.write(b"0\r\n\r\n")
+        await w.drain()
+
+    srv, url = await _raw_server(large)
+    c = UpstreamClient(1.0, 5.0)
+    try:
+        r = await c.post(url, "/", b"{}")
+        got = bytearray()
+        while chunk := await r.readany():
+            got += chunk
+            await asyncio.sleep(0)  # a slow reader
+        assert bytes(got) == big and r.at_eof()
+    finally:
+        await c.close()
+        srv.close()
+        await srv.wait_closed()
+
+
+SCENARIOS = [
+    scenario_keep_alive_reuse,
+    scenario_server_closed_idle_connection,
+    scenario_length_by_close_garbage_timeout_refused,
+    scenario_large_answer_with_flow_control,
+]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)
+async def test_upstream_on_asyncio(scenario):
+    await scenario()
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)
+def test_upstream_on_uvloop(scenario):
+    # The router runs on uvloop in production; its transports differ from asyncio's.
+    uvloop.run(scenario())
