@@ -15,6 +15,7 @@ from llmgw_common.settings import NotifierSettings
 from llmgw_notifier.delivery import StartGate, backoff_delay, post_until_taken, retry_after_s, wants
 from llmgw_notifier.formats import group_id, render, shown_url, sign, slack_text, verify
 from llmgw_notifier.grouping import Held, plan_groups
+from llmgw_notifier.outages import Outage, Verdict, fold
 from llmgw_notifier.probes import DOWN, RECOVERED, ProbeState, event_id, observe, probe_event
 
 
@@ -175,7 +176,7 @@ def test_start_gate_holds_newer_events_until_the_old_ones_come_back() -> None:
 
 
 def test_probe_state_down_once_then_recovered_once() -> None:
-    st0 = ProbeState()
+    st0 = ProbeState(answered=True)
     st1, tr = observe(st0, False, 100.0, 3, "HTTP 503")
     assert tr is None and st1.failures == 1 and st1.streak_start == 100.0
     st2, tr = observe(st1, False, 130.0, 3, "timeout")
@@ -185,24 +186,44 @@ def test_probe_state_down_once_then_recovered_once() -> None:
     st4, tr = observe(st3, False, 190.0, 3, "timeout")
     assert tr is None and st4.failures == 4  # no second model.down
     st5, tr = observe(st4, True, 220.0, 3)
-    assert tr is not None and tr.kind == RECOVERED and tr.episode == 100.0 and st5 == ProbeState()
+    assert (
+        tr is not None and tr.kind == RECOVERED and tr.episode == 100.0 and st5 == ProbeState(answered=True)
+    )
     _st6, tr = observe(st5, True, 250.0, 3)
     assert tr is None
 
 
 def test_a_success_resets_the_streak() -> None:
-    st1, _ = observe(ProbeState(), False, 1.0, 2)
+    st1, _ = observe(ProbeState(answered=True), False, 1.0, 2)
     st2, tr = observe(st1, True, 2.0, 2)
-    assert tr is None and st2 == ProbeState()
+    assert tr is None and st2 == ProbeState(answered=True)
     st3, tr = observe(st2, False, 3.0, 2)
     assert tr is None and st3.streak_start == 3.0
+
+
+def test_failures_before_the_model_was_ever_up_do_not_count() -> None:
+    st = ProbeState()
+    for t in range(10):  # its first replica is still starting: not down, however long
+        st, tr = observe(st, False, float(t), 2, "HTTP 503")
+        assert tr is None
+    assert st.failures == 0 and st.streak_start is None and st.last_error == "HTTP 503"
+    st, tr = observe(st, True, 10.0, 2)
+    assert tr is None and st.answered
+    st, _ = observe(st, False, 11.0, 2, "timeout")
+    st, tr = observe(st, False, 12.0, 2, "timeout")
+    assert tr is not None and tr.kind == DOWN and tr.episode == 11.0
 
 
 def test_probe_events_have_stable_ids_sharing_the_episode() -> None:
     spec = WatchSpec(probe_every=30, budget=20, failures=3)
     st_down = ProbeState(failures=3, streak_start=100.0, down_since=100.0, last_error="no answer within 20s")
     down = probe_event(
-        "judge", observe(ProbeState(2, 100.0), False, 160, 3)[1] or pytest.fail(), st_down, spec, 160.0, "r"
+        "judge",
+        observe(ProbeState(2, 100.0, answered=True), False, 160, 3)[1] or pytest.fail(),
+        st_down,
+        spec,
+        160.0,
+        "r",
     )
     assert down.id == event_id(DOWN, "judge", 100.0) == "model.down:judge:probe:100000"
     assert "judge" in down.summary and "20s" in down.summary and down.details["source"] == "probe"
@@ -246,3 +267,101 @@ def test_webhook_urls_are_shown_without_their_secret_path() -> None:
     assert "XXXXSECRET" not in shown and "T000" not in shown and shown.startswith("https://hooks.slack.com/")
     assert shown != shown_url(url + "2")  # two targets on one host stay apart
     assert "pw" not in shown_url("https://user:pw@example.com/h")
+
+
+# ---------------------------------------------------------------- one outage, two sources
+
+
+def cp(kind: str, t: float) -> Event:
+    """A control plane event: no ``source`` in its details."""
+    return Event(id=f"{kind}:judge:{int(t * 1000)}", kind=kind, subject="judge", time=t, summary=f"cp {kind}")
+
+
+def pr(kind: str, t: float, episode: float) -> Event:
+    return Event(
+        id=f"{kind}:judge:probe:{int(episode * 1000)}",
+        kind=kind,
+        subject="judge",
+        time=t,
+        summary=f"probe {kind}",
+        details={"source": "probe", "since": episode},
+    )
+
+
+def run(events: list[Event], outage: Outage | None = None) -> tuple[Outage | None, list[Verdict]]:
+    out = []
+    for ev in events:
+        outage, v = fold(outage, ev)
+        out.append(v)
+    return outage, out
+
+
+def sent(verdicts: list[Verdict]) -> list[str]:
+    return [v.event.id for v in verdicts if v.deliver]
+
+
+def test_two_sources_of_one_outage_are_one_down_and_one_recovered() -> None:
+    events = [cp(DOWN, 10), pr(DOWN, 14, 11), cp(RECOVERED, 20), pr(RECOVERED, 22, 11)]
+    outage, verdicts = run(events)
+    assert outage is None
+    assert sent(verdicts) == [events[0].id, events[3].id]
+    down, dup, early, rec = verdicts
+    assert down.event.details["sources"] == ["controlplane"]
+    assert not dup.deliver and "already reported down by controlplane" in dup.reason
+    assert not early.deliver and "still down according to probe" in early.reason
+    assert rec.event.details["sources"] == ["controlplane", "probe"]
+    assert rec.event.details["down_since"] == 10 and rec.event.details["down_id"] == events[0].id
+    assert "controlplane and probe" in rec.event.summary and rec.event.id == events[3].id
+
+
+def test_either_order_and_a_single_source() -> None:
+    # The probes first, the control plane's recovery last.
+    events = [pr(DOWN, 14, 11), cp(DOWN, 15), pr(RECOVERED, 22, 11), cp(RECOVERED, 23)]
+    _, verdicts = run(events)
+    # A real answer ends the outage; the control plane's late recovery is then dropped.
+    assert sent(verdicts) == [events[0].id, events[2].id]
+    assert verdicts[2].event.details["cleared"] == ["controlplane"]
+    assert "no open model.down from controlplane" in verdicts[3].reason
+    # The control plane's recovery while the probes still fail is held back until they answer.
+    events = [pr(DOWN, 14, 11), cp(DOWN, 15), cp(RECOVERED, 20), pr(RECOVERED, 22, 11)]
+    assert sent(run(events)[1]) == [events[0].id, events[3].id]
+    # One source only: both of its events go.
+    events = [cp(DOWN, 10), cp(RECOVERED, 20), pr(DOWN, 30, 29), pr(RECOVERED, 40, 29)]
+    assert sent(run(events)[1]) == [e.id for e in events]
+
+
+def test_a_source_that_lost_track_starts_a_new_outage_and_strays_are_dropped() -> None:
+    # The control plane restarted mid-outage: it never said recovered, and says down again only after
+    # it saw the model ready, so the second down is a new outage.
+    events = [cp(DOWN, 10), cp(DOWN, 50), cp(RECOVERED, 60)]
+    outage, verdicts = run(events)
+    assert sent(verdicts) == [e.id for e in events] and outage is None
+    assert verdicts[1].event.details["previous_down"] == events[0].id
+    # A recovery nobody announced the down of, and other kinds, pass through the fold as they are.
+    outage, (stray,) = run([pr(RECOVERED, 5, 1)])
+    assert outage is None and not stray.deliver
+    lost = Event(id="n", kind="node.lost", subject="n1", time=1.0)
+    assert fold(None, lost) == (None, Verdict(True, lost))
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["controlplane", "probe"]), st.sampled_from([DOWN, RECOVERED])), max_size=40
+    )
+)
+def test_delivered_downs_and_recoveries_alternate(steps: list[tuple[str, str]]) -> None:
+    """Whatever the sources say, in whatever order, the operator hears down, recovered, down, ..."""
+    events = [
+        (cp(kind, float(i)) if src == "controlplane" else pr(kind, float(i), float(i)))
+        for i, (src, kind) in enumerate(steps)
+    ]
+    outage, verdicts = run(events)
+    out = [v.event for v in verdicts if v.deliver]
+    last = RECOVERED
+    for e in out:
+        if e.kind == RECOVERED:
+            assert last == DOWN  # never a recovery without a down
+        elif last == DOWN:
+            assert "previous_down" in e.details  # a second down only when a source lost track
+        last = e.kind
+    assert (outage is not None) == (last == DOWN)

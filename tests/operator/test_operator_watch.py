@@ -17,13 +17,17 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import nats.js.errors
 import pytest
 from aiohttp import web
 from chaos_bus import BusView, poll
 from chaos_harness import AGGRESSIVE, ChaosCluster, mint_key, wait_endpoints
 from chaos_traffic import wait_serving
 
-from llmgw_common.messages import ClusterSettings, Webhook
+from llmgw_common.codec import decode
+from llmgw_common.messages import ClusterSettings, Event, Webhook
+from llmgw_notifier.delivery import consumer_name
+from llmgw_notifier.targets import target_id
 
 pytestmark = [pytest.mark.xdist_group("operator"), pytest.mark.e2e, pytest.mark.slow]
 
@@ -116,24 +120,18 @@ async def receiver() -> AsyncIterator[Receiver]:
     await r.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known: the control plane (no ready replica) and the notifier's probes (not answering) each "
-    "deliver a model.down and a model.recovered for one outage; the receiver gets 2+2, not 1+1",
-)
 async def test_killed_engine_of_watched_model_alerts_once_down_once_recovered(
     cluster: tuple[ChaosCluster, str], receiver: Receiver
 ) -> None:
     c, key = cluster
     view = await BusView.connect(c.nats_url, c.prefix)
+    consumer = consumer_name(c.prefix, target_id(receiver.url))
     try:
         await wait_serving(c.router_url(), key, "judge")
-        # Probes that failed while the first replica started call the model down (known: see the
-        # operator report); let that settle before the receiver is configured, so only the kill counts.
-        await asyncio.sleep(5.0)
+        # Probes failed while the first replica started: a model that was never up is not down.
+        assert await _model_events(view, "judge") == [], "an alert while the first replica started"
         await view.ctl.settings_set(ClusterSettings(webhooks=(Webhook(url=receiver.url, format="json"),)))
-        # A few probes succeed: nothing is said while the model answers.
-        await asyncio.sleep(3.0)
+        await poll("the notifier delivering to the receiver", lambda: _consumer_idle(view, consumer), 20)
         assert receiver.kinds("judge") == [], receiver.got
         pids, _ = await poll("judge's engine pid", lambda: _pids(view), 15)
         (pid,) = pids
@@ -145,23 +143,67 @@ async def test_killed_engine_of_watched_model_alerts_once_down_once_recovered(
             return k if "model.recovered" in k else None
 
         kinds, took = await poll("model.down then model.recovered at the receiver", down_and_up, 60)
-        # Anything else still in flight (a second source's down or recovered) arrives now or never.
-        await asyncio.sleep(5.0)
+        # Every source that said down has said recovered, and the notifier has decided on all of it:
+        # nothing is still in flight.
+        stream, _ = await poll("every source's recovery in the stream", lambda: _settled(view, "judge"), 30)
+        await poll("the notifier through the stream", lambda: _consumer_idle(view, consumer), 20)
         kinds = receiver.kinds("judge")
         ids = [eid for _, eid, _ in receiver.got]
         evs = [e for e in receiver.events() if e.get("subject") == "judge"]
+        said = [(e.kind, e.details.get("source", "controlplane")) for e in stream]
         report = (
             f"watched model: engine {pid} killed; receiver got {kinds} ({len(receiver.got)} POSTs) "
-            f"within {took:.1f}s; sources {[e.get('details', {}).get('source', 'controlplane') for e in evs]}"
+            f"within {took:.1f}s; the stream held {said}"
         )
         print(report)
         assert len(set(ids)) == len(ids), f"an event id arrived twice: {ids}"
         assert kinds == ["model.down", "model.recovered"], report
+        down, recovered = evs
+        sources = sorted({src for kind, src in said if kind == "model.down"})
+        assert down["details"]["sources"] == [said[0][1]], report  # the first to say it
+        assert sorted(recovered["details"]["sources"]) == sources, report
+        assert recovered["details"]["down_id"] == down["id"]
         new_pids, _ = await poll("judge serving again", lambda: _pids(view), 15)
         assert pid not in new_pids
         assert time.monotonic() - t_kill < 60
     finally:
         await view.close()
+
+
+async def _model_events(view: BusView, model: str) -> list[Event]:
+    """The ``model.*`` events about ``model`` in the events stream, in order."""
+    js = view.nc.jetstream()
+    info = await js.stream_info(view.subjects.events_stream)
+    out: list[Event] = []
+    for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1):
+        try:
+            raw = await js.get_msg(view.subjects.events_stream, seq)
+        except nats.js.errors.NotFoundError:
+            continue
+        assert raw.data is not None
+        ev = decode(raw.data, Event)
+        if ev.subject == model and ev.kind.startswith("model."):
+            out.append(ev)
+    return out
+
+
+async def _settled(view: BusView, model: str) -> list[Event] | None:
+    """The model's events once every source that said down has said recovered (None before)."""
+    evs = await _model_events(view, model)
+    open_sources: set[str] = set()
+    for e in evs:
+        src = e.details.get("source", "controlplane")
+        (open_sources.add if e.kind == "model.down" else open_sources.discard)(src)
+    return evs if evs and not open_sources else None
+
+
+async def _consumer_idle(view: BusView, name: str) -> bool:
+    """The target's consumer exists and has nothing undelivered or unacknowledged."""
+    try:
+        info = await view.nc.jetstream().consumer_info(view.subjects.events_stream, name)
+    except nats.js.errors.NotFoundError:
+        return False
+    return info.num_pending == 0 and info.num_ack_pending == 0
 
 
 async def _pids(view: BusView) -> set[int] | None:

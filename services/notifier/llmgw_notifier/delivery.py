@@ -44,6 +44,8 @@ from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import Subjects
 from llmgw_notifier.formats import Rendered, render, shown_url
 from llmgw_notifier.grouping import Held, plan_groups
+from llmgw_notifier.outages import KINDS as MERGED_KINDS
+from llmgw_notifier.outages import OutageLedger
 
 log = logging.getLogger("llmgw.notifier.delivery")
 
@@ -65,6 +67,7 @@ class NotifierStats:
     failed_attempts: int = 0
     gave_up_events: int = 0
     filtered_events: int = 0
+    merged_events: int = 0  # model.* events acknowledged unsent: another source had said it
     undecodable_events: int = 0
     events_emitted: int = 0
     up: bool = False  # settings and catalog read, workers started
@@ -197,6 +200,7 @@ class TargetWorker:
         http: httpx.AsyncClient,
         stats: NotifierStats,
         drops: DropLog,
+        ledger: OutageLedger | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.target_id = target_id
@@ -209,6 +213,7 @@ class TargetWorker:
         self.http = http
         self.stats = stats
         self.drops = drops
+        self.ledger = ledger
         self.clock = clock
         self.name = consumer_name(subjects.prefix, target_id)
         self.held: dict[int, Held] = {}
@@ -319,6 +324,17 @@ class TargetWorker:
             await msg.ack()
             self._mark_done(seq)
             return
+        if self.ledger is not None and event.kind in MERGED_KINDS:
+            # One outage seen by two sources is one down and one recovery (see outages.py).
+            verdict = await self.ledger.verdict(seq)
+            if verdict is not None and not verdict.deliver:
+                log.info("target %s: %s not sent: %s", shown_url(self.hook.url), event.id, verdict.reason)
+                self.stats.merged_events += 1
+                await msg.ack()
+                self._mark_done(seq)
+                return
+            if verdict is not None:
+                event = verdict.event
         self.held[seq] = Held(seq, event, self.clock())
         self.msgs[seq] = msg
 

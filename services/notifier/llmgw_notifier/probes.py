@@ -5,14 +5,19 @@ arrives within the budget is a success: a cold model is not a down one). ``failu
 row emit ``model.down`` once; the next success emits ``model.recovered`` once. A 401/403 says the
 notifier's probe key is wrong, not that the model is down: it is logged and changes nothing.
 
+As for the control plane, a model is only down once it was up: failures count only after the model
+answered a probe or had a ready endpoint (the routing table's ``endpoints``) while watched. A model
+whose first replica is still starting is not down, however many probes fail meanwhile.
+
 Events go into the events stream like the control plane's, with a stable id
 ``model.down:<model>:probe:<episode start, ms>`` (and ``model.recovered:`` with the same episode), so
 a retried publish is dropped by JetStream's duplicate window. The control plane independently emits
-``model.down`` when a watched model has no ready replica; both may fire for one outage (they say
-different things: "no replica" and "not answering"), and ``details.source`` tells them apart.
+``model.down`` when a watched model has no ready replica; ``details.source`` tells them apart, and
+delivery merges them into one outage (``outages.py``).
 
-State survives a restart: at start the notifier replays the probe events still in the stream, so a
-model it had declared down is not declared down again, and its recovery is still announced.
+State survives a restart: at start the notifier rebuilds it from the probe events in the stream (the
+:class:`~llmgw_notifier.outages.OutageLedger`'s replay), so a model it had declared down is not
+declared down again, and its recovery is still announced.
 """
 
 from __future__ import annotations
@@ -28,23 +33,21 @@ from typing import Any
 import httpx
 import nats.errors
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from llmgw_common.bus import DropLog
 from llmgw_common.catalog import WatchSpec
 from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.durations import format_duration
-from llmgw_common.messages import Event, RoutingCatalog
+from llmgw_common.messages import Event, RoutingCatalog, RoutingEndpoints
 from llmgw_common.settings import NotifierSettings
-from llmgw_common.subjects import ROUTING_CATALOG, Subjects
+from llmgw_common.subjects import ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
 from llmgw_notifier.delivery import NotifierStats
 from llmgw_notifier.formats import utc
+from llmgw_notifier.outages import DOWN, PROBE, RECOVERED, OutageLedger
 
 log = logging.getLogger("llmgw.notifier.probes")
 
-DOWN = "model.down"
-RECOVERED = "model.recovered"
-SOURCE = "probe"
+SOURCE = PROBE
 
 
 # ---------------------------------------------------------------- the decision (pure)
@@ -56,6 +59,8 @@ class ProbeState:
     streak_start: float | None = None  # wall time of the first failure of the current streak
     down_since: float | None = None  # set once model.down was emitted: the episode
     last_error: str | None = None
+    # The model answered a probe or had a ready endpoint: only then do failures count.
+    answered: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +72,14 @@ class Transition:
 def observe(
     state: ProbeState, ok: bool, now: float, failures_needed: int, error: str | None = None
 ) -> tuple[ProbeState, Transition | None]:
-    """The state after one conclusive probe, and the event it calls for, if any."""
+    """The state after one conclusive probe, and the event it calls for, if any. Failures before the
+    model ever answered (its first replica still starting) are not counted: it was never up."""
     if ok:
         if state.down_since is not None:
-            return ProbeState(), Transition(RECOVERED, state.down_since)
-        return ProbeState(), None
+            return ProbeState(answered=True), Transition(RECOVERED, state.down_since)
+        return ProbeState(answered=True), None
+    if not state.answered:
+        return replace(state, last_error=error), None
     start = state.streak_start if state.streak_start is not None else now
     failures = state.failures + 1
     nxt = replace(state, failures=failures, streak_start=start, last_error=error)
@@ -197,52 +205,37 @@ class Prober:
         # Events whose publish failed, in order, per model: retried before the next one.
         self.unsent: dict[str, list[Event]] = {}
         self._warned_key: set[str] = set()
+        self.ready_now: set[str] = set()  # models with a ready (not draining) endpoint, per the routing table
 
-    async def restore(self) -> None:
-        """Rebuild which models this notifier had declared down from the probe events in the stream."""
-        cfg = ConsumerConfig(
-            ack_policy=AckPolicy.NONE,
-            deliver_policy=DeliverPolicy.ALL,
-            filter_subjects=[self.subjects.event(DOWN), self.subjects.event(RECOVERED)],
-            inactive_threshold=30.0,
-        )
-        sub = await self.js.pull_subscribe("", stream=self.subjects.events_stream, config=cfg)
-        try:
-            pending = (await sub.consumer_info()).num_pending or 0
-            while pending > 0:
-                try:
-                    msgs = await sub.fetch(min(pending, 256), timeout=2.0)
-                except TimeoutError:
-                    break
-                pending -= len(msgs)
-                for m in msgs:
-                    self._replay(m.data)
-        finally:
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
-            with contextlib.suppress(nats.errors.Error, TimeoutError):
-                await self.js.delete_consumer(self.subjects.events_stream, sub._consumer)
+    def restore(self, ledger: OutageLedger) -> None:
+        """Take up the models this notifier had declared down from the probe events the ledger replayed."""
+        for model, ev in ledger.downs_by(SOURCE).items():
+            since = ev.details.get("since")
+            start = float(since) if isinstance(since, int | float) else ev.time
+            self.states[model] = ProbeState(
+                failures=int(ev.details.get("failures") or 0),
+                streak_start=start,
+                down_since=start,
+                last_error=ev.details.get("last_error"),
+                answered=True,
+            )
         down = [m for m, st in self.states.items() if st.down_since is not None]
         if down:
             log.info("models declared down by probes before this start: %s", ", ".join(sorted(down)))
 
-    def _replay(self, data: bytes) -> None:
+    async def on_endpoints(self, key: str, value: bytes | None, rev: int) -> None:
+        """Follow which models have a ready endpoint: a model that had one was up, so failures count."""
+        if key != ROUTING_ENDPOINTS:
+            return
+        if value is None:
+            self.ready_now = set()
+            return
         try:
-            ev = decode(data, Event)
-        except DecodeError:
+            re = decode(value, RoutingEndpoints)
+        except DecodeError as e:
+            self.drops.drop(f"{self.subjects.bucket_routing}/{key}", str(e))
             return
-        if ev.details.get("source") != SOURCE:
-            return
-        since = ev.details.get("since")
-        if ev.kind == DOWN and isinstance(since, int | float):
-            self.states[ev.subject] = ProbeState(
-                failures=int(ev.details.get("failures") or 0),
-                streak_start=float(since),
-                down_since=float(since),
-                last_error=ev.details.get("last_error"),
-            )
-        elif ev.kind == RECOVERED:
-            self.states.pop(ev.subject, None)
+        self.ready_now = {m for m, eps in re.endpoints.items() if any(not e.draining for e in eps)}
 
     async def on_catalog(self, key: str, value: bytes | None, rev: int) -> None:
         if key != ROUTING_CATALOG:
@@ -311,7 +304,10 @@ class Prober:
         if not result.ok:
             log.info("probe of %s failed after %.2fs: %s", model, result.elapsed, result.error)
         now = self.wall()
-        state, tr = observe(self.states.get(model, ProbeState()), result.ok, now, spec.failures, result.error)
+        state = self.states.get(model, ProbeState())
+        if not state.answered and model in self.ready_now:
+            state = replace(state, answered=True)
+        state, tr = observe(state, result.ok, now, spec.failures, result.error)
         self.states[model] = state
         queue = self.unsent.setdefault(model, [])
         if tr is not None:

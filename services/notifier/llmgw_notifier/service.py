@@ -1,9 +1,11 @@
 """``llmgw notifier``: webhooks for the events stream, and probes of watched models.
 
 Pipeline: settings (KV ``<prefix>_desired``/``settings``) → one delivery worker per webhook, each
-with its own durable consumer on ``<PREFIX>_EVENTS`` → group storms → render (Slack or signed JSON)
-→ POST with retries → ack. Beside it: catalog (KV ``<prefix>_routing``/``catalog``) → one probe
-loop per watched model → ``model.down``/``model.recovered`` into the same stream.
+with its own durable consumer on ``<PREFIX>_EVENTS`` → merge the two sources of a model's outage
+(``outages.py``) → group storms → render (Slack or signed JSON) → POST with retries → ack. Beside
+it: catalog (KV ``<prefix>_routing``/``catalog``) → one probe loop per watched model →
+``model.down``/``model.recovered`` into the same stream (failures count once the model was up: it
+answered, or had a ready endpoint in ``<prefix>_routing``/``endpoints``).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import nats.errors
 
 from llmgw_common.bus import DropLog, KvFollower, connect, ensure_all
 from llmgw_common.settings import NotifierSettings
-from llmgw_common.subjects import DESIRED_SETTINGS, ROUTING_CATALOG, Subjects
+from llmgw_common.subjects import DESIRED_SETTINGS, ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
 from llmgw_notifier.delivery import NotifierStats
+from llmgw_notifier.outages import OutageLedger
 from llmgw_notifier.probes import Prober
 from llmgw_notifier.targets import Targets
 
@@ -42,6 +45,10 @@ async def serve(s: NotifierSettings, stop: asyncio.Event, stats: NotifierStats |
     try:
         js = nc.jetstream()
         buckets = await ensure_all(js, subjects, replicas=s.kv_replicas)
+        # Which models are down, and by whose word, from the model.* events in the stream: the probes
+        # resume from it and the delivery workers merge the two sources of one outage through it.
+        ledger = OutageLedger(js, subjects)
+        await ledger.start()
         targets = Targets(
             nc=nc,
             js=js,
@@ -51,12 +58,16 @@ async def serve(s: NotifierSettings, stop: asyncio.Event, stats: NotifierStats |
             http=http,
             stats=stats,
             drops=drops,
+            ledger=ledger,
         )
         prober = Prober(js=js, subjects=subjects, settings=s, http=probe_http, stats=stats, drops=drops)
-        await prober.restore()
+        prober.restore(ledger)
         followers = [
             KvFollower(
                 buckets[subjects.bucket_desired], targets.on_settings, key=DESIRED_SETTINGS, name="settings"
+            ),
+            KvFollower(
+                buckets[subjects.bucket_routing], prober.on_endpoints, key=ROUTING_ENDPOINTS, name="endpoints"
             ),
             KvFollower(
                 buckets[subjects.bucket_routing], prober.on_catalog, key=ROUTING_CATALOG, name="catalog"

@@ -29,6 +29,7 @@ from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import DESIRED_SETTINGS, Subjects
 from llmgw_notifier.delivery import NotifierStats, TargetWorker, consumer_name
 from llmgw_notifier.formats import FORMATS, shown_url
+from llmgw_notifier.outages import OutageLedger
 
 log = logging.getLogger("llmgw.notifier.targets")
 
@@ -72,6 +73,7 @@ class Targets:
         http: httpx.AsyncClient,
         stats: NotifierStats,
         drops: DropLog,
+        ledger: OutageLedger | None = None,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.nc = nc
@@ -82,6 +84,7 @@ class Targets:
         self.http = http
         self.stats = stats
         self.drops = drops
+        self.ledger = ledger
         self.wall = wall
         self.workers: dict[str, tuple[TargetWorker, asyncio.Task[None]]] = {}
         self.desired: dict[str, Webhook] | None = None  # None until the settings were read once
@@ -142,6 +145,7 @@ class Targets:
                     http=self.http,
                     stats=self.stats,
                     drops=self.drops,
+                    ledger=self.ledger,
                 )
                 task = asyncio.create_task(worker.run(), name=f"notifier-target-{tid}")
                 task.add_done_callback(_report)
