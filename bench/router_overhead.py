@@ -6,7 +6,8 @@ and drives both with one aiohttp client on uvloop:
 1. the highest rate each sustains with no errors, non-streaming and 100-token streams: a closed-loop
    estimate, then a bounded search over open-loop (paced) rates: a rate is sustained when every request
    succeeds, the achieved rate is within 3% of the target and p99 stays under 250 ms;
-2. p50/p99 latency at half the router's maximum rate, for both paths at that same rate;
+2. p50/p99 latency at half the router's maximum rate, for both paths at that same rate (alternating
+   short slices, so both see the same background load), and again at 100 requests/s;
 3. CPU time per request of the router and of the engine (1 / cpu-per-request is what one core does,
    whatever else shares the machine);
 4. the router's peak RSS with 1,000 streams open at once (a slow engine keeps them open ~4 s).
@@ -36,6 +37,7 @@ import aiohttp
 import psutil
 
 KEY = "llmgw-bench-" + "x" * 32
+LOW_RPS = 100
 NONSTREAM = json.dumps(
     {"model": "bench", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}
 ).encode()
@@ -215,6 +217,14 @@ async def open_loop(s: aiohttp.ClientSession, url: str, stream: bool, rate: floa
     return run
 
 
+def _merge(into: Run, part: Run) -> None:
+    into.sent += part.sent
+    into.ok += part.ok
+    into.errors += part.errors
+    into.seconds += part.seconds
+    into.lat_ms.extend(part.lat_ms)
+
+
 def sustained(run: Run) -> bool:
     assert run.target is not None
     return run.errors == 0 and run.rate >= 0.97 * run.target and run.p99 < 250.0
@@ -306,11 +316,21 @@ async def main(quick: bool) -> int:
                 m_direct = await max_rate(s, direct, stream, seconds, steps)
                 m_router = await max_rate(s, via, stream, seconds, steps)
                 half = max(m_router / 2, 10.0)
-                lat_d = await open_loop(s, direct, stream, half, seconds * 1.5)
-                e0, r0 = cpu_s(eng.pid), cpu_s(router.pid)
-                lat_r = await open_loop(s, via, stream, half, seconds * 1.5)
-                e1, r1 = cpu_s(eng.pid), cpu_s(router.pid)
+                # Alternate short slices so both paths see the same background load on a shared box.
+                lat_d, lat_r = Run(half, 0, 0, 0, 0, []), Run(half, 0, 0, 0, 0, [])
+                cpu_e = cpu_r = 0.0
+                for _ in range(4):
+                    _merge(lat_d, await open_loop(s, direct, stream, half, seconds * 0.5))
+                    e0, r0 = cpu_s(eng.pid), cpu_s(router.pid)
+                    _merge(lat_r, await open_loop(s, via, stream, half, seconds * 0.5))
+                    cpu_e += cpu_s(eng.pid) - e0
+                    cpu_r += cpu_s(router.pid) - r0
                 n = max(lat_r.ok, 1)
+                # The same at a low rate, where neither path is short of CPU: the router's own cost.
+                low_d, low_r = Run(LOW_RPS, 0, 0, 0, 0, []), Run(LOW_RPS, 0, 0, 0, 0, [])
+                for _ in range(3):
+                    _merge(low_d, await open_loop(s, direct, stream, LOW_RPS, seconds * 0.5))
+                    _merge(low_r, await open_loop(s, via, stream, LOW_RPS, seconds * 0.5))
                 out[mode] = {
                     "max_rps_direct": round(m_direct),
                     "max_rps_router": round(m_router),
@@ -323,8 +343,10 @@ async def main(quick: bool) -> int:
                     "added_p50_ms": round(lat_r.p50 - lat_d.p50, 2),
                     "added_p99_ms": round(lat_r.p99 - lat_d.p99, 2),
                     "errors": lat_d.errors + lat_r.errors,
-                    "router_cpu_ms_per_req": round((r1 - r0) * 1000 / n, 3),
-                    "engine_cpu_ms_per_req": round((e1 - e0) * 1000 / n, 3),
+                    f"added_p50_ms_at_{LOW_RPS}rps": round(low_r.p50 - low_d.p50, 2),
+                    f"added_p99_ms_at_{LOW_RPS}rps": round(low_r.p99 - low_d.p99, 2),
+                    "router_cpu_ms_per_req": round(cpu_r * 1000 / n, 3),
+                    "engine_cpu_ms_per_req": round(cpu_e * 1000 / n, 3),
                 }
                 print(mode, json.dumps(out[mode]), flush=True)
         slow_body = STREAM.replace(b'"bench"', b'"slow"')
