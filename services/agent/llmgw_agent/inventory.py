@@ -11,6 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
+from llmgw_agent.engines import llama_server_path
 from llmgw_agent.gpus import GpuProbe, NvmlApi
 from llmgw_agent.sim_gpus import sim_gpus
 from llmgw_agent.storage import WeightsCache, read_mounts, scan_model_dirs
@@ -66,7 +67,7 @@ def available_engines(s: AgentSettings, gpus: tuple[GpuInfo, ...], simulated: bo
     if simulated:
         return SIM_ENGINES
     engines = ["sim"]
-    if shutil.which(s.llama_server):
+    if llama_server_path(s.llama_server):
         engines.append("llamacpp")
     if gpus and shutil.which(s.vllm):
         engines.append("vllm")
