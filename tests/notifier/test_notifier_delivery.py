@@ -70,7 +70,7 @@ async def test_receiver_500_then_recovering_gets_every_event_once_in_order(
     # Refused attempts were only ever for the first event not yet taken: order held while it was down.
     refused = [r.event_id for r in rx.requests if r.status != 200]
     assert set(refused) == {sent[0].id}
-    assert info.num_ack_pending == 0 and info.ack_floor.stream_seq == len(sent)
+    assert info.num_ack_pending == 0 and info.ack_floor is not None and info.ack_floor.stream_seq == len(sent)
     assert "did not take" in caplog.text and rx.url not in caplog.text  # logged, without its URL
 
 
@@ -96,7 +96,7 @@ async def test_storm_is_one_message(nats_server: NatsServer, prefix: str, bus: B
     assert rx.requests[1].json["id"] == down.id
     text = slack.requests[0].json["text"]
     assert "40 nodes lost" in text and "gpu-00" in text and "gpu-39" in text
-    assert info.num_ack_pending == 0 and info.ack_floor.stream_seq == 41
+    assert info.num_ack_pending == 0 and info.ack_floor is not None and info.ack_floor.stream_seq == 41
 
 
 async def test_new_webhook_takes_effect_without_restart_and_removed_one_stops(

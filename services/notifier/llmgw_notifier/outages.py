@@ -172,9 +172,10 @@ async def replay_events(
 class OutageLedger:
     """Folds the stream's ``model.*`` events in order; delivery workers ask it for each one's verdict."""
 
-    def __init__(self, js: JetStreamContext, subjects: Subjects) -> None:
+    def __init__(self, js: JetStreamContext, subjects: Subjects, memory: int = VERDICT_MEMORY) -> None:
         self.js = js
         self.subjects = subjects
+        self.memory = memory
         self.outages: dict[str, Outage] = {}
         # Each source's own open model.down per (model, source), regardless of the merge.
         self.open_downs: dict[tuple[str, str], Event] = {}
@@ -232,5 +233,5 @@ class OutageLedger:
         else:
             self.outages[ev.subject] = outage
         self.verdicts[seq] = verdict
-        while len(self.verdicts) > VERDICT_MEMORY:
+        while len(self.verdicts) > self.memory:
             self.verdicts.popitem(last=False)
