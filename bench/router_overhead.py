@@ -306,6 +306,11 @@ async def main(quick: bool) -> int:
         await wait_http(base + "/health")
         direct = f"{eng_url}/v1/chat/completions"
         via = f"{base}/v1/chat/completions"
+        # Memory first, on a fresh router: 1,000 streams open at once.
+        slow_body = STREAM.replace(b'"bench"', b'"slow"')
+        rss_base, rss_peak, ok = await peak_rss_with_streams(via, slow_body, router.pid, 1000)
+        out["streams_1000"] = {"rss_mb_idle": round(rss_base, 1), "rss_mb_peak": round(rss_peak, 1), "ok": ok}
+        print("streams_1000", json.dumps(out["streams_1000"]), flush=True)
         headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
         conn = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=30)
@@ -351,10 +356,6 @@ async def main(quick: bool) -> int:
                     "engine_cpu_ms_per_req": round(cpu_e * 1000 / n, 3),
                 }
                 print(mode, json.dumps(out[mode]), flush=True)
-        slow_body = STREAM.replace(b'"bench"', b'"slow"')
-        rss_base, rss_peak, ok = await peak_rss_with_streams(via, slow_body, router.pid, 1000)
-        out["streams_1000"] = {"rss_mb_idle": round(rss_base, 1), "rss_mb_peak": round(rss_peak, 1), "ok": ok}
-        print("streams_1000", json.dumps(out["streams_1000"]), flush=True)
     finally:
         for p in procs:
             stop(p)

@@ -54,6 +54,12 @@ async def scenario_keep_alive_reuse() -> None:
         stream = await c.post(eng.url, "/v1/completions", BODY.replace(b"}", b',"stream":true}'))
         data = await stream.read()
         assert data.endswith(b"data: [DONE]\n\n") and stream.content_length is None
+        # A burst opens what it needs; only max_idle_per_endpoint connections stay for reuse.
+        c.max_idle_per_endpoint = 2
+        burst = await asyncio.gather(*(c.post(eng.url, "/v1/completions", BODY) for _ in range(5)))
+        for r in burst:
+            await r.read()
+        assert len(next(iter(c._idle.values()))) == 2
     finally:
         await c.close()
         await eng.runner.cleanup()

@@ -245,10 +245,18 @@ def _drain(chunks: collections.deque[bytes]) -> list[bytes]:
 class UpstreamClient:
     """Keep-alive connections per endpoint; ``post()`` sends a body and returns the :class:`Response`."""
 
-    def __init__(self, connect_timeout_s: float, read_timeout_s: float, idle_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        idle_timeout_s: float = 30.0,
+        max_idle_per_endpoint: int = 128,
+    ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.idle_timeout_s = idle_timeout_s
+        # A burst opens as many connections as it needs; only this many wait for reuse afterwards.
+        self.max_idle_per_endpoint = max_idle_per_endpoint
         self._idle: dict[tuple[str, int, bool], list[_Conn]] = {}
         self._targets: dict[str, tuple[tuple[str, int, bool], bytes, bytes]] = {}
         self._ssl: ssl.SSLContext | None = None
@@ -318,8 +326,12 @@ class UpstreamClient:
         return None, False
 
     def _release(self, key: tuple[str, int, bool], conn: _Conn) -> None:
+        idle = self._idle.setdefault(key, [])
+        if len(idle) >= self.max_idle_per_endpoint:
+            conn.close()
+            return
         conn.idle_since = time.monotonic()
-        self._idle.setdefault(key, []).append(conn)
+        idle.append(conn)
 
     async def _connect(self, key: tuple[str, int, bool]) -> _Conn:
         host, port, tls = key
