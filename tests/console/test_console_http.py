@@ -147,7 +147,32 @@ async def test_nodes_page(c):
     assert "cordoned" in r["gpu-a03"] and "draining · stop in 9m" in r["gpu-a04"]
     assert r["gpu-b03"].startswith("gpu-b03 lost ib-b")
     assert "weights not looked for" in r["cpu-01"]
-    assert '<tr class="bad-row">' in page  # the lost node is marked, not only worded
+    assert '<tr class="bad-row" id="node-gpu-b03">' in page  # the lost node is marked, not only worded
+    m = re.search(r'<div class="attention" id="attention">(.*?)</div>', page, re.S)
+    assert m
+    assert text(m.group(1)) == (
+        "Needs a look: gpu-b03 lost · gpu-a02 1 unhealthy GPU · gpu-a04 draining · gpu-a03 cordoned"
+    )
+    # A cordoned or lost node's free GPUs are not drawn as free capacity (its numbers stay ctl's).
+    for name in ("gpu-a03", "gpu-b03"):
+        row = re.search(rf'<tr[^>]*id="node-{name}">(.*?)</tr>', page, re.S)
+        assert row and 'class="held"' in row.group(1) and 'class="free"' not in row.group(1)
+    healthy = re.search(r'<tr[^>]*id="node-gpu-b01">(.*?)</tr>', page, re.S)
+    assert healthy and 'class="free"' in healthy.group(1)
+
+
+async def test_nodes_page_without_problems_has_no_attention_line():
+    from console_fleet import NODES
+
+    from llmgw_common.ctl import NodesReply
+
+    fine = tuple(
+        n for n in NODES if n.state == "ready" and not (n.gpus_unhealthy or n.cordoned or n.draining)
+    )
+    async with client(FixedSource(nodes_reply=NodesReply(nodes=fine))) as c:
+        page = await get(c, "/nodes")
+    assert 'id="attention"' not in page
+    assert len(rows(page, "nodes")) == len(fine) + 1
 
 
 async def test_models_page(c):

@@ -206,7 +206,7 @@ def _environment() -> jinja2.Environment:
         counts=fmt.counts,
         tone=fmt.tone,
     )
-    env.globals.update(bar=fmt.bar, ago=fmt.ago, until=fmt.until, pages=PAGES)
+    env.globals.update(bar=fmt.bar, ago=fmt.ago, until=fmt.until, attention=fmt.attention, pages=PAGES)
     return env
 
 
@@ -386,6 +386,7 @@ class AdminServer:
         self.bound_port: int | None = None
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
+        self._sock: socket.socket | None = None
 
     def _bind(self) -> socket.socket:
         if not is_loopback(self.host):
@@ -423,7 +424,7 @@ class AdminServer:
 
     async def start(self) -> int:
         """Bind and start serving; the bound port (the real one when asked for port 0)."""
-        sock = self._bind()
+        sock = self._sock = self._bind()
         config = uvicorn.Config(
             self.app,
             log_config=None,
@@ -453,7 +454,15 @@ class AdminServer:
         if server is None or task is None:
             return
         server.should_exit = True
-        await task
+        await asyncio.wait({task})  # our own cancellation still propagates; the task's outcome does not
+        if not task.cancelled() and (e := task.exception()) is not None:
+            self.log.warning("admin listener ended with an error: %s", e)
+        # A listener that died without its own shutdown leaves these open.
+        for srv in getattr(server, "servers", ()):
+            srv.close()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
 
 def _url_host(host: str, port: int) -> str:

@@ -7,8 +7,10 @@ the console and ``llmgw ctl`` cannot disagree. These only shape them for the pag
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from llmgw_common.ctl import NodeInfo
 from llmgw_common.durations import format_duration
 
 
@@ -103,3 +105,19 @@ def thousands(n: int) -> str:
 
 def counts(d: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "none"
+
+
+def attention(nodes: Sequence[NodeInfo]) -> list[tuple[NodeInfo, str]]:
+    """Nodes an operator should look at, worst first (not ready, unhealthy GPUs, cordoned, draining),
+    each with its first reason. A filter over the rows ``llmgw ctl nodes`` prints, not a new count."""
+    ranked: list[tuple[int, NodeInfo, str]] = []
+    for n in nodes:
+        if n.state != "ready":
+            ranked.append((0 if n.state == "lost" else 1, n, n.state))
+        elif n.gpus_unhealthy:
+            ranked.append((2, n, f"{n.gpus_unhealthy} unhealthy GPU{'s' if n.gpus_unhealthy > 1 else ''}"))
+        elif n.draining:
+            ranked.append((3, n, "draining"))
+        elif n.cordoned:
+            ranked.append((4, n, "cordoned"))
+    return [(n, why) for _, n, why in sorted(ranked, key=lambda t: t[0])]

@@ -1,0 +1,124 @@
+"""Pure parts: capacity bar segments, "-" for unknown, state tones, the usage book."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmgw_common.messages import UsageReport
+from llmgw_controlplane.console import format as fmt
+from llmgw_controlplane.console.usage import UsageBook, UsageRow
+
+
+def test_bar_unhealthy_is_neither_used_nor_free():
+    segs = fmt.bar(used=4, free=3, unhealthy=1, total=8)
+    assert [(s.kind, s.count, s.start, s.percent) for s in segs] == [
+        ("used", 4, 0.0, 50.0),
+        ("free", 3, 50.0, 37.5),
+        ("unhealthy", 1, 87.5, 12.5),
+    ]
+
+
+def test_bar_healthy_unplaceable_is_held_not_free():
+    segs = fmt.bar(used=20, free=3, unhealthy=1, total=32)
+    assert [(s.kind, s.count) for s in segs] == [("used", 20), ("free", 3), ("unhealthy", 1), ("held", 8)]
+    assert sum(s.percent for s in segs) == pytest.approx(100.0)
+    assert segs[-1].start + segs[-1].percent == pytest.approx(100.0)
+
+
+def test_bar_empty_and_inconsistent():
+    assert fmt.bar(0, 0, 0, 0) == ()
+    assert [s.kind for s in fmt.bar(0, 0, 0, 4)] == ["held"]
+    # More counted than total never makes a negative segment.
+    assert [s.kind for s in fmt.bar(3, 2, 0, 4)] == ["used", "free"]
+
+
+def test_dash_none_is_not_zero():
+    assert fmt.dash(None) == "-"
+    assert fmt.dash(None, " GB") == "-"
+    assert fmt.dash(0) == "0"
+    assert fmt.dash(0.0, " GB") == "0 GB"
+    assert fmt.dash(512.0, " GB") == "512 GB"
+
+
+def test_durations_and_times():
+    assert fmt.duration(None) == "-"
+    assert fmt.duration(-1.0) == "-"  # the JSON form of "unknown"
+    assert fmt.duration(0) == "0s"
+    assert fmt.duration(7300) == "2h1m"
+    assert fmt.ago(None, 100.0) == "-"
+    assert fmt.ago(40.0, 100.0) == "1m ago"
+    assert fmt.until(160.0, 100.0) == "in 1m"
+    assert fmt.until(90.0, 100.0) == "due"
+    assert fmt.until(None, 100.0) == "-"
+    assert fmt.utc(0) == "1970-01-01 00:00:00Z"
+    assert fmt.utc(None) == "-"
+    assert fmt.thousands(1234567) == "1\u2009234\u2009567"
+    assert fmt.counts({"b": 2, "a": 1}) == "a 1, b 2"
+    assert fmt.counts({}) == "none"
+
+
+@pytest.mark.parametrize(
+    ("state", "tone"),
+    [
+        ("ready", "good"),
+        ("ok", "good"),
+        ("unreachable", "warn"),
+        ("lost", "bad"),
+        ("failed", "bad"),
+        (None, "dim"),
+        ("new", "dim"),
+    ],
+)
+def test_tone(state, tone):
+    assert fmt.tone(state) == tone
+
+
+def test_attention_worst_first_with_first_reason():
+    from llmgw_common.ctl import NodeInfo
+
+    nodes = [
+        NodeInfo(name="a", state="ready", cordoned=True, gpus_unhealthy=2),
+        NodeInfo(name="b", state="ready"),
+        NodeInfo(name="c", state="unreachable"),
+        NodeInfo(name="d", state="lost", draining=True),
+        NodeInfo(name="e", state="ready", draining=True, cordoned=True),
+        NodeInfo(name="f", state="ready", cordoned=True),
+        NodeInfo(name="g", state="ready", gpus_unhealthy=1),
+    ]
+    assert [(n.name, why) for n, why in fmt.attention(nodes)] == [
+        ("d", "lost"),
+        ("c", "unreachable"),
+        ("a", "2 unhealthy GPUs"),
+        ("g", "1 unhealthy GPU"),
+        ("e", "draining"),
+        ("f", "cordoned"),
+    ]
+    assert fmt.attention([NodeInfo(name="b", state="ready")]) == []
+
+
+def _rep(
+    router: str, sent_at: float, usage: dict[str, dict[str, tuple[int, int, int]]], since: float = 0.0
+) -> UsageReport:
+    return UsageReport(router=router, since=since, sent_at=sent_at, usage=usage)
+
+
+def test_usage_book_sums_routers_keeps_newest_per_router():
+    book = UsageBook()
+    assert book.view().rows == () and book.view().routers == 0 and book.view().since is None
+    book.add(_rep("r1", 10, {"k1": {"m": (1, 10, 5)}}, since=5), now=11)
+    book.add(_rep("r1", 20, {"k1": {"m": (3, 30, 15)}}, since=5), now=21)  # cumulative: replaces
+    book.add(_rep("r1", 15, {"k1": {"m": (2, 20, 10)}}, since=5), now=22)  # late, older: ignored
+    book.add(_rep("r2", 18, {"k1": {"m": (1, 100, 100)}, "k2": {"m": (7, 1, 1)}}, since=3), now=19)
+    v = book.view()
+    assert v.routers == 2 and v.since == 3 and v.updated_at == 21
+    assert v.rows == (UsageRow("k1", "m", 4, 130, 115), UsageRow("k2", "m", 7, 1, 1))
+    assert v.rows[0].total_tokens == 245
+
+
+def test_usage_book_forgets_the_longest_silent_router_past_its_cap():
+    book = UsageBook(max_routers=2)
+    book.add(_rep("old", 1, {"k": {"m": (1, 1, 1)}}), now=1)
+    book.add(_rep("mid", 2, {"k": {"m": (1, 1, 1)}}), now=2)
+    book.add(_rep("new", 3, {"k": {"m": (1, 1, 1)}}), now=3)
+    v = book.view()
+    assert v.routers == 2 and v.rows[0].requests == 2
