@@ -85,13 +85,13 @@ def test_attention_worst_first_with_first_reason():
         NodeInfo(name="f", state="ready", cordoned=True),
         NodeInfo(name="g", state="ready", gpus_unhealthy=1),
     ]
-    assert [(n.name, why) for n, why in fmt.attention(nodes)] == [
-        ("d", "lost"),
-        ("c", "unreachable"),
-        ("a", "2 unhealthy GPUs"),
-        ("g", "1 unhealthy GPU"),
-        ("e", "draining"),
-        ("f", "cordoned"),
+    assert [(n.name, why, t) for n, why, t in fmt.attention(nodes)] == [
+        ("d", "lost", "bad"),
+        ("c", "unreachable", "warn"),
+        ("a", "2 unhealthy GPUs", "bad"),
+        ("g", "1 unhealthy GPU", "bad"),
+        ("e", "draining", "warn"),
+        ("f", "cordoned", "warn"),
     ]
     assert fmt.attention([NodeInfo(name="b", state="ready")]) == []
 

@@ -107,17 +107,18 @@ def counts(d: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "none"
 
 
-def attention(nodes: Sequence[NodeInfo]) -> list[tuple[NodeInfo, str]]:
-    """Nodes an operator should look at, worst first (not ready, unhealthy GPUs, cordoned, draining),
-    each with its first reason. A filter over the rows ``llmgw ctl nodes`` prints, not a new count."""
-    ranked: list[tuple[int, NodeInfo, str]] = []
+def attention(nodes: Sequence[NodeInfo]) -> list[tuple[NodeInfo, str, str]]:
+    """Nodes an operator should look at, worst first (not ready, unhealthy GPUs, draining, cordoned):
+    (node, first reason, tone). A filter over the rows ``llmgw ctl nodes`` prints, not a new count."""
+    ranked: list[tuple[int, NodeInfo, str, str]] = []
     for n in nodes:
         if n.state != "ready":
-            ranked.append((0 if n.state == "lost" else 1, n, n.state))
+            ranked.append((0 if n.state == "lost" else 1, n, n.state, tone(n.state)))
         elif n.gpus_unhealthy:
-            ranked.append((2, n, f"{n.gpus_unhealthy} unhealthy GPU{'s' if n.gpus_unhealthy > 1 else ''}"))
+            s = "s" if n.gpus_unhealthy > 1 else ""
+            ranked.append((2, n, f"{n.gpus_unhealthy} unhealthy GPU{s}", "bad"))
         elif n.draining:
-            ranked.append((3, n, "draining"))
+            ranked.append((3, n, "draining", "warn"))
         elif n.cordoned:
-            ranked.append((4, n, "cordoned"))
-    return [(n, why) for _, n, why in sorted(ranked, key=lambda t: t[0])]
+            ranked.append((4, n, "cordoned", "warn"))
+    return [(n, why, t) for _, n, why, t in sorted(ranked, key=lambda r: r[0])]
