@@ -30,6 +30,7 @@ def _run(
 
     from llmgw_common import bus
     from llmgw_common.settings import BusSettings, load_settings
+    from llmgw_common.subjects import Subjects
 
     urls = [u.strip() for v in nats for u in v.split(",") if u.strip()] or None
     settings = load_settings(BusSettings, config, nats_urls=urls, prefix=prefix)
@@ -45,6 +46,11 @@ def _run(
             typer.echo(f"llmgw keys: cannot reach NATS at {where}: {e or type(e).__name__}", err=True)
             raise typer.Exit(1) from None
         try:
+            # The bucket may not exist yet (keys made before the first control plane started): make it
+            # with the cluster's replica count, not the helpers' default of 1.
+            await bus.ensure_kv(
+                nc.jetstream(), Subjects(settings.prefix).bucket_keys, replicas=settings.kv_replicas
+            )
             return await op(nc, settings.prefix)
         finally:
             await nc.close()
