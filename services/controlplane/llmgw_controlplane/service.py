@@ -39,13 +39,16 @@ from llmgw_common.messages import (
     Marks,
     ReplicaRecord,
     ShardStatus,
+    UsageReport,
 )
 from llmgw_common.messages import ShardPlacement as RecordShard
 from llmgw_common.settings import ControlPlaneSettings
 from llmgw_common.subjects import DESIRED_CATALOG, DESIRED_MARKS, DESIRED_SETTINGS, Subjects
+from llmgw_controlplane.admin import AdminBindError, AdminServer, CtlApiSource, build_admin_app
 from llmgw_controlplane.api import CtlApi
 from llmgw_controlplane.apply import AssignmentWriter, Fenced, NodeShards, ReplicaStore, RoutingPublisher
 from llmgw_controlplane.apply import desired_assignments as compute_assignments
+from llmgw_controlplane.console.usage import UsageBook
 from llmgw_controlplane.events import EventDetector, EventPublisher
 from llmgw_controlplane.idle import IdleMerger
 from llmgw_controlplane.leader import Lease
@@ -90,6 +93,8 @@ class ControlPlane:
         self.idle = IdleMerger(stale_s=max(IDLE_STALE_TICKS * s.tick_s, 5.0))
         self.detector = EventDetector(s.placement_failing_after_s)
         self.api = CtlApi(self)
+        # Routers' token counts, for the console's Usage page.
+        self.usage = UsageBook()
         self.memo = ReconcileMemo()
         self.reasons: dict[str, str] = {}
         self.unplaceable: dict[str, str] = {}
@@ -140,6 +145,7 @@ class ControlPlane:
             await bus.subscribe(self.nc, sub.all_nodes("status"), ShardStatus, self._on_status, self.drops),
             await bus.subscribe(self.nc, sub.all_nodes("load"), LoadReport, self._on_load, self.drops),
             await bus.subscribe(self.nc, sub.all_idle(), IdleReport, self._on_idle, self.drops),
+            await bus.subscribe(self.nc, sub.all_usage(), UsageReport, self._on_usage, self.drops),
         ]
         await self.nc.flush()
         self.started_at = self.clock()
@@ -196,6 +202,9 @@ class ControlPlane:
     def _on_load(self, rep: LoadReport, msg: Msg) -> None:
         if self._from_its_subject(msg, rep.node):
             self.state.on_load(rep)
+
+    def _on_usage(self, rep: UsageReport, msg: Msg) -> None:
+        self.usage.add(rep, self.clock())
 
     def _on_idle(self, rep: IdleReport, msg: Msg) -> None:
         self.idle.add(rep, self.clock())
@@ -530,8 +539,22 @@ async def serve(s: ControlPlaneSettings, stop: asyncio.Event) -> None:
         cp = ControlPlane(s, nc)
         running.append(cp)
         await cp.start()
+        admin: AdminServer | None = None
+        if s.admin_port:
+            # The console reads the same handlers as `llmgw ctl`, so the two cannot disagree.
+            app = build_admin_app(CtlApiSource(cp.api, cp.usage), loopback_only=not s.allow_public_admin)
+            admin = AdminServer(app, s.admin_host, s.admin_port, s.allow_public_admin, log)
+            try:
+                await admin.start()
+            except AdminBindError as e:
+                await cp.close()
+                raise StartupError(str(e)) from None
         log.info("control plane %s up on prefix %s", cp.holder, s.prefix)
-        await cp.run(stop)
+        try:
+            await cp.run(stop)
+        finally:
+            if admin is not None:
+                await admin.close()
     finally:
         with contextlib.suppress(nats.errors.Error):
             await nc.drain()
