@@ -565,3 +565,42 @@ async def test_inventory_sent_on_change_and_on_interval_only(nc: NATS, prefix: s
         ]
     finally:
         await agent.supervisor.aclose()
+
+
+async def test_inventory_is_sent_again_when_the_control_plane_asks(
+    nats_server: NatsServer, nc: NATS, prefix: str, tmp_path: Path
+) -> None:
+    s = AgentSettings(
+        node="n9",
+        prefix=prefix,
+        nats_urls=[nats_server.url],
+        state_dir=str(tmp_path),
+        inventory_interval_s=600,
+    )
+    sent: list[Inventory] = []
+
+    async def on(msg: Msg) -> None:
+        sent.append(decode(msg.data, Inventory))
+
+    await nc.subscribe(Subjects(prefix).inventory("n9"), cb=on)
+    stop = asyncio.Event()
+    agent = asyncio.create_task(
+        serve(s, stop, collect=lambda s, b, now: Inventory(node=s.node, boot_id=b, sent_at=now))
+    )
+    try:
+
+        async def count_reaches(n: int) -> None:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while len(sent) < n and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            assert len(sent) >= n, f"{len(sent)} inventories, wanted {n}"
+
+        await count_reaches(1)
+        await asyncio.sleep(1.5)  # a few ticks: nothing changed and the interval is 600 s
+        assert len(sent) == 1
+        await nc.publish(Subjects(prefix).inventory_request("n9"), b"")
+        await count_reaches(2)
+    finally:
+        stop.set()
+        await agent

@@ -179,3 +179,27 @@ async def test_garbage_on_every_subject_is_dropped_with_one_line_each(nats_serve
 
 async def _ge(a, b):
     return a >= b
+
+
+async def test_a_node_heard_without_inventory_is_asked_for_it(nats_server, prefix, bus_nc):
+    """An inventory sent before the control plane listened is asked for again, not awaited for 60 s."""
+    run = await start_cp(cp_settings(nats_server.url, prefix))
+    agent = FakeAgent(bus_nc, prefix, "gpu-late")
+    asked: list[str] = []
+
+    async def answer(msg) -> None:  # type: ignore[no-untyped-def]
+        asked.append(msg.subject)
+        await agent.send_inventory()
+
+    sub = await bus_nc.subscribe(Subjects(prefix).inventory_request("gpu-late"), cb=answer)
+    beating = Beating([agent], 0.1)
+    try:
+        beating.start()  # heartbeats only: the inventory went out before the control plane listened
+        got = await eventually(lambda: _assignments(bus_nc, prefix))
+        assert "gpu-late" in got
+        # Asked once per few heartbeat intervals at most, and not again once it has the inventory.
+        assert 1 <= len(asked) <= 2, asked
+    finally:
+        await beating.stop()
+        await sub.unsubscribe()
+        await run.stop()

@@ -65,7 +65,7 @@ def agent_role(subjects: Subjects, node: str, password: str) -> Role:
             f"{API}.STREAM.INFO.{stream}",
             f"{API}.DIRECT.GET.{stream}.$KV.{subjects.bucket_assign}.{node}",
         ),
-        subscribe=(f"{inbox}.>",),
+        subscribe=(f"{inbox}.>", subjects.inventory_request(node)),
     )
 
 

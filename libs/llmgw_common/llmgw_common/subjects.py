@@ -38,6 +38,11 @@ class Subjects:
     def load(self, node: str) -> str:
         return f"{self.prefix}.node.{node}.load"
 
+    def inventory_request(self, node: str) -> str:
+        """Control plane -> agent: "send your inventory now" (it heard a node it holds no inventory of,
+        e.g. after its own restart). The agent answers on its inventory subject; no payload."""
+        return f"{self.prefix}.node.{node}.inventory-request"
+
     def all_nodes(self, kind: str) -> str:
         """Wildcard over every node for one kind: heartbeat, inventory, status or load."""
         return f"{self.prefix}.node.*.{kind}"

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import nats.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from pydantic import BaseModel
 
 from llmgw_agent.converge import Running, ShardKey, Wanted, assignment_fingerprint, plan_converge
@@ -99,6 +100,8 @@ class Agent:
         self._inventory_sent_at = float("-inf")
         self._inventory_checked_at = float("-inf")
         self._reconnects = 0
+        # Set when the control plane asks for the inventory: sent at the next tick, as after a reconnect.
+        self._inventory_asked = False
 
     # ---------------------------------------------------------------- publishing
 
@@ -160,8 +163,9 @@ class Agent:
 
     async def _inventory_if_due(self, now: float) -> None:
         reconnects = int(self.nc.stats.get("reconnects", 0))
-        reconnected = reconnects != self._reconnects
+        reconnected = reconnects != self._reconnects or self._inventory_asked
         self._reconnects = reconnects
+        self._inventory_asked = False
         check_every = min(INVENTORY_CHECK_S, self.s.inventory_interval_s)
         if not reconnected and now - self._inventory_checked_at < check_every:
             return
@@ -262,6 +266,11 @@ class Agent:
         kv = await ensure_kv(js, self.subjects.bucket_assign, replicas=self.s.kv_replicas)
         follower = KvFollower(kv, self.on_assignment, key=self.s.node, name="assign")
         tasks: list[asyncio.Task[Any]] = []
+
+        async def on_inventory_request(_: Msg) -> None:
+            self._inventory_asked = True
+
+        asked = await self.nc.subscribe(self.subjects.inventory_request(self.s.node), cb=on_inventory_request)
         try:
             await self._inventory_if_due(self.clock())
             await follower.start()
@@ -285,6 +294,8 @@ class Agent:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await follower.stop()
+            with contextlib.suppress(nats.errors.Error):
+                await asked.unsubscribe()
             await self.supervisor.stop_all()
             await self._publish(self.subjects.heartbeat(self.s.node), self.heartbeat())
             with contextlib.suppress(nats.errors.Error, TimeoutError):

@@ -95,6 +95,7 @@ class ControlPlane:
         self.api = CtlApi(self)
         # Routers' token counts, for the console's Usage page.
         self.usage = UsageBook()
+        self._inventory_asked: dict[str, float] = {}
         self.memo = ReconcileMemo()
         self.reasons: dict[str, str] = {}
         self.unplaceable: dict[str, str] = {}
@@ -187,9 +188,20 @@ class ControlPlane:
             return False
         return True
 
-    def _on_heartbeat(self, hb: Heartbeat, msg: Msg) -> None:
-        if self._from_its_subject(msg, hb.node) and self.state.on_heartbeat(hb, self.clock()):
+    async def _on_heartbeat(self, hb: Heartbeat, msg: Msg) -> None:
+        if not self._from_its_subject(msg, hb.node):
+            return
+        now = self.clock()
+        if self.state.on_heartbeat(hb, now):
             self.dirty.set()
+        rec = self.state.nodes.get(hb.node)
+        if rec is not None and rec.inventory is None:
+            # Its inventory went out before we listened (our restart, or a start race): ask, at most
+            # once per few heartbeats, instead of holding the node back until its next periodic send.
+            asked = self._inventory_asked.get(hb.node, float("-inf"))
+            if now - asked >= 3 * self.s.heartbeat_interval_s:
+                self._inventory_asked[hb.node] = now
+                await self.nc.publish(self.subjects.inventory_request(hb.node))
 
     def _on_inventory(self, inv: Inventory, msg: Msg) -> None:
         if self._from_its_subject(msg, inv.node) and self.state.on_inventory(inv, self.clock()):
