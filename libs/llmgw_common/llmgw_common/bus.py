@@ -288,8 +288,16 @@ class KvFollower:
             present.add(k)
             await self._emit(k, e.value, e.revision or 0)
         for k in list(self.revisions):
-            if k not in present:
+            if k in present:
+                continue
+            # A listing can come back short (its end marker early, nats.py #842; seen as an empty
+            # listing just after a cluster peer died): only a direct read says a key is gone.
+            try:
+                e = await self.kv.get(k)
+            except NotFoundError:  # absent or deleted
                 await self._emit(k, None, 0)
+                continue
+            await self._emit(k, e.value, e.revision or 0)
         self.synced.set()
 
     async def _resync_loop(self) -> None:
