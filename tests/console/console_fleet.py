@@ -104,7 +104,7 @@ STATUS = StatusReply(
     idle_threshold_s=3600.0,
     weights_per_fabric={"ib-a": ("llama-70b", "mistral-7b"), "ib-b": ("qwen-7b",)},
     warnings=(
-        "no webhook configured: node-lost and model-down events reach nobody (add one with `llmgw setup`)",
+        "no webhook configured: node-lost and model-down events reach nobody (add one with `llmgw setup --webhook URL`)",
         "2 model(s) without a ready replica: deepseek-671b, gemma-crash",
     ),
 )

@@ -231,7 +231,7 @@ def status_info(
     warnings = []
     if not settings.webhooks:
         warnings.append(
-            "no webhook configured: node-lost and model-down events reach nobody (add one with `llmgw setup`)"
+            "no webhook configured: node-lost and model-down events reach nobody (add one with `llmgw setup --webhook URL`)"
         )
     if any(m.state in ("down", "unplaceable", "backoff") for m in models):
         down = [m.name for m in models if m.state in ("down", "unplaceable", "backoff")]

@@ -125,7 +125,7 @@ class Targets:
             if not desired and not self.workers and not self._cleaned:
                 log.warning(
                     "no webhook is configured: nobody will be told of a lost node or a model that is down "
-                    "(set one with `llmgw setup`)"
+                    "(set one with `llmgw setup --webhook URL`)"
                 )
             for tid in [t for t, (_, task) in self.workers.items() if task.done()]:
                 self.workers.pop(tid)  # it crashed (logged by _report); start it again below
