@@ -89,8 +89,9 @@ async def test_streaming_is_passed_through_and_usage_counted(setup):
 
 async def test_error_cases(setup):
     r, client, base = setup
-    with pytest.raises(openai.AuthenticationError) as e401:
-        await openai.AsyncOpenAI(base_url=base, api_key="llmgw-nope", max_retries=0).models.list()
+    async with openai.AsyncOpenAI(base_url=base, api_key="llmgw-nope", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError) as e401:
+            await bad.models.list()
     assert e401.value.status_code == 401 and e401.value.body["code"] == "invalid_api_key"
     with pytest.raises(openai.NotFoundError) as e404:
         await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
@@ -153,8 +154,16 @@ async def test_full_queue_is_429_with_retry_after(engines, routers):
     import asyncio
 
     body = dict(model="m1", messages=[{"role": "user", "content": "x"}], max_tokens=1)
-    first = asyncio.create_task(client.chat.completions.create(**body))
-    second = asyncio.create_task(client.chat.completions.create(**body))
+    # The two requests that fill the slot and the queue are cancelled later: aiohttp closes its
+    # connection on cancel (httpx under anyio leaves a transport for the garbage collector).
+    raw = aiohttp.ClientSession()
+
+    async def hold() -> None:
+        async with raw.post(f"{base}/chat/completions", json=body) as resp:
+            await resp.read()
+
+    first = asyncio.create_task(hold())
+    second = asyncio.create_task(hold())
     gate = r.ctx.gates
     for _ in range(200):
         if "m1" in gate and gate["m1"].queued == 1:
@@ -176,6 +185,7 @@ async def test_full_queue_is_429_with_retry_after(engines, routers):
         await asyncio.sleep(0.01)
     assert r.ctx.in_flight == 0 and gate["m1"].active == 0 and gate["m1"].queued == 0
     await client.close()
+    await raw.close()
 
 
 async def test_landing_page_and_health_need_no_key_and_carry_no_data(setup):
