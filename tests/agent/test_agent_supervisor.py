@@ -300,3 +300,14 @@ async def test_unwritable_state_file_still_supervises(
     finally:
         await s.stop_all()
         await s.aclose()
+
+
+def test_engines_do_not_inherit_the_agents_bus_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmgw_agent.supervisor import engine_environ
+
+    monkeypatch.setenv("LLMGW_NATS_PASSWORD", "s3cret")
+    monkeypatch.setenv("LLMGW_NATS_TOKEN", "t0ken")
+    monkeypatch.setenv("LLMGW_UP_RUN", "run-1")
+    env = engine_environ()
+    assert "LLMGW_NATS_PASSWORD" not in env and "LLMGW_NATS_TOKEN" not in env
+    assert env["LLMGW_UP_RUN"] == "run-1"  # the run marker `llmgw up` sweeps by stays

@@ -124,3 +124,18 @@ async def test_router_can_read_routing(clients) -> None:
     await (await cp.jetstream().key_value(SUBJ.bucket_routing)).put("catalog", b"v1")
     kv = await router.jetstream(timeout=2.0).key_value(SUBJ.bucket_routing)
     assert (await kv.get("catalog")).value == b"v1"
+
+
+async def test_notifier_and_router_can_bind_every_bucket_but_write_none(
+    secured_server, roles, clients
+) -> None:
+    for name in ("notifier", "router"):
+        nc = await _connect(secured_server, roles[name])
+        try:
+            js = nc.jetstream(timeout=2.0)
+            buckets = await bus.ensure_all(js, SUBJ)  # binds: every bucket exists already
+            assert len(buckets) == 6
+            with pytest.raises((nats.errors.TimeoutError, nats.errors.Error)):
+                await buckets[SUBJ.bucket_desired].put("settings", b"x")
+        finally:
+            await nc.close()

@@ -69,6 +69,20 @@ def agent_role(subjects: Subjects, node: str, password: str) -> Role:
     )
 
 
+def _stream_info(subjects: Subjects) -> list[str]:
+    """Metadata of every llmgw bucket and the events stream: services bind them all at start."""
+    buckets = (
+        subjects.bucket_assign,
+        subjects.bucket_routing,
+        subjects.bucket_desired,
+        subjects.bucket_replicas,
+        subjects.bucket_keys,
+        subjects.bucket_leader,
+    )
+    # A wildcard matches whole tokens only, so each stream is named.
+    return [f"{API}.STREAM.INFO.KV_{b}" for b in buckets] + [f"{API}.STREAM.INFO.{subjects.events_stream}"]
+
+
 def router_role(subjects: Subjects, password: str) -> Role:
     inbox = "_INBOX_router"
     return Role(
@@ -80,6 +94,7 @@ def router_role(subjects: Subjects, password: str) -> Role:
             f"{subjects.prefix}.router.*.usage",
             *_kv_read(subjects.bucket_routing),
             *_kv_read(subjects.bucket_keys),
+            *_stream_info(subjects),
             "$JS.FC.>",
         ),
         subscribe=(f"{inbox}.>", subjects.all_nodes("load")),
@@ -103,6 +118,7 @@ def notifier_role(subjects: Subjects, password: str) -> Role:
             f"$JS.ACK.{stream}.>",
             *_kv_read(subjects.bucket_routing),
             *_kv_read(subjects.bucket_desired),
+            *_stream_info(subjects),
             "$JS.FC.>",
         ),
         subscribe=(f"{inbox}.>",),

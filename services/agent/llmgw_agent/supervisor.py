@@ -344,7 +344,7 @@ class Supervisor:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=fd,
                 stderr=asyncio.subprocess.STDOUT,
-                env={**os.environ, **spec.env},
+                env={**engine_environ(), **spec.env},
                 start_new_session=True,
             )
         except OSError as e:
@@ -534,3 +534,19 @@ class Supervisor:
             if why is not None and failures >= self.health_failures:
                 await self._fail(sh, f"health check failed {failures} times in a row ({why})")
                 return
+
+
+# The agent's own bus credentials: an engine has no business with them (and would leak them into
+# its logs or a crash dump).
+_AGENT_SECRETS = (
+    "LLMGW_NATS_PASSWORD",
+    "LLMGW_NATS_TOKEN",
+    "LLMGW_NATS_CREDS",
+    "LLMGW_NATS_TLS_KEY",
+    "LLMGW_NATS_USER",
+)
+
+
+def engine_environ() -> dict[str, str]:
+    """The environment an engine inherits: the agent's, minus its bus credentials."""
+    return {k: v for k, v in os.environ.items() if k not in _AGENT_SECRETS}

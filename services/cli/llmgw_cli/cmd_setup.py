@@ -29,6 +29,7 @@ from llmgw_common.messages import ClusterSettings, Webhook
 from llmgw_common.natsauth import all_roles, authorization_config, role_credentials
 from llmgw_common.settings import BusSettings
 from llmgw_common.subjects import DESIRED_SETTINGS, Subjects
+from llmgw_notifier.formats import shown_url
 
 EMPTY_WEBHOOK_MEANS = (
     "An empty answer means no webhook: nobody will be told when a node or a watched model goes down "
@@ -161,6 +162,7 @@ def register(app: typer.Typer) -> None:
                 _fail(f"cannot store the webhook: NATS at {', '.join(urls)} did not answer ({e})")
             except RuntimeError as e:
                 _fail(str(e))
-            typer.echo(f"webhooks now: {', '.join(w.url for w in stored.webhooks)}")
+            # A Slack webhook URL is a credential: show only its host.
+            typer.echo(f"webhooks now: {', '.join(shown_url(w.url) for w in stored.webhooks)}")
         elif webhook == "" or (webhook is None and not interactive):
             typer.echo("no webhook given. " + EMPTY_WEBHOOK_MEANS)
