@@ -139,3 +139,25 @@ async def test_notifier_and_router_can_bind_every_bucket_but_write_none(
                 await buckets[SUBJ.bucket_desired].put("settings", b"x")
         finally:
             await nc.close()
+
+
+async def test_an_agent_that_may_not_watch_still_follows_its_assignment(clients) -> None:
+    """The agent role reads its key by direct get only; without a watch the follower polls often."""
+    cp, agent = clients["controlplane"], clients["agent-gpu-a1"]
+    cp_kv = await cp.jetstream().key_value(SUBJ.bucket_assign)
+    await cp_kv.put("gpu-a1", encode(Assignment(node="gpu-a1", fence=1)))
+    kv = await agent.jetstream(timeout=1.0).key_value(SUBJ.bucket_assign)
+    seen: list[bytes | None] = []
+    f = bus.KvFollower(kv, lambda k, v, r: seen.append(v), key="gpu-a1", resync_s=60)
+    await f.start()
+    try:
+        assert len(seen) == 1
+        new = encode(Assignment(node="gpu-a1", fence=2))
+        await cp_kv.put("gpu-a1", new)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 8
+        while new not in seen and loop.time() < deadline:
+            await asyncio.sleep(0.1)
+        assert new in seen and not f.watching
+    finally:
+        await f.stop()

@@ -219,6 +219,10 @@ async def kv_keys(kv: KeyValue) -> list[str]:
         return []
 
 
+# How often a follower re-reads while it has no working watch.
+UNWATCHED_RESYNC_S = 2.0
+
+
 class KvFollower:
     """Follows keys of a bucket: a watch for speed plus a periodic full read for truth.
 
@@ -244,6 +248,9 @@ class KvFollower:
         self.revisions: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.synced = asyncio.Event()
+        # False until a watch is established, and whenever it breaks (e.g. a role that may read one
+        # key but not create a consumer): then the periodic read is all there is, so it runs often.
+        self.watching = False
 
     async def start(self) -> None:
         await self.resync()
@@ -302,7 +309,7 @@ class KvFollower:
 
     async def _resync_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.resync_s)
+            await asyncio.sleep(self.resync_s if self.watching else min(self.resync_s, UNWATCHED_RESYNC_S))
             try:
                 await self.resync()
             except (nats.errors.Error, TimeoutError) as e:
@@ -312,6 +319,7 @@ class KvFollower:
         while True:
             try:
                 watcher = await self.kv.watch(self.key)
+                self.watching = True
                 async for e in watcher:
                     if e is None:
                         continue
@@ -320,5 +328,6 @@ class KvFollower:
             except asyncio.CancelledError:
                 raise
             except (nats.errors.Error, TimeoutError) as e:
+                self.watching = False
                 log.debug("%s: watch broke (%s); re-watching", self.name, e)
                 await asyncio.sleep(1.0)
