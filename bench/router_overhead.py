@@ -210,7 +210,8 @@ async def open_loop(s: aiohttp.ClientSession, url: str, stream: bool, rate: floa
         run.sent += 1
     launched = loop.time() - t0
     await asyncio.gather(*list(tasks))
-    run.seconds = max(launched, seconds)
+    # Achieved rate: completions over the time until the last one finished.
+    run.seconds = max(loop.time() - t0, seconds)
     # A pacer that fell behind did not offer the target rate: count that as not sustained.
     if launched > seconds * 1.03:
         run.errors += 1
