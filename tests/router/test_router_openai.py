@@ -210,6 +210,19 @@ async def test_landing_page_and_health_need_no_key_and_carry_no_data(setup):
                 assert resp.status == 401, path
         async with s.get(root + "/", headers={"X-Forwarded-Host": "<img src=x onerror=alert(1)>"}) as resp:
             evil = await resp.text()
+        # Forwarded headers never decide anything: they cannot make a path exempt.
+        spoof = {
+            "X-Forwarded-Prefix": "/",
+            "X-Forwarded-Host": "localhost",
+            "X-Original-URL": "/",
+            "X-Forwarded-Uri": "/health",
+            "X-Rewrite-URL": "/",
+        }
+        for path in ("/v1/models", "/v1/chat/completions"):
+            async with s.request(
+                "GET" if path.endswith("models") else "POST", root + path, headers=spoof
+            ) as resp:
+                assert resp.status == 401, path
     assert "https://gw.example.org/llm/v1" in page and "curl" in page and "from openai import OpenAI" in page
     for secret in (
         "m1",
