@@ -160,6 +160,7 @@ async def test_garbage_on_every_subject_is_dropped_with_one_line_each(nats_serve
                 subj.status("gpu-0"),
                 subj.load("gpu-0"),
                 subj.idle("r1"),
+                subj.usage("r1"),
             ]
             for s in subjects:
                 for b in bad:

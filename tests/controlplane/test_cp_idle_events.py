@@ -116,3 +116,17 @@ def test_placement_failing_after_threshold_once_and_again_after_it_clears():
     assert d.placement({}, 201.0) == []
     assert d.placement({"m": "x"}, 202.0) == []
     assert [e.kind for e in d.placement({"m": "x"}, 262.0)] == ["placement.failing"]
+
+
+def test_breaker_is_the_worst_the_routers_report() -> None:
+    from llmgw_common.messages import IdleReport
+    from llmgw_controlplane.idle import IdleMerger
+
+    m = IdleMerger(stale_s=10)
+    assert m.breaker("r1") == "closed"  # nobody reports: closed, not unknown-as-open
+    m.add(IdleReport(router="a", since=0, sent_at=1, breakers={"r1": "half_open"}), 1)
+    assert m.breaker("r1") == "half_open"
+    m.add(IdleReport(router="b", since=0, sent_at=1, breakers={"r1": "open"}), 1)
+    assert m.breaker("r1") == "open"
+    m.prune(20)  # both routers went silent: their views are forgotten
+    assert m.breaker("r1") == "closed"

@@ -146,6 +146,8 @@ class ReplicaInfo(Message):
     idle_s: float = -1.0
     idle_kind: str = "unknown"  # unknown, exact, at_least
     idle: str = "-"
+    # The routers' circuit breaker for it: closed, half_open or open (the worst across routers).
+    breaker: str = "closed"
 
 
 class ModelInfo(Message):

@@ -166,8 +166,9 @@ def render_replicas(reply: ReplicasReply) -> str:
     for r in reply.replicas:
         nodes = ",".join(dict.fromkeys(s.node for s in r.shards)) or "-"
         state = r.state + (" (draining)" if r.draining else "")
-        rows.append([r.id, r.model, state, nodes, r.endpoint or "-", r.idle])
-    out = table(["REPLICA", "MODEL", "STATE", "NODES", "ENDPOINT", "IDLE"], rows)
+        breaker = "" if r.breaker == "closed" else r.breaker.replace("_", "-")
+        rows.append([r.id, r.model, state, nodes, r.endpoint or "-", breaker or "closed", r.idle])
+    out = table(["REPLICA", "MODEL", "STATE", "NODES", "ENDPOINT", "BREAKER", "IDLE"], rows)
     problems = []
     for r in reply.replicas:
         for s in r.shards:

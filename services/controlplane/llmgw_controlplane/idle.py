@@ -61,6 +61,8 @@ class _RouterView:
     sent_at: float
     received_at: float
     last_used: dict[str, float]
+    # replica -> "open" | "half_open" (closed breakers are absent)
+    breakers: dict[str, str]
 
 
 class IdleMerger:
@@ -76,7 +78,7 @@ class IdleMerger:
         if cur is not None and cur.since == report.since and cur.sent_at > report.sent_at:
             return
         self._routers[report.router] = _RouterView(
-            report.since, report.sent_at, received_at, dict(report.last_used)
+            report.since, report.sent_at, received_at, dict(report.last_used), dict(report.breakers)
         )
 
     def prune(self, now: float) -> list[str]:
@@ -97,6 +99,14 @@ class IdleMerger:
             if t is not None and (best is None or t > best):
                 best = t
         return best
+
+    def breaker(self, replica: str) -> str:
+        """The replica's circuit breaker as the routers see it: the worst across them, ``closed`` if none
+        reports one open (a router that never sent it a request has nothing to report)."""
+        states = {v.breakers.get(replica) for v in self._routers.values()}
+        if "open" in states:
+            return "open"
+        return "half_open" if "half_open" in states else "closed"
 
     def idle_for(self, replica: str, now: float, created: float | None = None) -> IdleKnowledge:
         """What is known about how long ``replica`` has gone unused at ``now``."""

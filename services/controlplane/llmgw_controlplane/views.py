@@ -129,6 +129,7 @@ def replicas_info(
                 idle_s=k.json_seconds(),
                 idle_kind=str(k.kind),
                 idle=k.text(),
+                breaker=idle.breaker(r.id),
             )
         )
     return tuple(out)
