@@ -137,14 +137,15 @@ class BusReady:
     had_catalog: bool
 
 
-async def _prepare_bus(nats_url: str, prefix: str, key_file: Path) -> BusReady:
+async def _prepare_bus(nats_url: str, prefix: str, key_file: Path, external: bool = False) -> BusReady:
     # `up` reports its own errors; the bus helper's warnings (a "disconnected" on close) are noise here.
     logging.getLogger("llmgw.bus").setLevel(logging.ERROR)
     settings = BusSettings(nats_urls=[nats_url], prefix=prefix)
     subjects = Subjects(prefix)
     nc = await connect(settings, "llmgw-up", wait=False)
     try:
-        buckets = await ensure_all(nc.jetstream(), subjects)
+        # The embedded server is one node: R1. An existing NATS may be a cluster (LLMGW_KV_REPLICAS=3).
+        buckets = await ensure_all(nc.jetstream(), subjects, replicas=settings.kv_replicas if external else 1)
         try:
             entry = await buckets[subjects.bucket_desired].get(DESIRED_CATALOG)
             had_catalog = entry.value is not None
@@ -315,7 +316,9 @@ def _run_locked(
             nats = _start_nats(opts, data_dir)
         nats_url = nats.url if nats is not None else str(opts.nats_url)
         try:
-            bus = asyncio.run(_prepare_bus(nats_url, opts.prefix, data_dir / "dev-key"))
+            bus = asyncio.run(
+                _prepare_bus(nats_url, opts.prefix, data_dir / "dev-key", external=opts.nats_url is not None)
+            )
         except (OSError, TimeoutError, nats_errors.Error) as e:
             raise UpError(f"cannot reach NATS at {nats_url}: {e}") from None
         layout = Layout(

@@ -43,6 +43,8 @@ _PASS_THROUGH = frozenset(
         "LLMGW_NATS_TLS_CERT",
         "LLMGW_NATS_TLS_KEY",
         "LLMGW_LOG_LEVEL",
+        # Replicas of buckets a child creates: 3 against a NATS cluster (`up --nats`).
+        "LLMGW_KV_REPLICAS",
     }
 )
 
