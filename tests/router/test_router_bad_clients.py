@@ -1,0 +1,110 @@
+"""Clients that misbehave: wrong types, bodies that trickle in or stop, readers that stall and leave.
+
+Each gets the right status (when it is still there to get one), and every count returns to zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+
+
+async def _poll(cond, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        await asyncio.sleep(0.01)
+    return bool(cond())
+
+
+def _body(model: object = "m1", max_tokens: object = 2, stream: bool = False) -> bytes:
+    return json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": max_tokens,
+            "stream": stream,
+        }
+    ).encode()
+
+
+async def test_wrong_types_are_400_naming_the_field(engines, routers, static_file) -> None:
+    eng = await engines("m1")
+    r = await routers(static_file({"m1": [eng.url]}, auth=False))
+    url = f"http://127.0.0.1:{r.port}/v1/chat/completions"
+    async with aiohttp.ClientSession() as s:
+        for bad in (5, None, ["m1"], {"name": "m1"}):
+            async with s.post(
+                url, data=_body(model=bad), headers={"Content-Type": "application/json"}
+            ) as resp:
+                err = (await resp.json())["error"]
+                assert resp.status == 400 and err["param"] == "model", (bad, err)
+    assert r.ctx.in_flight == 0
+
+
+async def _raw_request(
+    port: int, body: bytes, *, send: int | None = None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Open a connection and send headers plus the first ``send`` bytes of the body (all by default)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    writer.write(head + body[: len(body) if send is None else send])
+    await writer.drain()
+    return reader, writer
+
+
+async def test_a_body_that_trickles_in_is_served(engines, routers, static_file) -> None:
+    eng = await engines("m1")
+    r = await routers(static_file({"m1": [eng.url]}, auth=False))
+    body = _body()
+    reader, writer = await _raw_request(r.port, body, send=10)
+    for i in range(10, len(body), 20):
+        await asyncio.sleep(0.02)
+        writer.write(body[i : i + 20])
+        await writer.drain()
+    status = await asyncio.wait_for(reader.readline(), 5)
+    writer.close()
+    assert status.startswith(b"HTTP/1.1 200"), status
+    assert await _poll(lambda: r.ctx.in_flight == 0)
+
+
+async def test_a_client_that_stops_sending_its_body_and_leaves_leaks_nothing(
+    engines, routers, static_file
+) -> None:
+    eng = await engines("m1")
+    r = await routers(static_file({"m1": [eng.url]}, auth=False))
+    _, writer = await _raw_request(r.port, _body(), send=15)
+    await asyncio.sleep(0.2)
+    writer.close()  # gone with half a body
+    await writer.wait_closed()
+    assert await _poll(
+        lambda: r.ctx.in_flight == 0 and ("m1" not in r.ctx.gates or r.ctx.gates["m1"].active == 0)
+    )
+    assert eng.engine.slots.running == 0
+    # The router still serves.
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://127.0.0.1:{r.port}/v1/chat/completions", data=_body()) as resp:
+            assert resp.status == 200
+
+
+async def test_a_stalled_reader_that_leaves_mid_stream_releases_everything(
+    engines, routers, static_file
+) -> None:
+    eng = await engines("m1", ttft_ms=5, tokens_per_s=2000)
+    r = await routers(static_file({"m1": [eng.url]}, auth=False))
+    reader, writer = await _raw_request(r.port, _body(max_tokens=20000, stream=True))
+    assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"HTTP/1.1 200")
+    # Read nothing more for a while: the stream backs up through the router to the engine.
+    await asyncio.sleep(1.0)
+    assert r.ctx.in_flight == 1
+    writer.close()
+    await writer.wait_closed()
+    assert await _poll(lambda: r.ctx.in_flight == 0 and r.ctx.gates["m1"].active == 0)
+    assert await _poll(lambda: eng.engine.slots.running == 0)
