@@ -17,6 +17,7 @@ from llmgw_router.auth import Exemptions, bearer_key
 from llmgw_router.breaker import Breaker, BreakerState
 from llmgw_router.endpoints import Pool
 from llmgw_router.keys import KeyTable, allows_model, generate_key, hash_key
+from llmgw_router.metrics import RouterMetrics
 from llmgw_router.scheduling import choose, load_score
 from llmgw_router.static import StaticConfigError, parse_static
 from llmgw_router.usage import UsageTable, find_usage
@@ -380,3 +381,29 @@ def test_static_file_parses_and_reports_every_problem():
         "unknown top-level field 'extra'",
     ):
         assert bit in text
+
+
+def test_metrics_exposition_counts_buckets_like_prometheus():
+    m = RouterMetrics(Pool(), {}, lambda: 2)
+    # 0.005 is a bound: it belongs to le="0.005" (Prometheus buckets are "less or equal").
+    for v in (0.001, 0.005, 0.0051, 500.0):
+        m.request("a", 200, v)
+    m.first_byte("a", 0.001)
+    m.request("-", 404)
+    m.retry("a")
+    text = m.exposition().decode()
+    assert 'llmgw_router_request_seconds_bucket{le="0.005",model="a"} 2.0' in text
+    assert 'llmgw_router_request_seconds_bucket{le="0.01",model="a"} 3.0' in text
+    assert 'llmgw_router_request_seconds_bucket{le="300.0",model="a"} 3.0' in text
+    assert 'llmgw_router_request_seconds_bucket{le="+Inf",model="a"} 4.0' in text
+    assert 'llmgw_router_request_seconds_count{model="a"} 4.0' in text
+    assert 'llmgw_router_request_seconds_sum{model="a"} 500.0111' in text
+    assert 'llmgw_router_ttft_seconds_bucket{le="0.001",model="a"} 1.0' in text
+    assert 'llmgw_router_requests_total{model="a",status="200"} 4.0' in text
+    assert 'llmgw_router_requests_total{model="-",status="404"} 1.0' in text
+    assert 'llmgw_router_requests_created{model="-",status="404"}' in text
+    assert 'llmgw_router_retries_total{model="a"} 1.0' in text
+    assert "llmgw_router_in_flight 2.0" in text
+    assert "# TYPE llmgw_router_request_seconds histogram" in text
+    assert m.requests_count("a", 200) == 4 and m.requests_count("a", 500) == 0
+    assert m.retries_count("a") == 1 and m.retries_count("b") == 0
