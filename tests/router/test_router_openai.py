@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
@@ -126,6 +127,26 @@ async def test_error_cases(setup):
 
         async with s.post(f"{base}/chat/completions", data=gen()) as resp:
             assert resp.status == 413
+    # A chunked body over the limit that arrives whole with its headers (one write): still 413.
+    host, port = "127.0.0.1", r.port
+    reader, writer = await asyncio.open_connection(host, port)
+    payload = b"x" * 6000
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nAuthorization: Bearer "
+        + KEY.encode()
+        + b"\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        + f"{len(payload):x}\r\n".encode()
+        + payload
+        + b"\r\n0\r\n\r\n"
+    )
+    answer = await reader.read()
+    writer.close()
+    await writer.wait_closed()
+    assert answer.startswith(b"HTTP/1.1 413") and b"request_too_large" in answer
+    # An empty body (Content-Length: 0) is not JSON: 400.
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as s:
+        async with s.post(f"{base}/chat/completions", data=b"") as resp:
+            assert resp.status == 400 and "not valid JSON" in (await resp.json())["error"]["message"]
     assert r.ctx.in_flight == 0
     async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{r.admin_port}/metrics") as resp:
         text = await resp.text()
