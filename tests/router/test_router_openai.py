@@ -119,7 +119,17 @@ async def test_error_cases(setup):
             assert resp.status == 400
         async with s.get(f"{base}/nothing-here") as resp:
             assert resp.status == 404 and "error" in await resp.json()
-
+        # A known path with another method: 405 in the same shape.
+        for method, path in (("GET", "/chat/completions"), ("DELETE", "/embeddings"), ("POST", "/models")):
+            async with s.request(method, f"{base}{path}") as resp:
+                assert resp.status == 405
+                assert (await resp.json())["error"]["code"] == "method_not_allowed"
+    # The key is checked before the path is: without one, an unknown path or method is 401 too.
+    async with aiohttp.ClientSession() as s:
+        for method, path in (("GET", "/nothing-here"), ("GET", "/chat/completions")):
+            async with s.request(method, f"{base}{path}") as resp:
+                assert resp.status == 401 and (await resp.json())["error"]["code"] == "invalid_api_key"
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as s:
         # Chunked body over the limit (no Content-Length to refuse early).
         async def gen():
             for _ in range(10):

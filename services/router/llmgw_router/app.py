@@ -38,38 +38,63 @@ def _not_found_message(model: str) -> str:
     return f"The model '{model}' does not exist or your API key may not use it"
 
 
-def build_app(ctx: RouterContext) -> web.Application:
-    @web.middleware
-    async def auth_mw(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if ctx.auth and not ctx.exemptions.exempt(request.path):
-            check = ctx.keys.check(bearer_key(request.headers), ctx.clock())
-            if check.record is None:
-                return error_response(401, check.problem or "invalid API key")
-            request[KEY_RECORD] = check.record
-        try:
-            return await handler(request)
-        except web.HTTPException as e:
-            if e.status == 413:
-                return error_response(
-                    413, f"the request body exceeds the limit of {ctx.limits.max_body_bytes} bytes"
-                )
-            if e.status in (404, 405):
-                return error_response(
-                    e.status,
-                    f"{request.method} {request.path} is not part of this API",
-                    code="not_found" if e.status == 404 else None,
-                )
-            raise
+def _authenticate(ctx: RouterContext, request: web.Request) -> web.Response | None:
+    """The 401 answer for a request that needs a key and has no valid one; None when it may go on."""
+    if ctx.auth and not ctx.exemptions.exempt(request.path):
+        check = ctx.keys.check(bearer_key(request.headers), ctx.clock())
+        if check.record is None:
+            return error_response(401, check.problem or "invalid API key")
+        request[KEY_RECORD] = check.record
+    return None
 
-    app = web.Application(middlewares=[auth_mw], client_max_size=ctx.limits.max_body_bytes)
+
+def _guarded(ctx: RouterContext, handler: Handler) -> Handler:
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        refused = _authenticate(ctx, request)
+        if refused is not None:
+            return refused
+        return await handler(request)
+
+    return guarded
+
+
+def _not_in_api(status: int) -> Handler:
+    async def answer(request: web.Request) -> web.Response:
+        return error_response(
+            status,
+            f"{request.method} {request.path} is not part of this API",
+            code="not_found" if status == 404 else None,
+        )
+
+    return answer
+
+
+def build_app(ctx: RouterContext) -> web.Application:
+    """The OpenAI listener's app.
+
+    No aiohttp middleware: with one, aiohttp wraps every handler in two more coroutine layers (ours and
+    its ``_fix_request_current_app``), measurable per request. Instead every handler checks the key
+    first (the same check for every path, exemptions included), and unknown paths and methods reach
+    routes of their own: ``*`` on each known path answers 405, a catch-all answers 404, both after the
+    key check, as a middleware would have ordered them.
+    """
+    app = web.Application(client_max_size=ctx.limits.max_body_bytes)
     app[CTX] = ctx
+    r = app.router
+    wrong_method = _guarded(ctx, _not_in_api(405))
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
-        app.router.add_post(path, _make_proxy_handler(ctx, path))
-    app.router.add_get("/v1/models", _make_models_handler(ctx))
-    app.router.add_get("/v1/models/{model:.+}", _make_model_handler(ctx))
-    app.router.add_get("/", _landing)
-    app.router.add_get("/health", _health)
-    app.router.add_get("/healthz", _health)
+        r.add_post(path, _make_proxy_handler(ctx, path))
+        r.add_route("*", path, wrong_method)
+    for path, handler in (
+        ("/v1/models", _make_models_handler(ctx)),
+        ("/v1/models/{model:.+}", _make_model_handler(ctx)),
+        ("/", _landing),
+        ("/health", _health),
+        ("/healthz", _health),
+    ):
+        r.add_get(path, _guarded(ctx, handler))
+        r.add_route("*", path, wrong_method)
+    r.add_route("*", "/{tail:.*}", _guarded(ctx, _not_in_api(404)))
     return app
 
 
@@ -123,26 +148,34 @@ def _make_model_handler(ctx: RouterContext) -> Handler:
     return model
 
 
+def _too_large(ctx: RouterContext) -> web.Response:
+    return error_response(413, f"the request body exceeds the limit of {ctx.limits.max_body_bytes} bytes")
+
+
 def _make_proxy_handler(ctx: RouterContext, path: str) -> Handler:
     metrics = ctx.metrics
 
     async def handle(request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
+        refused = _authenticate(ctx, request)
+        if refused is not None:
+            return refused
         cl = request.content_length
         if cl is not None and cl > ctx.limits.max_body_bytes:
             metrics.request(UNKNOWN_MODEL, 413)
-            return error_response(
-                413, f"the request body exceeds the limit of {ctx.limits.max_body_bytes} bytes"
-            )
+            return _too_large(ctx)
         content = request.content
         if content.is_eof():
             # The whole body arrived with the headers (the usual case): take it in one call instead of
             # aiohttp's read loop (two awaits and a copy), with the same size limit.
             body = content.read_nowait()
             if len(body) > ctx.limits.max_body_bytes:
-                raise web.HTTPRequestEntityTooLarge(ctx.limits.max_body_bytes, len(body))
+                return _too_large(ctx)
         else:
-            body = await request.read()
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past the limit
+                return _too_large(ctx)
         parsed = parse_request(body)
         if isinstance(parsed, str):
             metrics.request(UNKNOWN_MODEL, 400)
