@@ -196,6 +196,18 @@ async def subscribe(
     return await nc.subscribe(subject, queue=queue, cb=cb, pending_msgs_limit=65536)
 
 
+async def sent(nc: NATS, timeout: int = 10) -> None:
+    """Return once the server has everything this client sent so far, subscriptions included.
+
+    nats-py's ``flush()`` writes its PING straight to the socket while SUB and PUB lines can still wait
+    in the client's pending buffer for its flusher task, so one flush may come back before the server
+    has registered a subscription made just before it (seen under load: a message published right
+    after was never delivered). The second PING goes out after the flusher has run.
+    """
+    await nc.flush(timeout)
+    await nc.flush(timeout)
+
+
 async def kv_get(kv: KeyValue, key: str, cls: type[M], drops: DropLog | None = None) -> tuple[M | None, int]:
     """A key's decoded value and revision; (None, 0) when absent or undecodable."""
     try:

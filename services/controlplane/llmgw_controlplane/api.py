@@ -17,6 +17,7 @@ from nats.micro import add_service
 from nats.micro.request import Request, ServiceError
 from nats.micro.service import Service
 
+from llmgw_common import bus
 from llmgw_common.catalog import CatalogError, catalog_to_yaml, parse_catalog
 from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.ctl import (
@@ -86,7 +87,7 @@ class CtlApi:
                 name=endpoint_name(verb), subject=subj.ctl(verb), handler=_wrap(verb, req_cls, fn)
             )
         self.service = svc
-        await nc.flush()
+        await bus.sent(nc)  # the endpoints answer from here on
 
     async def stop(self) -> None:
         svc, self.service = self.service, None

@@ -148,7 +148,7 @@ class ControlPlane:
             await bus.subscribe(self.nc, sub.all_idle(), IdleReport, self._on_idle, self.drops),
             await bus.subscribe(self.nc, sub.all_usage(), UsageReport, self._on_usage, self.drops),
         ]
-        await self.nc.flush()
+        await bus.sent(self.nc)
         self.started_at = self.clock()
         self.settle_until = self.started_at + self.s.settle_s
 
