@@ -41,7 +41,7 @@ class BusView:
         await bus.subscribe(
             nc, view.subjects.all_nodes("heartbeat"), Heartbeat, view._on_heartbeat, bus.DropLog(log)
         )
-        await nc.flush()
+        await bus.sent(nc)
         return view
 
     async def close(self) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from llmgw_common.bus import sent
 from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.messages import (
     Assignment,
@@ -152,7 +153,7 @@ class Fleet:
 
     async def start(self) -> None:
         await self.nc.subscribe(f"$KV.{self.subjects.bucket_assign}.>", cb=self._on_assign)
-        await self.nc.flush()
+        await sent(self.nc)
         for i in range(self.n):
             await self.nc.publish(self.subjects.inventory(node_name(i)), encode(self.inventory(i)))
         await self.nc.flush()

@@ -69,7 +69,7 @@ async def _received(nc, subject: str, publish) -> list[bytes]:  # type: ignore[n
         got.append(m.data)
 
     sub = await nc.subscribe(subject, cb=cb)
-    await nc.flush()
+    await bus.sent(nc)
     await publish()
     await asyncio.sleep(0.3)
     await sub.unsubscribe()
