@@ -11,9 +11,10 @@ import re
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llmgw_common.durations import parse_duration
+from llmgw_common.validation import validate_named
 
 ENGINES = ("vllm", "llamacpp", "sim")
 # Engines that can serve without a GPU.
@@ -122,17 +123,6 @@ def _semantic_problems(p: ModelProfile) -> list[str]:
     return out
 
 
-def _format_pydantic(prefix: str, err: ValidationError) -> list[str]:
-    out = []
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"])
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field"
-        out.append(f"{prefix}: {loc}: {msg}" if loc else f"{prefix}: {msg}")
-    return out
-
-
 def parse_catalog(data: Any) -> Catalog:
     """A validated catalog from a mapping (or YAML text); CatalogError lists every problem."""
     if isinstance(data, str | bytes):
@@ -151,23 +141,10 @@ def parse_catalog(data: Any) -> Catalog:
     raw_models = data.get("models") or []
     if not isinstance(raw_models, list):
         raise CatalogError([*problems, "'models' must be a list"])
-    models: list[ModelProfile] = []
-    seen: dict[str, int] = {}
-    for i, raw in enumerate(raw_models):
-        label = f"models[{i}]"
-        if isinstance(raw, dict) and isinstance(raw.get("name"), str):
-            label = f"model {raw['name']!r}"
-        try:
-            p = ModelProfile.model_validate(raw)
-        except ValidationError as e:
-            problems.extend(_format_pydantic(label, e))
-            continue
-        problems.extend(_semantic_problems(p))
-        if p.name in seen:
-            problems.append(f"model {p.name!r}: duplicate name (also models[{seen[p.name]}])")
-        else:
-            seen[p.name] = i
-        models.append(p)
+    models, found = validate_named(
+        raw_models, ModelProfile, kind="model", list_name="models", checks=_semantic_problems
+    )
+    problems.extend(found)
     if problems:
         raise CatalogError(problems)
     return Catalog(models=tuple(models))

@@ -21,10 +21,11 @@ import re
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llmgw_agent.sim_gpus import parse_sim_gpus
 from llmgw_common.subjects import check_token
+from llmgw_common.validation import validate_named
 
 _GPU_SPEC = re.compile(r"^\s*(\d+)\s*[xX]\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*$")
 
@@ -120,13 +121,10 @@ def _semantic_problems(n: FleetNode) -> list[str]:
     return out
 
 
-def _format_pydantic(label: str, err: ValidationError) -> list[str]:
-    out = []
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"])
-        msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
-        msg = msg.removeprefix("Value error, ")
-        out.append(f"{label}: {loc}: {msg}" if loc else f"{label}: {msg}")
+def _checks(n: FleetNode) -> list[str]:
+    out = _semantic_problems(n)
+    if n.name == "local":
+        out.append(f"node {n.name!r}: the name 'local' is taken by the real machine's agent")
     return out
 
 
@@ -145,25 +143,8 @@ def parse_fleet(data: Any) -> Fleet:
     raw_nodes = data.get("nodes") or []
     if not isinstance(raw_nodes, list):
         raise FleetError([*problems, "'nodes' must be a list"])
-    nodes: list[FleetNode] = []
-    seen: dict[str, int] = {}
-    for i, raw in enumerate(raw_nodes):
-        label = f"nodes[{i}]"
-        if isinstance(raw, dict) and isinstance(raw.get("name"), str):
-            label = f"node {raw['name']!r}"
-        try:
-            node = FleetNode.model_validate(raw)
-        except ValidationError as e:
-            problems.extend(_format_pydantic(label, e))
-            continue
-        problems.extend(_semantic_problems(node))
-        if node.name == "local":
-            problems.append(f"{label}: the name 'local' is taken by the real machine's agent")
-        if node.name in seen:
-            problems.append(f"{label}: duplicate name (also nodes[{seen[node.name]}])")
-        else:
-            seen[node.name] = i
-        nodes.append(node)
+    nodes, found = validate_named(raw_nodes, FleetNode, kind="node", list_name="nodes", checks=_checks)
+    problems.extend(found)
     if problems:
         raise FleetError(problems)
     return Fleet(nodes=tuple(nodes))
