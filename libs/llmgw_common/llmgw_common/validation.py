@@ -11,7 +11,6 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-
 M = TypeVar("M", bound=BaseModel)
 
 
