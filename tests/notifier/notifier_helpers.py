@@ -145,11 +145,11 @@ class Bus:
         return out
 
     async def settled(self, name: str, timeout: float = 10.0) -> ConsumerInfo:
-        """The consumer's info once nothing is waiting for an ack (acks are asynchronous)."""
+        """The consumer's info once it has nothing left to deliver or to see acknowledged (both lag)."""
         deadline = time.monotonic() + timeout
         while True:
             info = await self.js.consumer_info(self.subjects.events_stream, name)
-            if info.num_ack_pending == 0 or time.monotonic() > deadline:
+            if (info.num_pending == 0 and info.num_ack_pending == 0) or time.monotonic() > deadline:
                 return info
             await asyncio.sleep(0.05)
 
