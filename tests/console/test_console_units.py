@@ -122,3 +122,24 @@ def test_usage_book_forgets_the_longest_silent_router_past_its_cap():
     book.add(_rep("new", 3, {"k": {"m": (1, 1, 1)}}), now=3)
     v = book.view()
     assert v.routers == 2 and v.rows[0].requests == 2
+
+
+def test_usage_book_drops_forged_future_reports_and_keeps_counting(caplog) -> None:
+    import logging
+
+    book = UsageBook()
+    book.add(_rep("r1", 10, {"k": {"m": (1, 10, 5)}}), now=11)
+    with caplog.at_level(logging.WARNING, logger="llmgw.controlplane"):
+        book.add(_rep("r1", 1e300, {"k": {"m": (0, 0, 0)}}), now=12)
+        book.add(_rep("r1", float("nan"), {"k": {"m": (0, 0, 0)}}), now=12)
+        book.add(_rep("r1", 12, {"k": {"m": (0, 0, 0)}}, since=float("inf")), now=12)
+    assert book.view().rows == (UsageRow("k", "m", 1, 10, 5),)
+    assert sum("not believed from router r1" in r.getMessage() for r in caplog.records) == 1
+    # Genuine later reports still count (one forged 1e300 used to freeze this router's row forever).
+    book.add(_rep("r1", 13, {"k": {"m": (2, 20, 10)}}), now=13)
+    assert book.view().rows == (UsageRow("k", "m", 2, 20, 10),)
+    # A report a little ahead (within the skew) is kept, but outranks the next genuine one only until
+    # that one was sent after it arrived.
+    book.add(_rep("r1", 50, {"k": {"m": (3, 30, 15)}}), now=14)
+    book.add(_rep("r1", 15, {"k": {"m": (4, 40, 20)}}), now=15)
+    assert book.view().rows == (UsageRow("k", "m", 4, 40, 20),)

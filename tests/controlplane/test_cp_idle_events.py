@@ -130,3 +130,62 @@ def test_breaker_is_the_worst_the_routers_report() -> None:
     assert m.breaker("r1") == "open"
     m.prune(20)  # both routers went silent: their views are forgotten
     assert m.breaker("r1") == "closed"
+
+
+# ------------------------------------------------------------------ departed routers, forged reports
+
+
+def test_a_departed_routers_use_keeps_the_idle_bound_below_the_truth() -> None:
+    """Router "gone" used r1 2 min ago and stopped reporting; "old" (up 2 h) never routed to r1."""
+    m = IdleMerger(stale_s=5.0)
+    t0 = 10 * DAY
+    m.add(_rep("old", since=t0 - 2 * 3600, sent_at=t0), received_at=t0)
+    m.add(_rep("gone", since=t0 - 3600, sent_at=t0, r1=t0 - 1), received_at=t0)
+    now = t0 + 120  # both reported at t0; "gone" never again, "old" every tick
+    for t in range(int(t0) + 1, int(now) + 1):
+        m.add(_rep("old", since=t0 - 2 * 3600, sent_at=t), received_at=t)
+    k = m.idle_for("r1", now=now)
+    assert m.routers == ("old",)  # "gone" is forgotten as a reporter...
+    # ...but not what it said: used 121 s ago, so no bound may claim more (it read ">=2h" before).
+    assert k.kind is IdleKind.AT_LEAST and k.seconds is not None and k.seconds <= 121, k
+    assert k.seconds == 120  # known up to its last report, not up to now
+    assert not k.at_least(3600)  # not nominated idle for an hour
+    # A replica nobody ever used is bounded by the departure too: "gone" might have used it last tick.
+    assert m.idle_for("r2", now=now).seconds == 120
+    # A use after the departure is exact again: every router since then is reporting.
+    m.add(_rep("old", since=t0 - 2 * 3600, sent_at=now + 1, r1=now + 1), received_at=now + 1)
+    k = m.idle_for("r1", now=now + 3)
+    assert k.kind is IdleKind.EXACT and k.seconds == 2
+
+
+def test_forged_idle_reports_from_the_future_are_dropped_and_do_not_freeze_the_router(caplog) -> None:
+    import logging
+
+    m = IdleMerger(stale_s=5.0)
+    m.add(_rep("a", since=0.0, sent_at=100.0, r1=90.0), received_at=100.0)
+    with caplog.at_level(logging.WARNING, logger="llmgw.controlplane"):
+        for forged in (
+            _rep("a", since=0.0, sent_at=1e300, r1=1e300),
+            _rep("a", since=0.0, sent_at=float("inf")),
+            _rep("a", since=0.0, sent_at=float("nan")),
+            _rep("a", since=1e300, sent_at=101.0),
+            _rep("a", since=0.0, sent_at=101.0, r1=1e300),
+        ):
+            m.add(forged, received_at=101.0)
+    assert m.last_used("r1") == 90.0  # none of them was believed
+    lines = [r.getMessage() for r in caplog.records if "not believed" in r.getMessage()]
+    assert len(lines) == 1 and "router a" in lines[0], lines  # said once, not once per message
+    # The genuine next report is taken.
+    m.add(_rep("a", since=0.0, sent_at=102.0, r1=101.5), received_at=102.0)
+    assert m.last_used("r1") == 101.5
+
+
+def test_a_report_claiming_a_time_slightly_ahead_outranks_genuine_ones_only_briefly() -> None:
+    m = IdleMerger(stale_s=5.0)
+    # 50 s ahead is within the allowed skew: kept, but it counts as sent when it arrived.
+    m.add(_rep("a", since=0.0, sent_at=150.0, r1=1.0), received_at=100.0)
+    m.add(_rep("a", since=0.0, sent_at=100.5, r1=100.2), received_at=100.6)
+    assert m.last_used("r1") == 100.2
+    # An older report, delayed, still never replaces a newer one.
+    m.add(_rep("a", since=0.0, sent_at=99.0, r1=2.0), received_at=100.7)
+    assert m.last_used("r1") == 100.2

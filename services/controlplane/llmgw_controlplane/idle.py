@@ -2,20 +2,30 @@
 
 Each router sends, once a tick, its start time (``since``) and the last time it routed to each replica.
 The merge keeps, per router, its newest report; a router that stops reporting is forgotten after
-``stale_s`` by the control plane's own clock. For one replica:
+``stale_s`` by the control plane's own clock, but not what its silence means: it reported up to its
+last report, and what it did after that (its last tick, or more if it is cut off but still routing) is
+not known. The *horizon* is the latest such last report (a router restarted under the same id departs
+too). For one replica:
 
-- some router saw it used: idle for ``now - newest last use`` (newest timestamp wins);
-- no reporting router saw it used: idle for *at least* ``now - max(since)`` (the youngest router limits
-  what is known: before it started, a router that has since gone may have used it), and never longer
-  than the replica has existed;
+- a reporting router saw it used after the horizon: idle for ``now - newest last use``;
+- otherwise: idle for *at least* ``now - max(horizon, max(since))`` (the youngest router limits what is
+  known: before it started, a router that has since gone unseen may have used it; a router seen going
+  may have used it up to its last report, even if it said it had used it earlier), and never longer than
+  the replica has existed. A departed router's knowledge thus only ever shortens the bound;
 - no router reports at all: unknown, which is neither zero nor forever.
+
+A report's times are the router's claims: one that is not a finite time or lies in the future by our
+clock is dropped with one log line (:mod:`llmgw_common.clockcheck`), and a kept report outranks the
+router's later ones only by the time it arrived, so a forged ``sent_at`` cannot freeze a router's view.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from enum import StrEnum
 
+from llmgw_common.clockcheck import Doubts, distrust, distrust_all, order_time
 from llmgw_common.durations import format_duration
 from llmgw_common.messages import IdleReport
 
@@ -58,7 +68,8 @@ UNKNOWN = IdleKnowledge(IdleKind.UNKNOWN)
 @dataclass(frozen=True, slots=True)
 class _RouterView:
     since: float
-    sent_at: float
+    # What later reports of the same router are compared with: never later than it arrived.
+    order: float
     received_at: float
     last_used: dict[str, float]
     # replica -> "open" | "half_open" (closed breakers are absent)
@@ -68,24 +79,39 @@ class _RouterView:
 class IdleMerger:
     """Routers' idle reports, merged. Pure: time comes in as arguments."""
 
-    def __init__(self, stale_s: float) -> None:
+    def __init__(self, stale_s: float, doubts: Doubts | None = None) -> None:
         self.stale_s = stale_s
+        self.doubts = doubts or Doubts(logging.getLogger("llmgw.controlplane"))
         self._routers: dict[str, _RouterView] = {}
+        # The latest last report (our clock) of a router that is gone: what it did after is not known.
+        self.horizon = float("-inf")
 
     def add(self, report: IdleReport, received_at: float) -> None:
-        cur = self._routers.get(report.router)
-        # A delayed older report never replaces a newer one from the same router.
-        if cur is not None and cur.since == report.since and cur.sent_at > report.sent_at:
+        why = distrust(report.sent_at, received_at) or distrust(report.since, received_at, "since")
+        why = why or distrust_all(report.last_used, received_at, "last use of")
+        if why is not None:
+            self.doubts.refuse(f"router {report.router}", "idle report", why, received_at)
             return
+        cur = self._routers.get(report.router)
+        if cur is not None:
+            if cur.since != report.since:
+                # Restarted under the same id: the old run is gone, known up to its last report.
+                self.horizon = max(self.horizon, cur.received_at)
+            elif cur.order > report.sent_at:
+                return  # a delayed older report never replaces a newer one from the same router
         self._routers[report.router] = _RouterView(
-            report.since, report.sent_at, received_at, dict(report.last_used), dict(report.breakers)
+            report.since,
+            order_time(report.sent_at, received_at),
+            received_at,
+            dict(report.last_used),
+            dict(report.breakers),
         )
 
     def prune(self, now: float) -> list[str]:
-        """Forget routers silent for longer than ``stale_s``; returns their ids."""
+        """Forget routers silent for longer than ``stale_s`` (moving the horizon); returns their ids."""
         gone = [r for r, v in self._routers.items() if now - v.received_at > self.stale_s]
         for r in gone:
-            del self._routers[r]
+            self.horizon = max(self.horizon, self._routers.pop(r).received_at)
         return gone
 
     @property
@@ -114,9 +140,9 @@ class IdleMerger:
         if not self._routers:
             return UNKNOWN
         used = self.last_used(replica)
-        if used is not None:
+        if used is not None and used >= self.horizon:
             return IdleKnowledge(IdleKind.EXACT, max(0.0, now - used))
-        start = max(v.since for v in self._routers.values())
+        start = max(self.horizon, max(v.since for v in self._routers.values()))
         if created is not None:
             start = max(start, created)
         return IdleKnowledge(IdleKind.AT_LEAST, max(0.0, now - start))

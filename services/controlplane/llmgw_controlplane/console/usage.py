@@ -3,12 +3,18 @@
 Each router reports, once a tick, everything it counted since it started. The book keeps each router's
 newest report and sums across routers, so a report lost or repeated changes nothing. A router that
 restarts comes back under a new id; its old report stays counted (it is what that process served).
+
+A report whose times are not finite or lie in the future by our clock is dropped with one log line, and
+a kept report outranks the router's later ones only by when it arrived (:mod:`llmgw_common.clockcheck`):
+one forged ``sent_at`` cannot make every genuine report after it look old.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
+from llmgw_common.clockcheck import Doubts, distrust, order_time
 from llmgw_common.messages import UsageReport
 
 # Routers remembered at most; past it the one heard from longest ago is forgotten first.
@@ -41,14 +47,20 @@ class UsageView:
 
 
 class UsageBook:
-    def __init__(self, max_routers: int = MAX_ROUTERS) -> None:
+    def __init__(self, max_routers: int = MAX_ROUTERS, doubts: Doubts | None = None) -> None:
         self.max_routers = max_routers
+        self.doubts = doubts or Doubts(logging.getLogger("llmgw.controlplane"))
+        # router -> (its newest report, when it arrived by our clock)
         self._reports: dict[str, tuple[UsageReport, float]] = {}
 
     def add(self, report: UsageReport, now: float) -> None:
         """Keep ``report`` unless this router already sent a newer one (reports can arrive out of order)."""
+        why = distrust(report.sent_at, now) or distrust(report.since, now, "since")
+        if why is not None:
+            self.doubts.refuse(f"router {report.router}", "usage report", why, now)
+            return
         old = self._reports.get(report.router)
-        if old is not None and old[0].sent_at > report.sent_at:
+        if old is not None and order_time(old[0].sent_at, old[1]) > report.sent_at:
             return
         self._reports[report.router] = (report, now)
         if len(self._reports) > self.max_routers:
