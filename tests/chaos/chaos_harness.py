@@ -341,9 +341,10 @@ def boot(
     model: str = "chat",
     replicas: int = 2,
     timeout: float = 90.0,
+    catalog: str = CATALOG,
 ) -> tuple[ChaosCluster, str]:
     """Start a whole cluster and wait until ``model`` has ``replicas`` endpoints; (cluster, API key)."""
-    cluster = ChaosCluster(root, settings=dict(AGGRESSIVE if settings is None else settings))
+    cluster = ChaosCluster(root, settings=dict(AGGRESSIVE if settings is None else settings), catalog=catalog)
     try:
         cluster.start_nats()
         for cp in controlplanes:

@@ -14,6 +14,7 @@ from llmgw_common.messages import (
     ShardState,
     ShardStatus,
 )
+from llmgw_controlplane.reconciler import ReplicaState, reconcile, replica_status
 from llmgw_controlplane.snapshot import NodeState
 from llmgw_controlplane.state import ClusterState, node_health, replica_phase
 
@@ -84,9 +85,12 @@ def test_new_boot_id_is_a_restart_and_voids_old_reports():
     st = _state()
     rep = ShardReport(replica_id="r1", shard=0, model="m", state=ShardState.READY, port=1)
     st.on_heartbeat(_hb(seq=7, shards=(rep,)), 1.0)
-    assert st.on_heartbeat(_hb(boot="b2", seq=1), 2.0)
+    # The new boot's inventory proves the restart (an agent sends it before anything else).
+    assert st.on_inventory(_inv(boot="b2"), 2.0)
     assert st.nodes["n1"].restarts == 1
     assert st.nodes["n1"].shards == {}
+    assert st.on_heartbeat(_hb(boot="b2", seq=1, shards=(rep,)), 3.0)
+    assert st.nodes["n1"].shards[("r1", 0)].state is ShardState.READY
 
 
 def test_node_without_inventory_takes_no_new_replicas_and_memory_unknown_stays_none():
@@ -205,3 +209,115 @@ def test_control_plane_outage_is_not_the_nodes_silence() -> None:
     st2.excuse_silence(20.0)
     assert st2.judge(21.0) == []
     assert [t.new for t in st2.judge(31.0)] == [NodeState.LOST]
+
+
+# ------------------------------------------------------------------ restarts and forged messages
+
+
+def _ready_replica(st: ClusterState, timeout_s: float = 600.0) -> ShardReport:
+    """Replica r1 of model m on n1, created at 0 and reported ready by boot b1 from t=1."""
+    st.set_catalog(parse_catalog(f"models: [{{name: m, engine: sim, startup_timeout_s: {timeout_s}}}]"), 1)
+    st.on_inventory(_inv(boot="b1"), 0.0)
+    st.put_replica(
+        ReplicaRecord(
+            id="r1", model="m", created=0.0, shards=(ShardPlacement(shard=0, node="n1", gpus=(), port=1),)
+        )
+    )
+    ready = ShardReport(replica_id="r1", shard=0, model="m", state=ShardState.READY, port=1, pid=42)
+    st.on_heartbeat(_hb(boot="b1", seq=1, sent_at=1.0, shards=(ready,)), 1.0)
+    return ready
+
+
+def _status(boot: str, state: ShardState, t: float) -> ShardStatus:
+    return ShardStatus(
+        node="n1", boot_id=boot, sent_at=t, replica_id="r1", shard=0, model="m", state=state, port=1
+    )
+
+
+def test_agent_restart_keeps_its_readopted_replicas_past_the_startup_timeout():
+    st = _state()
+    ready = _ready_replica(st, timeout_s=600.0)
+    t = 700.0  # the replica has been up for 700 s, longer than its startup timeout
+    st.on_heartbeat(_hb(boot="b1", seq=2, sent_at=t, shards=(ready,)), t)
+    assert replica_status(st.snapshot(t).replicas[0], t, 600.0).state is ReplicaState.READY
+    # The agent restarts: its new boot's inventory, then its re-adopted engine starting, then ready.
+    st.on_inventory(_inv(boot="b2"), t + 1)
+    steps = [
+        (t + 1.5, None),
+        (t + 2.0, _status("b2", ShardState.STARTING, t + 2.0)),
+        (t + 3.0, _hb(boot="b2", seq=1, sent_at=t + 3.0, shards=(ready,))),
+    ]
+    for now, msg in steps:
+        if isinstance(msg, ShardStatus):
+            st.on_status(msg, now)
+        elif msg is not None:
+            st.on_heartbeat(msg, now)
+        plan = reconcile(st.snapshot(now))
+        assert plan.stop == () and plan.place == (), (now, plan.stop)
+    assert replica_status(st.snapshot(t + 3.0).replicas[0], t + 3.0, 600.0).state is ReplicaState.READY
+    assert st.replicas["r1"].created == 0.0  # the record is unchanged
+
+
+def test_a_readopted_replica_that_never_reports_ready_again_still_fails_in_time():
+    st = _state()
+    _ready_replica(st, timeout_s=600.0)
+    st.on_inventory(_inv(boot="b2"), 700.0)
+    # Counted from the restart: not before 600 s after it, but then.
+    assert replica_status(st.snapshot(1299.0).replicas[0], 1299.0, 600.0).state is ReplicaState.STARTING
+    st.on_heartbeat(_hb(boot="b2", seq=1, sent_at=1299.0), 1299.0)  # keeps the node alive
+    assert replica_status(st.snapshot(1301.0).replicas[0], 1301.0, 600.0).state is ReplicaState.FAILED
+
+
+def test_a_heartbeat_claiming_a_new_boot_is_not_believed_until_that_boots_inventory():
+    st = _state()
+    ready = _ready_replica(st)
+    forged = _hb(boot="forged", seq=1, sent_at=2.0)
+    assert not st.on_heartbeat(forged, 2.0)
+    rec = st.nodes["n1"]
+    assert rec.boot_id == "b1" and rec.restarts == 0 and rec.shards[("r1", 0)].state is ShardState.READY
+    assert rec.last_seen == 1.0  # not even liveness
+    assert st.wants_inventory("n1")  # the service asks the node to prove its boot
+    assert not st.on_status(_status("forged", ShardState.FAILED, 2.5), 2.5)
+    assert rec.shards[("r1", 0)].state is ShardState.READY
+    # The genuine agent goes on; its inventory settles the question.
+    st.on_heartbeat(_hb(boot="b1", seq=2, sent_at=3.0, shards=(ready,)), 3.0)
+    st.on_inventory(_inv(boot="b1"), 3.5)
+    assert not st.wants_inventory("n1")
+    assert rec.last_seen == 3.5 and rec.seq == 2
+
+
+def test_a_heartbeat_with_an_absurd_seq_or_time_freezes_nothing():
+    st = _state()
+    ready = _ready_replica(st)
+    rec = st.nodes["n1"]
+    empty = ()
+    # A huge seq (same boot) claiming the replica is gone: not taken...
+    st.on_heartbeat(_hb(boot="b1", seq=2**62, sent_at=2.0, shards=empty), 2.0)
+    assert rec.shards[("r1", 0)].state is ShardState.READY
+    # ...and the genuine heartbeats after it still are (before, they looked like replays forever).
+    failed = ready.model_copy(update={"state": ShardState.FAILED})
+    assert st.on_heartbeat(_hb(boot="b1", seq=2, sent_at=3.0, shards=(failed,)), 3.0)
+    assert rec.shards[("r1", 0)].state is ShardState.FAILED and rec.seq == 2
+    # Times that are not times, or far in our future: the whole message is refused.
+    for bad in (1e300, float("inf"), float("nan"), 3.0 + 3600):
+        assert not st.on_heartbeat(_hb(boot="b1", seq=3, sent_at=bad, shards=(ready,)), 3.5)
+        assert not st.on_inventory(_inv(boot="b1").model_copy(update={"sent_at": bad}), 3.5)
+    assert rec.shards[("r1", 0)].state is ShardState.FAILED and rec.last_seen == 3.0
+    # A status sent after the last genuine heartbeat is still taken (a kept 1e300 hid every one).
+    assert st.on_status(_status("b1", ShardState.READY, 4.0), 4.0)
+    assert rec.shards[("r1", 0)].state is ShardState.READY
+
+
+def test_a_genuine_seq_jump_after_a_gap_is_taken():
+    st = _state()
+    _ready_replica(st)
+    rec = st.nodes["n1"]
+    # 100 s without heartbeats reaching us (at 2 s a beat, 50 were missed): a jump that fits the gap.
+    assert st.on_heartbeat(_hb(boot="b1", seq=52, sent_at=101.0), 101.0)
+    assert rec.seq == 52 and rec.shards == {}
+    # A jump larger than the time allows is held until the next heartbeat confirms it.
+    stopping = ShardReport(replica_id="r1", shard=0, model="m", state=ShardState.STOPPING, port=1)
+    st.on_heartbeat(_hb(boot="b1", seq=5000, sent_at=102.0, shards=(stopping,)), 102.0)
+    assert rec.seq == 52 and rec.shards == {}
+    assert st.on_heartbeat(_hb(boot="b1", seq=5001, sent_at=104.0, shards=(stopping,)), 104.0)
+    assert rec.seq == 5001 and rec.shards[("r1", 0)].state is ShardState.STOPPING

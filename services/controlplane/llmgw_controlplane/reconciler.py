@@ -59,7 +59,8 @@ class ReplicaStatus:
 def replica_status(replica: ReplicaView, now: float, startup_timeout_s: float | None = None) -> ReplicaStatus:
     """A replica is ready only when all its shards are; one failed shard fails it, with every error kept.
 
-    A replica not ready ``startup_timeout_s`` after it was created counts as failed.
+    A replica not ready ``startup_timeout_s`` after it was created (or after its ``startup_from``, when
+    its node's agent restarted) counts as failed.
     """
     errors: list[str] = []
     stopping = False
@@ -83,7 +84,7 @@ def replica_status(replica: ReplicaView, now: float, startup_timeout_s: float | 
         return ReplicaStatus(ReplicaState.STOPPING, tuple(gone))
     if all_ready and replica.shards:
         return ReplicaStatus(ReplicaState.READY)
-    if startup_timeout_s is not None and now - replica.created > startup_timeout_s:
+    if startup_timeout_s is not None and now - max(replica.created, replica.startup_from) > startup_timeout_s:
         waiting = [
             f"shard {s.shard} on {s.node} {s.state or 'not reported'}"
             for s in replica.shards

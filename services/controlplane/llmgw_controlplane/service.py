@@ -26,6 +26,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 
 from llmgw_common import bus
 from llmgw_common.catalog import Catalog, CatalogError, load_catalog_file
+from llmgw_common.clockcheck import Doubts
 from llmgw_common.codec import encode
 from llmgw_common.ctl import DebugStatsReply
 from llmgw_common.messages import (
@@ -85,16 +86,19 @@ class ControlPlane:
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}"
         self.subjects = Subjects(s.prefix)
         self.drops = bus.DropLog(log)
+        # Messages that decoded but whose claims are not believed (times, boots, seqs): one log line each.
+        self.doubts = Doubts(log)
         self.state = ClusterState(
             heartbeat_interval_s=s.heartbeat_interval_s,
             unreachable_after_missed=s.unreachable_after_missed,
             node_lost_s=s.node_lost_s,
+            doubts=self.doubts,
         )
-        self.idle = IdleMerger(stale_s=max(IDLE_STALE_TICKS * s.tick_s, 5.0))
+        self.idle = IdleMerger(stale_s=max(IDLE_STALE_TICKS * s.tick_s, 5.0), doubts=self.doubts)
         self.detector = EventDetector(s.placement_failing_after_s)
         self.api = CtlApi(self)
         # Routers' token counts, for the console's Usage page.
-        self.usage = UsageBook()
+        self.usage = UsageBook(doubts=self.doubts)
         self._inventory_asked: dict[str, float] = {}
         self.memo = ReconcileMemo()
         self.reasons: dict[str, str] = {}
@@ -194,10 +198,10 @@ class ControlPlane:
         now = self.clock()
         if self.state.on_heartbeat(hb, now):
             self.dirty.set()
-        rec = self.state.nodes.get(hb.node)
-        if rec is not None and rec.inventory is None:
-            # Its inventory went out before we listened (our restart, or a start race): ask, at most
-            # once per few heartbeats, instead of holding the node back until its next periodic send.
+        if self.state.wants_inventory(hb.node):
+            # Its inventory went out before we listened (our restart, or a start race), or it claims a
+            # new boot that only an inventory proves: ask, at most once per few heartbeats, instead of
+            # holding the node back until its next periodic send.
             asked = self._inventory_asked.get(hb.node, float("-inf"))
             if now - asked >= 3 * self.s.heartbeat_interval_s:
                 self._inventory_asked[hb.node] = now
@@ -499,7 +503,7 @@ class ControlPlane:
             last_reconcile_ms=self.last_reconcile_ms,
             heartbeats=self.state.heartbeats,
             heartbeats_per_s=rate,
-            dropped=self.drops.count,
+            dropped=self.drops.count + self.doubts.count,
             nodes=len(self.state.nodes),
             replicas=len(self.state.replicas),
             desired_replicas=desired,

@@ -73,6 +73,9 @@ class ReplicaView:
     shards: tuple[ShardView, ...]
     draining: bool = False
     draining_since: float | None = None
+    # The startup timeout counts from here when it is later than ``created`` (its node's agent restarted
+    # while it was ready: the new agent re-adopts and checks the engine before it says ready again).
+    startup_from: float = 0.0
 
     @property
     def nodes(self) -> tuple[str, ...]:

@@ -4,15 +4,30 @@ Node health is judged by the control plane's own clock (the time a heartbeat *ar
 sender's timestamp: a node whose messages were buffered during a disconnect is not fresh because its
 clock says so. Every ``on_*`` method returns whether something the reconciler cares about changed, so
 the caller marks the loop dirty only then (heartbeats that repeat the same state do not).
+
+What a message claims is believed only as far as it can be (one bad message must not stop or freeze a
+node's replicas; each refusal is one rate-limited log line):
+
+- a sender's time that is not finite or lies in our future (:mod:`llmgw_common.clockcheck`) voids the
+  whole message;
+- a new ``boot_id`` (an agent restart voids what the old boot said) is believed only from an inventory
+  of that boot, which the agent sends first; heartbeats and statuses of an unproven boot are ignored and
+  the service asks the node for its inventory;
+- a heartbeat ``seq`` may jump ahead only as far as the time since the last one allows
+  (:mod:`seqcheck`), so a forged huge seq cannot make every genuine heartbeat look like a replay;
+- replicas that were ready when their node's agent restarted count their startup timeout from the
+  restart: the new agent re-adopts their engines and checks them again before it reports them ready.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from llmgw_common.catalog import Catalog
+from llmgw_common.clockcheck import Doubts, distrust, order_time
 from llmgw_common.messages import (
     Heartbeat,
     Inventory,
@@ -24,6 +39,7 @@ from llmgw_common.messages import (
     ShardState,
     ShardStatus,
 )
+from llmgw_controlplane.seqcheck import seq_believed
 from llmgw_controlplane.snapshot import GpuView, NodeState, NodeView, ReplicaView, ShardView, Snapshot
 
 ShardKey = tuple[str, int]
@@ -54,7 +70,13 @@ class NodeRecord:
     # replica table after a restart, when this control plane started: it gets the full lost timeout).
     last_seen: float
     boot_id: str = ""
+    # A different boot some heartbeat or status claimed, not proven by an inventory yet ("" when none).
+    unproven_boot: str = ""
     seq: int = -1
+    # Own clock: when the heartbeat numbered ``seq`` came.
+    seq_at: float = 0.0
+    # A seq that jumped further than time allows, and when: believed once the next one follows it.
+    seq_jump: tuple[int, float] | None = None
     address: str = "127.0.0.1"
     inventory: Inventory | None = None
     inventory_rev: int = 0
@@ -89,7 +111,9 @@ class ClusterState:
         unreachable_after_missed: int,
         node_lost_s: float,
         catalog: Catalog | None = None,
+        doubts: Doubts | None = None,
     ) -> None:
+        self.doubts = doubts or Doubts(logging.getLogger("llmgw.controlplane"))
         self.interval_s = heartbeat_interval_s
         self.missed = unreachable_after_missed
         self.lost_s = node_lost_s
@@ -105,6 +129,9 @@ class ClusterState:
         # Replicas older than this count as created now for the startup timeout: before it, nobody
         # here could have seen them become ready (e.g. replicas adopted after a restart).
         self.observed_from = 0.0
+        # Replica -> when an agent restart voided a shard of it that was ready: its startup timeout
+        # counts from then (the new agent re-adopts the engine and checks it before saying ready).
+        self.readopted: dict[str, float] = {}
         # Bumped whenever replica records or the catalog change: cached assignments are rebuilt.
         self.generation = 0
         # Snapshot caches: views are rebuilt only for what changed, so a steady pass costs little.
@@ -137,35 +164,84 @@ class ClusterState:
             return rec, True
         return rec, False
 
-    def _heard(self, rec: NodeRecord, boot_id: str, now: float) -> bool:
-        """Common part of every message from a node; True when it matters to the reconciler."""
+    def _heard(self, rec: NodeRecord, boot_id: str, now: float, *, proof: bool = False) -> bool | None:
+        """Common part of every message from a node; True when it matters to the reconciler.
+
+        None when the message claims a boot other than the node's and is no ``proof`` of it (only an
+        inventory is): nothing of it is believed, not even that the node is alive.
+        """
         changed = not rec.heard
+        if rec.boot_id != boot_id:
+            if rec.boot_id and not proof:
+                rec.unproven_boot = boot_id
+                return None
+            self._new_boot(rec, boot_id, now)
+            changed = True
+        if proof:
+            rec.unproven_boot = ""
         if not rec.heard:
             rec.heard = True
             rec.rev += 1
-        if rec.boot_id != boot_id:
-            if rec.boot_id:
-                rec.restarts += 1
-            rec.boot_id = boot_id
-            rec.seq = -1
-            # A restarted agent reports afresh; what the old boot said is void.
-            self._touch_shards(rec.shards)
-            rec.shards = {}
-            changed = True
         rec.last_seen = max(rec.last_seen, now)
         if rec.health is not NodeState.READY:
             changed = True
         return changed
 
+    def _new_boot(self, rec: NodeRecord, boot_id: str, now: float) -> None:
+        if rec.boot_id:
+            rec.restarts += 1
+        for (rid, _), rep in rec.shards.items():
+            if rep.state is ShardState.READY:
+                self.readopted[rid] = now
+        rec.boot_id = boot_id
+        rec.seq, rec.seq_jump = -1, None
+        # A restarted agent reports afresh; what the old boot said is void.
+        self._touch_shards(rec.shards)
+        rec.shards = {}
+
+    def _doubt(self, node: str, kind: str, why: str, now: float) -> None:
+        self.doubts.refuse(f"node {node}", kind, why, now)
+
+    def _unproven(self, rec: NodeRecord, kind: str, boot_id: str, now: float) -> None:
+        self._doubt(
+            rec.name,
+            "boot",
+            f"{kind} from boot {boot_id!r}, but the node's boot is {rec.boot_id!r} and no inventory from "
+            f"{boot_id!r} came yet",
+            now,
+        )
+
+    def _seq_believed(self, rec: NodeRecord, seq: int, now: float) -> bool:
+        """Whether a heartbeat numbered ``seq`` (same boot, newer than the last) is not an absurd jump."""
+        if seq_believed(rec.seq, rec.seq_at, rec.seq_jump, seq, now, self.interval_s):
+            return True
+        rec.seq_jump = (seq, now)
+        why = f"heartbeat seq jumped from {rec.seq} to {seq} in {now - rec.seq_at:.1f}s: held until the next follows it"
+        self._doubt(rec.name, "seq", why, now)
+        return False
+
+    def wants_inventory(self, name: str) -> bool:
+        """The node should be asked for its inventory: none came yet, or it must prove a new boot."""
+        rec = self.nodes.get(name)
+        return rec is not None and (rec.inventory is None or bool(rec.unproven_boot))
+
     def on_heartbeat(self, hb: Heartbeat, now: float) -> bool:
         self.heartbeats += 1
+        why = distrust(hb.sent_at, now)
+        if why is not None:
+            self._doubt(hb.node, "time", f"heartbeat: {why}", now)
+            return False
         rec, new = self._node(hb.node, now)
-        changed = self._heard(rec, hb.boot_id, now) or new
-        if hb.boot_id == rec.boot_id and hb.seq <= rec.seq:
+        heard = self._heard(rec, hb.boot_id, now)
+        if heard is None:
+            self._unproven(rec, "heartbeat", hb.boot_id, now)
+            return new
+        changed = heard or new
+        if hb.seq <= rec.seq or not self._seq_believed(rec, hb.seq, now):
             # Reordered or replayed after a reconnect: liveness counts, content does not.
             return changed
-        rec.seq = hb.seq
-        rec.last_sent_at = hb.sent_at
+        rec.seq, rec.seq_at, rec.seq_jump = hb.seq, now, None
+        rec.last_sent_at = order_time(hb.sent_at, now)
         if rec.address != hb.address:
             rec.address = hb.address
             rec.rev += 1
@@ -180,8 +256,12 @@ class ClusterState:
         return changed
 
     def on_inventory(self, inv: Inventory, now: float) -> bool:
+        why = distrust(inv.sent_at, now)
+        if why is not None:
+            self._doubt(inv.node, "time", f"inventory: {why}", now)
+            return False
         rec, _ = self._node(inv.node, now)
-        changed = self._heard(rec, inv.boot_id, now)
+        changed = bool(self._heard(rec, inv.boot_id, now, proof=True))
         if rec.inventory is None or _content(rec.inventory) != _content(inv):
             # Only a change of content makes a new view; the 60 s repeat of the same inventory does not.
             rec.inventory = inv
@@ -196,8 +276,16 @@ class ClusterState:
         return changed
 
     def on_status(self, st: ShardStatus, now: float) -> bool:
+        why = distrust(st.sent_at, now)
+        if why is not None:
+            self._doubt(st.node, "time", f"status: {why}", now)
+            return False
         rec, _ = self._node(st.node, now)
-        changed = self._heard(rec, st.boot_id, now)
+        heard = self._heard(rec, st.boot_id, now)
+        if heard is None:
+            self._unproven(rec, "status", st.boot_id, now)
+            return False
+        changed = heard
         key = (st.replica_id, st.shard)
         if st.state is ShardState.FAILED or st.error or st.log_tail:
             self.details[key] = ShardDetail(st.error, tuple(st.log_tail))
@@ -277,6 +365,7 @@ class ClusterState:
             self.generation += 1
             self._dirty_replicas.add(replica_id)
             self.loads.pop(replica_id, None)
+            self.readopted.pop(replica_id, None)
             for s in rec.shards:
                 self.details.pop((replica_id, s.shard), None)
         return rec
@@ -358,6 +447,7 @@ class ClusterState:
             id=rec.id,
             model=rec.model,
             created=max(rec.created, self.observed_from),
+            startup_from=self.readopted.get(rec.id, 0.0),
             shards=tuple(shards),
             draining=rec.draining,
             draining_since=rec.draining_since,

@@ -1,0 +1,105 @@
+"""An agent restart on a node whose replica has been up longer than its startup timeout.
+
+The real thing takes 700 s with the default ``startup_timeout_s`` of 600; here the timeout is a few
+seconds, and the replica is older than it when the agent is killed. The restarted agent re-adopts the
+engine; the control plane must keep the replica (same record, same engine PID) and say nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from chaos_bus import BusView, poll
+from chaos_harness import AGGRESSIVE, ChaosCluster, boot
+from nats.aio.msg import Msg
+
+pytestmark = [pytest.mark.xdist_group("chaos"), pytest.mark.e2e, pytest.mark.slow]
+
+STARTUP_TIMEOUT_S = 4.0
+CATALOG = f"""\
+models:
+  - name: chat
+    engine: vllm
+    gpu_class: H100-80GB
+    gpus_per_node: 1
+    replicas: 1
+    startup_timeout_s: {STARTUP_TIMEOUT_S:g}
+    options: {{startup_s: 0.3, ttft_ms: 15, tokens_per_s: 300, slots: 64}}
+"""
+# An agent restart must not look like a lost node either.
+SETTINGS = {**AGGRESSIVE, "LLMGW_NODE_LOST_S": "20"}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosCluster]:
+    c, _ = boot(
+        Path(tmp_path_factory.mktemp("chaos-uptime")),
+        nodes=("n1",),
+        replicas=1,
+        settings=SETTINGS,
+        catalog=CATALOG,
+    )
+    yield c
+    c.close()
+
+
+async def test_agent_restart_after_the_startup_timeout_keeps_the_readopted_replica(
+    cluster: ChaosCluster,
+) -> None:
+    c = cluster
+    view = await BusView.connect(c.nats_url, c.prefix)
+    events: list[str] = []
+
+    async def on_event(msg: Msg) -> None:
+        events.append(msg.subject)
+
+    sub = await view.nc.subscribe(view.subjects.all_events(), cb=on_event)
+    try:
+        before, _ = await poll("n1 reports its engine ready", lambda: _pids(view), 30)
+        records = await view.records()
+        (rec,) = records.values()
+        # Older than its startup timeout by the control plane's clock (records carry its time).
+        await poll(
+            "the replica outlives its startup timeout",
+            lambda: _true(time.time() > rec.created + STARTUP_TIMEOUT_S + 1),
+            STARTUP_TIMEOUT_S + 10,
+        )
+        old_boot = view.heartbeats["n1"].boot_id
+        c.procs["agent-n1"].kill()  # its engines live in groups of their own and keep running
+        c.start_agent("n1")
+
+        async def readopted() -> dict[tuple[str, int], int] | None:
+            hb = view.heartbeats.get("n1")
+            return view.engine_pids("n1") or None if hb is not None and hb.boot_id != old_boot else None
+
+        after, took = await poll("the new agent reports the engine ready", readopted, 40)
+        # The control plane has judged the replica many times since then.
+        stats, _ = await poll("the control plane's stats", view.stats, 10)
+        passes = stats.passes
+        await poll("20 reconcile passes", lambda: _passes_past(view, passes + 20), 30)
+        report = f"engines {before} -> {after} (ready again {took:.1f}s after the restart); events {events}"
+        assert view.engine_pids("n1") == before, report
+        assert all(psutil.pid_exists(p) for p in before.values()), report
+        assert await view.records() == records, report  # not failed, not replaced
+        assert events == [], report
+        assert "re-adopting" in c.procs["agent-n1"].tail(200)
+    finally:
+        await sub.unsubscribe()
+        await view.close()
+
+
+async def _pids(view: BusView) -> dict[tuple[str, int], int] | None:
+    return view.engine_pids("n1") or None
+
+
+async def _true(v: bool) -> bool:
+    return v
+
+
+async def _passes_past(view: BusView, n: int) -> bool:
+    s = await view.stats()
+    return s is not None and s.passes >= n
