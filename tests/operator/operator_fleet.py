@@ -117,6 +117,8 @@ class Fleet:
     assignments: int = 0
     # When set: a router "r-fleet" reports replicas of these models used just now, every beat.
     used_models: set[str] | None = None
+    # That router's start, fixed as a real router's is (a new one would be a restart), an hour ago.
+    router_since: float = field(default_factory=lambda: time.time() - 3600)
     _task: asyncio.Task[None] | None = None
 
     @property
@@ -204,7 +206,7 @@ class Fleet:
                 for s in shards
                 if s.model in self.used_models
             }
-            rep = IdleReport(router="r-fleet", since=now - 3600, sent_at=now, last_used=used)
+            rep = IdleReport(router="r-fleet", since=self.router_since, sent_at=now, last_used=used)
             await self.nc.publish(self.subjects.idle("r-fleet"), encode(rep))
         await self.nc.flush()
 

@@ -22,8 +22,10 @@ import logging
 import math
 
 # How far ahead of the receiver's clock a sender's clock may run. Clocks of a cluster are kept by NTP
-# to well under a second; a minute leaves room for a node whose sync is off without accepting years.
-MAX_AHEAD_S = 60.0
+# to well under a second; five minutes leave room for a node whose sync is off without accepting years.
+# Generous on purpose: :func:`order_time` already keeps a time ahead of ours from outranking later
+# messages, so this bound only decides when a sender is refused outright (its node then goes lost).
+MAX_AHEAD_S = 300.0
 # A refused sender is named in the log at most this often (per sender and kind of reason).
 DOUBT_LOG_EVERY_S = 60.0
 
