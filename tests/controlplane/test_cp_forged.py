@@ -97,3 +97,40 @@ async def test_forged_heartbeats_change_nothing_and_genuine_ones_still_count(
     finally:
         await beating.stop()
         await run.stop()
+
+
+async def test_a_restarted_agent_whose_inventory_was_missed_is_asked_to_prove_its_boot(
+    nats_server, prefix, bus_nc
+):
+    """Heartbeats of an unproven boot are not believed; the node is asked for the inventory that proves it."""
+    run = await start_cp(cp_settings(nats_server.url, prefix))
+    agent = FakeAgent(bus_nc, prefix, "gpu-0")
+    beating = Beating([agent], 0.1)
+    asked: list[str] = []
+
+    async def answer(msg) -> None:  # type: ignore[no-untyped-def]
+        asked.append(agent.boot_id)
+        await agent.send_inventory()
+
+    sub = None
+    try:
+        await agent.send_inventory()
+        beating.start()
+        await eventually(lambda: _assignments(bus_nc, prefix))
+        node = run.cp.state.nodes["gpu-0"]
+        # The agent restarts; its first inventory never reached the control plane.
+        agent.boot_id, agent.seq = "boot-2", 0
+        sub = await bus_nc.subscribe(Subjects(prefix).inventory_request("gpu-0"), cb=answer)
+        await bus_nc.flush()
+
+        async def restarted() -> bool:
+            return node.boot_id == "boot-2" and node.restarts == 1
+
+        await eventually(restarted)
+        assert asked and set(asked) == {"boot-2"}
+        assert not run.cp.state.wants_inventory("gpu-0")
+    finally:
+        await beating.stop()
+        if sub is not None:
+            await sub.unsubscribe()
+        await run.stop()
