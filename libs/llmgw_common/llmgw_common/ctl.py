@@ -105,9 +105,12 @@ class NodeInfo(Message):
     labels: dict[str, str] = {}
     engines: tuple[str, ...] = ()
     gpu_summary: str = ""  # e.g. "8xH100-80GB"
+    # Every card in exactly one of used, free, held, unhealthy (the same count as `status`'s capacity):
+    # held is healthy and idle on a node that takes no new replica (cordoned, draining, unreachable, lost).
     gpus_total: int = 0
     gpus_used: int = 0
     gpus_free: int = 0
+    gpus_held: int = 0
     gpus_unhealthy: int = 0
     unhealthy_reasons: tuple[str, ...] = ()
     # None: not reported (shown as "-"), never 0.
@@ -121,6 +124,8 @@ class NodeInfo(Message):
     replicas: tuple[str, ...] = ()
     weights: tuple[str, ...] = ()
     storage_looked: bool = False
+    # The agent simulates its GPUs (fleet file, sim mode): its capacity is not real.
+    simulated: bool = False
 
 
 class ShardInfo(Message):
@@ -184,8 +189,8 @@ class ClassCapacity(Message):
     used: int = 0
     free: int = 0
     unhealthy: int = 0
-    # Healthy idle cards on nodes that take no new replica (cordoned, draining, unreachable): not free,
-    # not used. total = used + free + unhealthy + held.
+    # Healthy idle cards on nodes that take no new replica (cordoned, draining, unreachable, lost): not
+    # free, not used. total = used + free + unhealthy + held = the sums of the nodes table's figures.
     held: int = 0
 
 
@@ -210,6 +215,8 @@ class StatusReply(Message):
     idle_threshold_s: float = 0.0
     # fabric ("-" for nodes without one) -> weight names found there.
     weights_per_fabric: dict[str, tuple[str, ...]] = {}
+    # Nodes whose agent simulates its GPUs: the capacity above counts their cards, which are not real.
+    simulated_nodes: int = 0
     warnings: tuple[str, ...] = ()
 
 
