@@ -65,6 +65,10 @@ class EventDetector:
                 out.append(_event(NODE_RECOVERED, t.node, now, f"node {t.node} reports again"))
         return out
 
+    def forget_node(self, node: str) -> None:
+        """The node left the table: if it ever reports again it is a new node, not a recovery."""
+        self.lost.discard(node)
+
     def models(
         self, ready: Mapping[str, int], watched: Iterable[str], why: Mapping[str, str], now: float
     ) -> list[Event]:
