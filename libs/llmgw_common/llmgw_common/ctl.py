@@ -10,18 +10,25 @@ number is exact or only a lower bound.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TypeVar
 
 import nats.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
+from llmgw_common import chunks
 from llmgw_common.catalog import Catalog
-from llmgw_common.codec import DecodeError, decode, encode
+from llmgw_common.codec import MAX_PAYLOAD, DecodeError, decode, encode
 from llmgw_common.messages import ClusterSettings, Marks, Message
 from llmgw_common.subjects import Subjects
 
 ERROR_HEADER = "Nats-Service-Error"
 ERROR_CODE_HEADER = "Nats-Service-Error-Code"
+# The server's answer to a request nobody subscribes to (nats-py's request() checks the same).
+STATUS_HEADER = "Status"
+NO_RESPONDERS = "503"
 
 # Verb -> subject suffix. Endpoint names (micro: letters, digits, - and _) are the verb with . -> _.
 VERBS = (
@@ -324,22 +331,60 @@ class CtlClient:
     async def call(self, verb: str, request: Message, reply_cls: type[R], timeout: float | None = None) -> R:
         subject = self.subjects.ctl(verb)
         wait = self.timeout if timeout is None else timeout
+        # Its own inbox rather than nc.request(): a large answer comes as several messages (chunks.py).
+        sub = await self.nc.subscribe(self.nc.new_inbox())
         try:
-            msg = await self.nc.request(subject, encode(request), timeout=wait)
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
-            raise CtlUnavailable(
-                f"no control plane answered on {subject} within {wait:g}s "
-                "(is `llmgw controlplane` running, with the same --nats and --prefix?)"
-            ) from None
-        headers = msg.headers or {}
-        if ERROR_HEADER in headers:
-            # The body, when present, is the full (multi-line) description; the header is one line.
-            text = msg.data.decode("utf-8", "replace") if msg.data else headers[ERROR_HEADER]
-            raise CtlError(text, headers.get(ERROR_CODE_HEADER, ""))
+            await self.nc.publish(subject, encode(request), reply=sub.subject)
+            msg = await self._next(sub, wait, subject)
+            headers = msg.headers or {}
+            if headers.get(STATUS_HEADER) == NO_RESPONDERS:
+                raise self._unavailable(subject, wait)
+            if ERROR_HEADER in headers:
+                # The body, when present, is the full (multi-line) description; the header is one line.
+                text = msg.data.decode("utf-8", "replace") if msg.data else headers[ERROR_HEADER]
+                raise CtlError(text, headers.get(ERROR_CODE_HEADER, ""))
+            data = msg.data
+            if chunks.CHUNK_HEADER in headers:
+                data = await self._rest(sub, msg, wait, verb)
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
         try:
-            return decode(msg.data, reply_cls)
+            return decode(data, reply_cls, limit=max(len(data), MAX_PAYLOAD))
         except DecodeError as e:
             raise CtlError(f"the control plane's reply to {verb} could not be read: {e}") from None
+
+    async def _next(self, sub: Subscription, wait: float, subject: str) -> Msg:
+        try:
+            return await sub.next_msg(timeout=wait)
+        except nats.errors.TimeoutError:
+            raise self._unavailable(subject, wait) from None
+
+    async def _rest(self, sub: Subscription, first: Msg, wait: float, verb: str) -> bytes:
+        """The remaining chunks of a reply whose first part is ``first``, joined in order."""
+        try:
+            count = chunks.parse((first.headers or {})[chunks.CHUNK_HEADER], 1, None)
+            parts = [first.data]
+            for i in range(2, count + 1):
+                try:
+                    msg = await sub.next_msg(timeout=wait)
+                except nats.errors.TimeoutError:
+                    raise CtlError(
+                        f"the control plane's reply to {verb} stopped after {i - 1} of {count} parts "
+                        f"(nothing for {wait:g}s); try again"
+                    ) from None
+                chunks.parse((msg.headers or {}).get(chunks.CHUNK_HEADER, ""), i, count)
+                parts.append(msg.data)
+        except chunks.ChunkError as e:
+            raise CtlError(f"the control plane's reply to {verb} could not be read: {e}") from None
+        return b"".join(parts)
+
+    @staticmethod
+    def _unavailable(subject: str, wait: float) -> CtlUnavailable:
+        return CtlUnavailable(
+            f"no control plane answered on {subject} within {wait:g}s "
+            "(is `llmgw controlplane` running, with the same --nats and --prefix?)"
+        )
 
     async def nodes(self) -> NodesReply:
         return await self.call("nodes", Empty(), NodesReply)
