@@ -113,6 +113,8 @@ def test_split_fits_each_part_and_joins_back() -> None:
     assert chunks.split(data[:4096], limit) == [data[:4096]]  # exactly one message's worth: one part
     with pytest.raises(ValueError, match="leaves no room"):
         chunks.split(data, chunks.HEADROOM)
+    with pytest.raises(ValueError, match=f"needs {chunks.MAX_CHUNKS + 1} chunks"):
+        chunks.split(b"x" * (chunks.MAX_CHUNKS + 1), chunks.HEADROOM + 1)
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,8 @@
 
 Every verb has one request and one reply message, encoded with :mod:`llmgw_common.codec`. An error
 reply carries the NATS micro service error headers; :class:`CtlClient` turns it into :class:`CtlError`
-with the control plane's user-facing description, and a silent bus into :class:`CtlUnavailable`.
+with the control plane's user-facing description, and a silent bus into :class:`CtlUnavailable`. A reply
+larger than the server's max_payload arrives in numbered parts (:mod:`llmgw_common.chunks`) and is joined.
 
 Idle times follow ARCHITECTURE #1: ``idle_s`` is negative when unknown, and ``idle_kind`` says whether a
 number is exact or only a lower bound.
