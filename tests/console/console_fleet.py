@@ -64,7 +64,8 @@ NODES = (
         unhealthy_reasons=(UNHEALTHY_REASON,),
         replicas=("r-mistral-1",),
     ),
-    _node("gpu-a03", cordoned=True, labels={"note": HOSTILE}),
+    # A cordoned or lost node's idle cards are held, not free (the one count of views.gpu_buckets).
+    _node("gpu-a03", cordoned=True, gpus_free=0, gpus_held=8, labels={"note": HOSTILE}),
     _node(
         "gpu-a04",
         draining=True,
@@ -83,7 +84,16 @@ NODES = (
         gpus_free=3,
         replicas=("r-qwen-1",),
     ),
-    _node("gpu-b03", state="lost", fabric="ib-b", gpu_summary="4xA100-40GB", gpus_total=4, last_seen_s=340.0),
+    _node(
+        "gpu-b03",
+        state="lost",
+        fabric="ib-b",
+        gpu_summary="4xA100-40GB",
+        gpus_total=4,
+        gpus_free=0,
+        gpus_held=4,
+        last_seen_s=340.0,
+    ),
     _node("cpu-01", fabric=None, gpu_summary="", gpus_total=0, gpus_free=0, cpus=64, storage_looked=False),
 )
 
@@ -92,8 +102,8 @@ STATUS = StatusReply(
     fence=7,
     catalog_version=3,
     capacity=(
-        ClassCapacity(gpu_class="A100-40GB", total=8, used=1, free=7, unhealthy=0),
-        ClassCapacity(gpu_class="H100-80GB", total=32, used=20, free=3, unhealthy=1),
+        ClassCapacity(gpu_class="A100-40GB", total=12, used=1, free=7, unhealthy=0, held=4),
+        ClassCapacity(gpu_class="H100-80GB", total=32, used=20, free=3, unhealthy=1, held=8),
     ),
     free_nodes_per_fabric={"ib-b": 1},
     nodes_by_state={"ready": 7, "lost": 1},

@@ -66,7 +66,7 @@ async def test_overview_shows_status_aggregates(c):
     # class, used, free, unhealthy, held, total: the unhealthy GPU is neither used nor free, and the
     # 8 healthy-but-unplaceable ones are "held", not free.
     assert "H100-80GB 20 3 1 8 32" in cap
-    assert "A100-40GB 1 7 0 0 8" in cap
+    assert "A100-40GB 1 7 0 4 12" in cap  # the lost node's idle cards are held
     assert rows(page, "free-nodes") == ["ib-b 1"]
     t = text(page)
     for needle in (
@@ -140,7 +140,8 @@ async def test_nodes_page(c):
     page = await get(c, "/nodes")
     r = {row.split()[0]: row for row in rows(page, "nodes")[1:]}
     assert list(r) == ["gpu-a01", "gpu-a02", "gpu-a03", "gpu-a04", "gpu-b01", "gpu-b02", "gpu-b03", "cpu-01"]
-    assert "4/3/1/8" in r["gpu-a02"] and UNHEALTHY_REASON in r["gpu-a02"]
+    assert "4/3/0/1/8" in r["gpu-a02"] and UNHEALTHY_REASON in r["gpu-a02"]
+    assert "0/0/8/0/8" in r["gpu-a03"] and "0/0/4/0/4" in r["gpu-b03"]  # held, as ctl counts them
     # Memory not reported: "-", never 0 (ARCHITECTURE #3).
     assert "4xA100-40GB - 96" in r["gpu-b01"]
     assert "1024 GB" in r["gpu-a01"]
@@ -159,6 +160,37 @@ async def test_nodes_page(c):
         assert row and 'class="held"' in row.group(1) and 'class="free"' not in row.group(1)
     healthy = re.search(r'<tr[^>]*id="node-gpu-b01">(.*?)</tr>', page, re.S)
     assert healthy and 'class="free"' in healthy.group(1)
+
+
+async def test_nodes_page_marks_simulated_nodes():
+    from console_fleet import NODES
+
+    from llmgw_common.ctl import NodesReply
+
+    sim = tuple(n.model_copy(update={"simulated": n.name in ("gpu-a01", "gpu-b01")}) for n in NODES)
+    async with client(FixedSource(nodes_reply=NodesReply(nodes=sim))) as c:
+        page = await get(c, "/nodes")
+    badged = {
+        name
+        for name, row in re.findall(r'<tr[^>]*id="node-([^"]+)">(.*?)</tr>', page, re.S)
+        if '<span class="tag sim"' in row
+    }
+    assert badged == {"gpu-a01", "gpu-b01"}
+    m = re.search(r'<div class="banner warn" id="simulated-warning">(.*?)</div>', page, re.S)
+    assert m and text(m.group(1)) == "2 simulated nodes: capacity shown is not real (marked SIM)."
+
+
+async def test_nodes_page_of_a_real_fleet_has_no_sim_badge(c):
+    page = await get(c, "/nodes")
+    assert 'class="tag sim"' not in page and 'id="simulated-warning"' not in page
+
+
+async def test_overview_shows_the_simulated_warning():
+    warn = "3 simulated nodes: capacity shown is not real"
+    src = FixedSource(status_reply=STATUS.model_copy(update={"simulated_nodes": 3, "warnings": (warn,)}))
+    async with client(src) as c:
+        page = await get(c, "/")
+    assert f'<div class="banner warn">{warn}</div>' in page
 
 
 async def test_nodes_page_without_problems_has_no_attention_line():

@@ -39,8 +39,8 @@ async def test_live_console_matches_ctl(live_console: LiveConsole):
         cap = rows(page, "capacity")[1:]
         assert len(cap) == len(status.capacity) == 2
         for cc, row in zip(status.capacity, cap, strict=True):
-            held = cc.total - cc.used - cc.free - cc.unhealthy
-            assert row == f"{cc.gpu_class} {cc.used} {cc.free} {cc.unhealthy} {held} {cc.total}"
+            assert cc.held == cc.total - cc.used - cc.free - cc.unhealthy
+            assert row == f"{cc.gpu_class} {cc.used} {cc.free} {cc.unhealthy} {cc.held} {cc.total}"
         h100 = next(cc for cc in status.capacity if cc.gpu_class == "H100-80GB")
         assert (h100.total, h100.used, h100.unhealthy, h100.free) == (16, 2, 1, 13)
         assert rows(page, "free-nodes") == [f"{f} {n}" for f, n in status.free_nodes_per_fabric.items()]
@@ -55,7 +55,7 @@ async def test_live_console_matches_ctl(live_console: LiveConsole):
         assert [r.split()[0] for r in page_nodes] == [n.name for n in ctl_nodes]
         for n, row in zip(ctl_nodes, page_nodes, strict=True):
             if n.gpus_total:
-                assert f"{n.gpus_used}/{n.gpus_free}/{n.gpus_unhealthy}/{n.gpus_total}" in row
+                assert f"{n.gpus_used}/{n.gpus_free}/{n.gpus_held}/{n.gpus_unhealthy}/{n.gpus_total}" in row
         h1 = next(r for r in page_nodes if r.startswith("h100-01"))
         assert f"GPU 7: {LIVE_UNHEALTHY}" in h1
         a1 = next(r for r in page_nodes if r.startswith("a100-01"))

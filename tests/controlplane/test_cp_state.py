@@ -321,3 +321,34 @@ def test_a_genuine_seq_jump_after_a_gap_is_taken():
     assert rec.seq == 52 and rec.shards == {}
     assert st.on_heartbeat(_hb(boot="b1", seq=5001, sent_at=104.0, shards=(stopping,)), 104.0)
     assert rec.seq == 5001 and rec.shards[("r1", 0)].state is ShardState.STOPPING
+
+
+def test_silent_node_without_replicas_is_forgotten_after_node_forget_s() -> None:
+    st = _state()  # node_lost_s 30
+    for n in ("gone", "holds", "alive"):
+        st.on_inventory(_inv(node=n), now=100.0)
+    st.put_replica(
+        ReplicaRecord(
+            id="r1",
+            model="m",
+            created=1.0,
+            shards=(ShardPlacement(shard=0, node="holds", gpus=(0,), port=1),),
+        )
+    )
+    forget_s = 3600.0
+    t = 100.0 + 30.0 + forget_s  # lost for exactly node_forget_s: not yet
+    st.on_heartbeat(_hb(node="alive"), now=t)
+    assert st.forget_silent(t, forget_s) == []
+    assert st.snapshot(t).nodes["gone"].state is NodeState.LOST
+    st.on_heartbeat(_hb(node="alive", seq=2), now=t + 1)
+    assert st.forget_silent(t + 1, forget_s) == ["gone"]
+    # Gone from the table and from every view built from it; the one holding a replica stays.
+    assert set(st.nodes) == {"holds", "alive"}
+    assert set(st.snapshot(t + 1).nodes) == {"holds", "alive"}
+    assert st.forget_silent(t + 2, forget_s) == []  # said once
+    # Its replica gone, the other lost node is forgotten too.
+    st.drop_replica("r1")
+    assert st.forget_silent(t + 3, forget_s) == ["holds"]
+    # A forgotten node that reports again is a new node.
+    assert st.on_heartbeat(_hb(node="gone", seq=7), now=t + 4)
+    assert st.snapshot(t + 4).nodes["gone"].state is NodeState.UNREACHABLE  # no inventory yet

@@ -183,10 +183,10 @@ async def test_status_fits_one_screen_and_matches_tables(
         c["total"] += n["gpus_total"]
         c["used"] += n["gpus_used"]
         c["unhealthy"] += n["gpus_unhealthy"]
+        c["held"] += n["gpus_held"]
+        c["free"] += n["gpus_free"]
         if n["cordoned"] or n["draining"]:
-            c["held"] += n["gpus_free"]
-        else:
-            c["free"] += n["gpus_free"]
+            assert n["gpus_free"] == 0, n  # a node that takes nothing new has no free card
     cap = {c["gpu_class"]: c for c in status["capacity"]}
     assert set(cap) == set(by_class) == {cls for cls, _ in SHAPES}
     for cls, c in by_class.items():

@@ -30,9 +30,11 @@ def encode(msg: BaseModel) -> bytes:
     return out
 
 
-def decode(data: bytes, cls: type[M]) -> M:
-    if len(data) > MAX_PAYLOAD:
-        raise DecodeError(f"{cls.__name__}: payload of {len(data)} bytes exceeds {MAX_PAYLOAD}")
+def decode(data: bytes, cls: type[M], *, limit: int = MAX_PAYLOAD) -> M:
+    """``limit``: the largest payload accepted; a caller that assembled a reply from parts it asked
+    for (a chunked ctl answer) may allow more than one message's worth."""
+    if len(data) > limit:
+        raise DecodeError(f"{cls.__name__}: payload of {len(data)} bytes exceeds {limit}")
     try:
         raw: Any = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises a zoo of types (ExtraData, FormatError, ValueError, ...)

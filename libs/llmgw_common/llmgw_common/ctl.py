@@ -2,7 +2,8 @@
 
 Every verb has one request and one reply message, encoded with :mod:`llmgw_common.codec`. An error
 reply carries the NATS micro service error headers; :class:`CtlClient` turns it into :class:`CtlError`
-with the control plane's user-facing description, and a silent bus into :class:`CtlUnavailable`.
+with the control plane's user-facing description, and a silent bus into :class:`CtlUnavailable`. A reply
+larger than the server's max_payload arrives in numbered parts (:mod:`llmgw_common.chunks`) and is joined.
 
 Idle times follow ARCHITECTURE #1: ``idle_s`` is negative when unknown, and ``idle_kind`` says whether a
 number is exact or only a lower bound.
@@ -10,18 +11,25 @@ number is exact or only a lower bound.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TypeVar
 
 import nats.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
+from llmgw_common import chunks
 from llmgw_common.catalog import Catalog
-from llmgw_common.codec import DecodeError, decode, encode
+from llmgw_common.codec import MAX_PAYLOAD, DecodeError, decode, encode
 from llmgw_common.messages import ClusterSettings, Marks, Message
 from llmgw_common.subjects import Subjects
 
 ERROR_HEADER = "Nats-Service-Error"
 ERROR_CODE_HEADER = "Nats-Service-Error-Code"
+# The server's answer to a request nobody subscribes to (nats-py's request() checks the same).
+STATUS_HEADER = "Status"
+NO_RESPONDERS = "503"
 
 # Verb -> subject suffix. Endpoint names (micro: letters, digits, - and _) are the verb with . -> _.
 VERBS = (
@@ -105,9 +113,12 @@ class NodeInfo(Message):
     labels: dict[str, str] = {}
     engines: tuple[str, ...] = ()
     gpu_summary: str = ""  # e.g. "8xH100-80GB"
+    # Every card in exactly one of used, free, held, unhealthy (the same count as `status`'s capacity):
+    # held is healthy and idle on a node that takes no new replica (cordoned, draining, unreachable, lost).
     gpus_total: int = 0
     gpus_used: int = 0
     gpus_free: int = 0
+    gpus_held: int = 0
     gpus_unhealthy: int = 0
     unhealthy_reasons: tuple[str, ...] = ()
     # None: not reported (shown as "-"), never 0.
@@ -121,6 +132,8 @@ class NodeInfo(Message):
     replicas: tuple[str, ...] = ()
     weights: tuple[str, ...] = ()
     storage_looked: bool = False
+    # The agent simulates its GPUs (fleet file, sim mode): its capacity is not real.
+    simulated: bool = False
 
 
 class ShardInfo(Message):
@@ -184,8 +197,8 @@ class ClassCapacity(Message):
     used: int = 0
     free: int = 0
     unhealthy: int = 0
-    # Healthy idle cards on nodes that take no new replica (cordoned, draining, unreachable): not free,
-    # not used. total = used + free + unhealthy + held.
+    # Healthy idle cards on nodes that take no new replica (cordoned, draining, unreachable, lost): not
+    # free, not used. total = used + free + unhealthy + held = the sums of the nodes table's figures.
     held: int = 0
 
 
@@ -210,6 +223,8 @@ class StatusReply(Message):
     idle_threshold_s: float = 0.0
     # fabric ("-" for nodes without one) -> weight names found there.
     weights_per_fabric: dict[str, tuple[str, ...]] = {}
+    # Nodes whose agent simulates its GPUs: the capacity above counts their cards, which are not real.
+    simulated_nodes: int = 0
     warnings: tuple[str, ...] = ()
 
 
@@ -317,22 +332,60 @@ class CtlClient:
     async def call(self, verb: str, request: Message, reply_cls: type[R], timeout: float | None = None) -> R:
         subject = self.subjects.ctl(verb)
         wait = self.timeout if timeout is None else timeout
+        # Its own inbox rather than nc.request(): a large answer comes as several messages (chunks.py).
+        sub = await self.nc.subscribe(self.nc.new_inbox())
         try:
-            msg = await self.nc.request(subject, encode(request), timeout=wait)
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
-            raise CtlUnavailable(
-                f"no control plane answered on {subject} within {wait:g}s "
-                "(is `llmgw controlplane` running, with the same --nats and --prefix?)"
-            ) from None
-        headers = msg.headers or {}
-        if ERROR_HEADER in headers:
-            # The body, when present, is the full (multi-line) description; the header is one line.
-            text = msg.data.decode("utf-8", "replace") if msg.data else headers[ERROR_HEADER]
-            raise CtlError(text, headers.get(ERROR_CODE_HEADER, ""))
+            await self.nc.publish(subject, encode(request), reply=sub.subject)
+            msg = await self._next(sub, wait, subject)
+            headers = msg.headers or {}
+            if headers.get(STATUS_HEADER) == NO_RESPONDERS:
+                raise self._unavailable(subject, wait)
+            if ERROR_HEADER in headers:
+                # The body, when present, is the full (multi-line) description; the header is one line.
+                text = msg.data.decode("utf-8", "replace") if msg.data else headers[ERROR_HEADER]
+                raise CtlError(text, headers.get(ERROR_CODE_HEADER, ""))
+            data = msg.data
+            if chunks.CHUNK_HEADER in headers:
+                data = await self._rest(sub, msg, wait, verb)
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
         try:
-            return decode(msg.data, reply_cls)
+            return decode(data, reply_cls, limit=max(len(data), MAX_PAYLOAD))
         except DecodeError as e:
             raise CtlError(f"the control plane's reply to {verb} could not be read: {e}") from None
+
+    async def _next(self, sub: Subscription, wait: float, subject: str) -> Msg:
+        try:
+            return await sub.next_msg(timeout=wait)
+        except nats.errors.TimeoutError:
+            raise self._unavailable(subject, wait) from None
+
+    async def _rest(self, sub: Subscription, first: Msg, wait: float, verb: str) -> bytes:
+        """The remaining chunks of a reply whose first part is ``first``, joined in order."""
+        try:
+            count = chunks.parse((first.headers or {})[chunks.CHUNK_HEADER], 1, None)
+            parts = [first.data]
+            for i in range(2, count + 1):
+                try:
+                    msg = await sub.next_msg(timeout=wait)
+                except nats.errors.TimeoutError:
+                    raise CtlError(
+                        f"the control plane's reply to {verb} stopped after {i - 1} of {count} parts "
+                        f"(nothing for {wait:g}s); try again"
+                    ) from None
+                chunks.parse((msg.headers or {}).get(chunks.CHUNK_HEADER, ""), i, count)
+                parts.append(msg.data)
+        except chunks.ChunkError as e:
+            raise CtlError(f"the control plane's reply to {verb} could not be read: {e}") from None
+        return b"".join(parts)
+
+    @staticmethod
+    def _unavailable(subject: str, wait: float) -> CtlUnavailable:
+        return CtlUnavailable(
+            f"no control plane answered on {subject} within {wait:g}s "
+            "(is `llmgw controlplane` running, with the same --nats and --prefix?)"
+        )
 
     async def nodes(self) -> NodesReply:
         return await self.call("nodes", Empty(), NodesReply)

@@ -46,12 +46,18 @@ class NatsServer:
         extra_args: list[str] | None = None,
         config_file: str | None = None,
         log_file: str | Path | None = None,
+        max_payload: int | None = None,
     ) -> None:
+        """``max_payload``: the server's message size limit in bytes (None: its default, 1 MiB); set
+        through a generated config file, as nats-server has no flag for it."""
+        if max_payload is not None and config_file is not None:
+            raise NatsServerError("give max_payload in the config file when passing one")
         self.data_dir = Path(data_dir)
         self.host = host
         self.requested_port = port
         self.extra_args = extra_args or []
         self.config_file = config_file
+        self.max_payload = max_payload
         self.log_file = Path(log_file) if log_file else self.data_dir / "nats-server.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.port: int | None = None
@@ -74,6 +80,10 @@ class NatsServer:
         for old in ports_dir.glob("*.ports"):
             old.unlink()
         args = [find_nats_server()]
+        if self.max_payload is not None:
+            conf = self.data_dir / "max_payload.conf"
+            conf.write_text(f"max_payload: {int(self.max_payload)}\n")
+            self.config_file = str(conf)
         if self.config_file:
             args += ["-c", self.config_file]
         args += [

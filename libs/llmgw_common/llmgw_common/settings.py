@@ -133,6 +133,11 @@ class ControlPlaneSettings(BusSettings):
     heartbeat_interval_s: float = Field(default=2.0, gt=0, description="Expected agent heartbeat interval")
     unreachable_after_missed: int = Field(default=3, ge=1, description="Missed heartbeats before unreachable")
     node_lost_s: float = Field(default=30.0, gt=0, description="Silence after which a node is lost")
+    node_forget_s: float = Field(
+        default=86400.0,
+        gt=0,
+        description="A lost node with no replica on it is removed from the node table after this long lost",
+    )
     settle_s: float = Field(default=6.0, ge=0, description="Wait for agents to report after a start")
     lease_ttl_s: float = Field(default=10.0, gt=0, description="Leader lease TTL")
     drain_grace_s: float = Field(default=600.0, gt=0, description="Default drain grace period")

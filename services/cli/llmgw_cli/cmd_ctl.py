@@ -15,6 +15,7 @@ from typing import Annotated, TypeVar
 
 import typer
 
+from llmgw_cli.ctl_notes import nodes_legend
 from llmgw_common.ctl import (
     CatalogApplyReply,
     CatalogDiff,
@@ -124,8 +125,13 @@ def _num(v: float | None, unit: str = "") -> str:
 def render_nodes(reply: NodesReply) -> str:
     rows = []
     for n in reply.nodes:
-        marks = ",".join(m for m, on in (("cordoned", n.cordoned), ("draining", n.draining)) if on) or "-"
-        gpus = f"{n.gpus_used}/{n.gpus_free}/{n.gpus_total} {n.gpu_summary}".strip() if n.gpus_total else "-"
+        flags = (("SIM", n.simulated), ("cordoned", n.cordoned), ("draining", n.draining))
+        marks = ",".join(m for m, on in flags if on) or "-"
+        gpus = (
+            f"{n.gpus_used}/{n.gpus_free}/{n.gpus_held}/{n.gpus_total} {n.gpu_summary}".strip()
+            if n.gpus_total
+            else "-"
+        )
         rows.append(
             [
                 n.name,
@@ -145,7 +151,7 @@ def render_nodes(reply: NodesReply) -> str:
             "NODE",
             "STATE",
             "FABRIC",
-            "GPUS used/free/total",
+            "GPUS used/free/held/total",
             "UNHEALTHY",
             "MEM",
             "CPUS",
@@ -158,7 +164,7 @@ def render_nodes(reply: NodesReply) -> str:
     notes = [f"  {n.name}: {r}" for n in reply.nodes for r in n.unhealthy_reasons]
     if notes:
         out += "\nunhealthy GPUs (neither used nor free):\n" + "\n".join(notes)
-    return out
+    return out + nodes_legend(reply)
 
 
 def render_replicas(reply: ReplicasReply) -> str:
@@ -261,8 +267,8 @@ def _wrap_ids(ids: Sequence[str], max_lines: int = 3, width: int = STATUS_WIDTH)
 
 def render_status(s: StatusReply) -> str:
     lines = [f"leader: {'yes' if s.leader else 'no'} (fence {s.fence}), catalog v{s.catalog_version}"]
-    lines.append("capacity (unhealthy GPUs are neither used nor free; held: idle on cordoned, draining or")
-    lines.append("  unreachable nodes; bar: # used, . free, x unhealthy, - held):")
+    lines.append("capacity (unhealthy GPUs are neither used nor free; held: idle on cordoned, draining,")
+    lines.append("  unreachable or lost nodes; bar: # used, . free, x unhealthy, - held):")
     caps = [
         [c.gpu_class, str(c.total), str(c.used), str(c.free), str(c.unhealthy), str(c.held), usage_bar(c)]
         for c in s.capacity

@@ -17,7 +17,7 @@ from nats.micro import add_service
 from nats.micro.request import Request, ServiceError
 from nats.micro.service import Service
 
-from llmgw_common import bus
+from llmgw_common import bus, chunks
 from llmgw_common.catalog import CatalogError, catalog_to_yaml, parse_catalog
 from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.ctl import (
@@ -84,7 +84,7 @@ class CtlApi:
         ]
         for verb, req_cls, fn in routes:
             await svc.add_endpoint(
-                name=endpoint_name(verb), subject=subj.ctl(verb), handler=_wrap(verb, req_cls, fn)
+                name=endpoint_name(verb), subject=subj.ctl(verb), handler=_wrap(verb, req_cls, fn, nc)
             )
         self.service = svc
         await bus.sent(nc)  # the endpoints answer from here on
@@ -210,7 +210,7 @@ class CtlApi:
 
 
 def _wrap(
-    verb: str, req_cls: type[Q], fn: Callable[[Q], Awaitable[Message]]
+    verb: str, req_cls: type[Q], fn: Callable[[Q], Awaitable[Message]], nc: NATS
 ) -> Callable[[Request], Awaitable[None]]:
     async def handler(req: Request) -> None:
         try:
@@ -228,6 +228,20 @@ def _wrap(
             raise _err(
                 503, f"{verb}: the control plane could not reach NATS storage ({e}); try again"
             ) from None
-        await req.respond(encode(reply))
+        await _respond(req, encode(reply), nc.max_payload)
 
     return handler
+
+
+async def _respond(req: Request, data: bytes, max_payload: int) -> None:
+    """One message when it fits the server's max_payload, else numbered chunks (``chunks.py``)."""
+    try:
+        parts = chunks.split(data, max_payload)
+    except ValueError as e:
+        await req.respond_error("500", f"the answer is too large to send: {e}")
+        return
+    if len(parts) == 1:
+        await req.respond(data)
+        return
+    for i, part in enumerate(parts, 1):
+        await req.respond(part, headers=chunks.header(i, len(parts)))

@@ -9,6 +9,7 @@ publish is stored once.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Iterable, Mapping
 
 import nats.errors
@@ -64,6 +65,10 @@ class EventDetector:
                 out.append(_event(NODE_RECOVERED, t.node, now, f"node {t.node} reports again"))
         return out
 
+    def forget_node(self, node: str) -> None:
+        """The node left the table: if it ever reports again it is a new node, not a recovery."""
+        self.lost.discard(node)
+
     def models(
         self, ready: Mapping[str, int], watched: Iterable[str], why: Mapping[str, str], now: float
     ) -> list[Event]:
@@ -115,7 +120,12 @@ class EventDetector:
 
 
 class EventPublisher:
-    """Publishes events; one that fails stays queued and is retried next pass (its id dedupes)."""
+    """Publishes events; one that fails stays queued and is retried next pass (its id dedupes).
+
+    Every event is published while the stream takes them, however many a pass produced (a mass node
+    loss makes thousands): the queue is bounded only while the stream cannot be reached, and then the
+    oldest beyond ``MAX_PENDING`` go, said in one line.
+    """
 
     MAX_PENDING = 1000
 
@@ -123,16 +133,13 @@ class EventPublisher:
         self.js = js
         self.subjects = subjects
         self.published = 0
-        self.pending: list[Event] = []
+        self.dropped = 0
+        self.pending: deque[Event] = deque()
 
     async def publish(self, events: Iterable[Event]) -> None:
         for ev in events:
             log.info("event %s: %s", ev.kind, ev.summary)
             self.pending.append(ev)
-        if len(self.pending) > self.MAX_PENDING:
-            dropped = len(self.pending) - self.MAX_PENDING
-            log.error("event stream unreachable: %d oldest events dropped", dropped)
-            del self.pending[:dropped]
         while self.pending:
             ev = self.pending[0]
             try:
@@ -141,6 +148,19 @@ class EventPublisher:
                 )
             except (nats.errors.Error, TimeoutError) as e:
                 log.warning("could not publish event %s yet (%d queued): %s", ev.id, len(self.pending), e)
+                self._bound()
                 return
-            self.pending.pop(0)
+            self.pending.popleft()
             self.published += 1
+
+    def _bound(self) -> None:
+        """The stream is unreachable: keep the newest ``MAX_PENDING`` for the retry, say how many went."""
+        over = len(self.pending) - self.MAX_PENDING
+        if over <= 0:
+            return
+        for _ in range(over):
+            self.pending.popleft()
+        self.dropped += over
+        log.error(
+            "event stream unreachable: %d oldest events dropped (%d kept for retry)", over, len(self.pending)
+        )

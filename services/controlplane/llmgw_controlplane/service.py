@@ -337,6 +337,12 @@ class ControlPlane:
             now = self.clock()
             transitions = self.state.judge(now)
             node_events = self.detector.nodes(transitions, now)
+            for name in self.state.forget_silent(now, self.s.node_forget_s):
+                self.detector.forget_node(name)
+                self._inventory_asked.pop(name, None)
+                log.warning(
+                    "node %s forgotten: lost for over %gs with no replica on it", name, self.s.node_forget_s
+                )
             self.idle.prune(now)
             if not self.leader:
                 continue

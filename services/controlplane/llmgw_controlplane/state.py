@@ -341,6 +341,23 @@ class ClusterState:
                 rec.health = h
         return out
 
+    def forget_silent(self, now: float, forget_s: float) -> list[str]:
+        """Remove nodes lost for longer than ``forget_s`` on which no replica record has a shard.
+
+        Lost means silent for ``node_lost_s``, so a node goes after ``node_lost_s + forget_s`` of silence.
+        A node still named by a replica record stays until that replica is rebuilt elsewhere, so nothing
+        the reconciler must act on disappears. A forgotten node that reports again is a new node.
+        """
+        after = self.lost_s + forget_s
+        silent = [name for name, rec in self.nodes.items() if now - rec.last_seen > after]
+        if not silent:
+            return []
+        held = {sp.node for r in self.replicas.values() for sp in r.shards}
+        gone = [name for name in silent if name not in held]
+        for name in gone:
+            del self.nodes[name]
+        return gone
+
     # ------------------------------------------------------------ records
 
     def set_replicas(self, records: dict[str, ReplicaRecord]) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from llmgw_common.catalog import Catalog, ModelProfile
-from llmgw_common.messages import ShardState
+from llmgw_common.messages import GpuInfo, Inventory, ShardState
 from llmgw_controlplane.plan import Plan, ReconcileMemo
 from llmgw_controlplane.reconciler import reconcile
 from llmgw_controlplane.snapshot import GpuView, NodeView, ReplicaView, ShardView, Snapshot
@@ -33,6 +33,37 @@ def synthetic_nodes(count: int, gpus_per_node: int = 8, nodes_per_fabric: int = 
         )
         for i in range(count)
     }
+
+
+def synthetic_inventories(
+    count: int, gpus_per_node: int = 8, nodes_per_fabric: int = 32, sent_at: float = 0.0
+) -> list[Inventory]:
+    """The inventories a fleet of :func:`synthetic_nodes` would publish (simulated, as they are)."""
+    out = []
+    for name, n in synthetic_nodes(count, gpus_per_node, nodes_per_fabric).items():
+        out.append(
+            Inventory(
+                node=name,
+                boot_id="boot-1",
+                sent_at=sent_at,
+                fabric=n.fabric,
+                memory_gb=n.memory_gb,
+                cpus=n.cpus,
+                engines=tuple(sorted(n.engines)),
+                simulated=True,
+                gpus=tuple(
+                    GpuInfo(
+                        index=g.index,
+                        uuid=f"GPU-{name}-{g.index}",
+                        name=g.gpu_class,
+                        gpu_class=g.gpu_class,
+                        memory_mb=g.memory_mb,
+                    )
+                    for g in n.gpus
+                ),
+            )
+        )
+    return out
 
 
 def synthetic_catalog(models: int) -> Catalog:

@@ -28,8 +28,32 @@ from llmgw_common.messages import ClusterSettings
 from llmgw_controlplane.idle import IdleMerger
 from llmgw_controlplane.placement import Explanation, Placement
 from llmgw_controlplane.routing import endpoint_url, serving
-from llmgw_controlplane.snapshot import NodeState, Snapshot
+from llmgw_controlplane.snapshot import GpuView, NodeState, NodeView, Snapshot
 from llmgw_controlplane.state import ClusterState, NodeRecord, ReplicaPhase, replica_phase
+
+USED, FREE, HELD, UNHEALTHY = "used", "free", "held", "unhealthy"
+
+
+def gpu_buckets(n: NodeView, used: set[int]) -> list[tuple[GpuView, str]]:
+    """Each card of ``n`` in exactly one bucket: the one count behind `ctl nodes` and `ctl status`.
+
+    Unhealthy cards are neither used nor free (#2). A healthy idle card is free only on a node that
+    takes new replicas; on a cordoned, draining, unreachable or lost node it is held: not room.
+    """
+    placeable = n.state is NodeState.READY and not n.cordoned and not n.draining
+    out = []
+    for g in n.gpus:
+        if not g.healthy:
+            out.append((g, UNHEALTHY))
+        elif g.index in used:
+            out.append((g, USED))
+        else:
+            out.append((g, FREE if placeable else HELD))
+    return out
+
+
+def simulated_text(count: int) -> str:
+    return f"{count} simulated node{'s' if count != 1 else ''}: capacity shown is not real"
 
 
 def _gpu_summary(classes: Counter[str]) -> str:
@@ -59,7 +83,7 @@ def nodes_info(state: ClusterState, snap: Snapshot) -> tuple[NodeInfo, ...]:
         inv = rec.inventory
         st = node_state_text(state, rec, snap.now)
         gpus = inv.gpus if inv is not None else ()
-        u = used.get(name, set())
+        counts = Counter(b for _, b in gpu_buckets(view, used.get(name, set()))) if view else Counter()
         unhealthy = [g for g in gpus if not g.healthy]
         deadline = state.marks.draining.get(name)
         out.append(
@@ -72,9 +96,10 @@ def nodes_info(state: ClusterState, snap: Snapshot) -> tuple[NodeInfo, ...]:
                 engines=tuple(inv.engines) if inv else (),
                 gpu_summary=_gpu_summary(Counter(g.gpu_class for g in gpus)),
                 gpus_total=len(gpus),
-                gpus_used=sum(1 for g in gpus if g.healthy and g.index in u),
-                gpus_free=sum(1 for g in gpus if g.healthy and g.index not in u),
-                gpus_unhealthy=len(unhealthy),
+                gpus_used=counts[USED],
+                gpus_free=counts[FREE],
+                gpus_held=counts[HELD],
+                gpus_unhealthy=counts[UNHEALTHY],
                 unhealthy_reasons=tuple(
                     f"GPU {g.index}: {', '.join(g.reasons) or 'unhealthy'}" for g in unhealthy
                 ),
@@ -88,6 +113,7 @@ def nodes_info(state: ClusterState, snap: Snapshot) -> tuple[NodeInfo, ...]:
                 replicas=tuple(sorted(on_node.get(name, ()))),
                 weights=tuple(sorted({w.name for w in inv.storage.weights})) if inv else (),
                 storage_looked=inv.storage.looked if inv else False,
+                simulated=inv.simulated if inv else False,
             )
         )
     return tuple(out)
@@ -198,25 +224,13 @@ def status_info(
     free_nodes: Counter[str] = Counter()
     weights: dict[str, set[str]] = {}
     for name, n in snap.nodes.items():
-        placeable = n.state is NodeState.READY and not n.cordoned and not n.draining
-        u = used.get(name, set())
-        healthy_free = 0
-        for g in n.gpus:
+        buckets = gpu_buckets(n, used.get(name, set()))
+        for g, b in buckets:
             c = cap.setdefault(g.gpu_class, Counter())
-            if n.state is NodeState.LOST:
-                continue
             c["total"] += 1
-            if not g.healthy:
-                c["unhealthy"] += 1  # never used, never free (#2)
-            elif g.index in u:
-                c["used"] += 1
-            elif placeable:
-                c["free"] += 1
-                healthy_free += 1
-            else:
-                c["held"] += 1  # idle, but on a node that takes nothing new: not room
-        healthy = sum(1 for g in n.gpus if g.healthy)
-        if placeable and healthy and healthy_free == healthy:
+            c[b] += 1
+        healthy = sum(1 for _, b in buckets if b != UNHEALTHY)
+        if healthy and all(b in (FREE, UNHEALTHY) for _, b in buckets):
             free_nodes[n.fabric or "-"] += 1
         for w in n.weights:
             weights.setdefault(n.fabric or "-", set()).add(w.name)
@@ -230,6 +244,11 @@ def status_info(
         ).at_least(idle_threshold_s)
     )
     warnings = []
+    simulated = sum(
+        1 for rec in state.nodes.values() if rec.inventory is not None and rec.inventory.simulated
+    )
+    if simulated:
+        warnings.append(simulated_text(simulated))
     if not settings.webhooks:
         warnings.append(
             "no webhook configured: node-lost and model-down events reach nobody (add one with `llmgw setup --webhook URL`)"
@@ -263,6 +282,7 @@ def status_info(
         idle_replicas=idle_reps,
         idle_threshold_s=idle_threshold_s,
         weights_per_fabric={k: tuple(sorted(v)) for k, v in sorted(weights.items())},
+        simulated_nodes=simulated,
         warnings=tuple(warnings),
     )
 

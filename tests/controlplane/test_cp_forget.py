@@ -1,0 +1,45 @@
+"""A silent node with nothing on it leaves ctl's node table after node_forget_s, said in one log line."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
+from nats.aio.client import Client as NATS
+
+from llmgw_common.ctl import CtlClient
+from llmgw_common.natsserver import NatsServer
+
+
+async def test_lost_node_is_forgotten_and_ctl_stops_listing_it(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS, caplog: pytest.LogCaptureFixture
+) -> None:
+    # No catalog: nothing is placed, so the silent node holds no replica.
+    run = await start_cp(cp_settings(nats_server.url, prefix, node_forget_s=0.5), catalog_text=None)
+    c = CtlClient(bus_nc, prefix)
+    alive, gone = FakeAgent(bus_nc, prefix, "alive"), FakeAgent(bus_nc, prefix, "gone")
+    beating = Beating([alive], 0.1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="llmgw.controlplane"):
+            await alive.send_inventory()
+            await gone.send_inventory()
+            beating.start()
+
+            async def names() -> set[str]:
+                return {n.name for n in (await c.nodes()).nodes} if run.cp.leader else set()
+
+            async def both() -> bool:
+                return await names() == {"alive", "gone"}
+
+            async def only_alive() -> bool:
+                return await names() == {"alive"}
+
+            await eventually(both)
+            await eventually(only_alive)  # lost after 1.5 s, forgotten 0.5 s later
+            assert "gone" not in run.cp.state.nodes and "gone" not in run.cp.detector.lost
+        said = [r.getMessage() for r in caplog.records if "forgotten" in r.getMessage()]
+        assert said == ["node gone forgotten: lost for over 0.5s with no replica on it"]
+    finally:
+        await beating.stop()
+        await run.stop()
