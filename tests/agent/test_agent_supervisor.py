@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 from pathlib import Path
@@ -201,7 +202,9 @@ async def test_readoption_by_a_new_supervisor(
             (pid, assignment_fingerprint(a), spec.argv_hash)
         ]
         await s2.adopt(records[0], a, spec)
-        await rec2.wait(sh1.key, ShardState.READY)
+        # It answered at adoption: reported ready as it was, never "starting" (that would take its
+        # endpoint from the routers until the next health check).
+        assert rec2.states(sh1.key) == [ShardState.READY]
         assert s2.shards[sh1.key].pid == pid
         await s2.stop(sh1.key)
         assert not alive(pid)
@@ -240,6 +243,63 @@ async def test_recycled_pid_is_not_adopted_and_adopted_exit_is_failure(
         assert s2.shards[a.replica_id, a.shard].error == (
             "exited (exit status unknown: adopted after an agent restart)"
         )
+    finally:
+        await s2.stop_all()
+        await s2.aclose()
+
+
+async def test_adopted_engine_that_does_not_answer_is_starting_and_judged_as_a_new_one(
+    tmp_path: Path, engine_script: Path, reap_groups: list[int]
+) -> None:
+    rec = Recorder()
+    port = free_port()
+    a = assignment(port, startup_timeout_s=1.0)
+    spec = script_spec(engine_script, port, "--never-healthy")
+    s1 = Supervisor(tmp_path / "state", rec, stop_grace_s=0.5, health_interval_s=0.2)
+    await s1.start(a, spec)
+    pid = s1.shards[a.replica_id, a.shard].pid
+    assert pid is not None
+    reap_groups.append(pid)
+    await s1.aclose()  # the agent dies while its engine is still starting
+    s2 = Supervisor(tmp_path / "state", rec, stop_grace_s=0.5, health_interval_s=0.2)
+    try:
+        (record,) = s2.load_state()
+        before = len(rec.events)
+        await s2.adopt(record, a, spec)
+        await rec.wait((a.replica_id, a.shard), ShardState.FAILED)
+        assert [s for _, s, _ in rec.events[before:]] == [ShardState.STARTING, ShardState.FAILED]
+        error = s2.shards[a.replica_id, a.shard].error
+        assert error is not None and error.startswith("not healthy after 1s"), error
+        assert not alive(pid)
+    finally:
+        await s2.stop_all()
+        await s2.aclose()
+
+
+@pytest.mark.parametrize(("age_s", "states"), [(5.0, ["ready"]), (0.2, ["starting", "ready"])])
+async def test_adopted_headless_engine_is_ready_once_past_its_settle_time(
+    tmp_path: Path, engine_script: Path, reap_groups: list[int], age_s: float, states: list[str]
+) -> None:
+    """A headless engine (a multi-node follower) has no health check: alive past the settle time is ready."""
+    rec = Recorder()
+    port = free_port()
+    a = assignment(port)
+    spec = dataclasses.replace(script_spec(engine_script, port), health_url=None, metrics_url=None)
+    s1 = Supervisor(tmp_path / "state", rec, stop_grace_s=0.5, headless_settle_s=1.0, clock=lambda: 1000.0)
+    await s1.start(a, spec)
+    pid = s1.shards[a.replica_id, a.shard].pid
+    assert pid is not None
+    reap_groups.append(pid)
+    await s1.aclose()
+    s2 = Supervisor(
+        tmp_path / "state", rec, stop_grace_s=0.5, headless_settle_s=1.0, clock=lambda: 1000.0 + age_s
+    )
+    try:
+        (record,) = s2.load_state()
+        before = len(rec.events)
+        await s2.adopt(record, a, spec)
+        await rec.wait((a.replica_id, a.shard), ShardState.READY)
+        assert [s.value for _, s, _ in rec.events[before:]] == states
     finally:
         await s2.stop_all()
         await s2.aclose()

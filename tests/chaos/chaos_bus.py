@@ -13,6 +13,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from llmgw_common import bus
+from llmgw_common.codec import decode
 from llmgw_common.ctl import CtlClient, CtlError, DebugStatsReply, LeaseRecord
 from llmgw_common.messages import ApiKeyRecord, Heartbeat, ReplicaRecord, RoutingEndpoints, ShardState
 from llmgw_common.settings import BusSettings
@@ -121,6 +122,33 @@ class BusView:
             return await self.ctl.debug_stats()
         except CtlError:
             return None
+
+
+class EndpointRevisions:
+    """The replicas listed for one model in every revision of the routing endpoints (a poll can miss a gap)."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.seen: list[tuple[str, ...]] = []
+        self._follower: bus.KvFollower | None = None
+
+    @classmethod
+    async def follow(cls, view: BusView, model: str) -> EndpointRevisions:
+        out = cls(model)
+        kv = await view.nc.jetstream().key_value(view.subjects.bucket_routing)
+        out._follower = bus.KvFollower(kv, out._on_change, key=ROUTING_ENDPOINTS, name="test-endpoints")
+        await out._follower.start()
+        return out
+
+    def _on_change(self, _key: str, value: bytes | None, _rev: int) -> None:
+        eps = None if value is None else decode(value, RoutingEndpoints)
+        self.seen.append(
+            () if eps is None else tuple(e.replica_id for e in eps.endpoints.get(self.model, ()))
+        )
+
+    async def stop(self) -> None:
+        if self._follower is not None:
+            await self._follower.stop()
 
 
 async def poll(

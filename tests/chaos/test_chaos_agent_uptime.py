@@ -2,7 +2,9 @@
 
 The real thing takes 700 s with the default ``startup_timeout_s`` of 600; here the timeout is a few
 seconds, and the replica is older than it when the agent is killed. The restarted agent re-adopts the
-engine; the control plane must keep the replica (same record, same engine PID) and say nothing.
+engine; the control plane must keep the replica (same record, same engine PID) and say nothing, and the
+routers must never lose its endpoint (the model is watched and has a single replica: a gap would be a
+model.down and a model.recovered).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from chaos_bus import BusView, poll
+from chaos_bus import BusView, EndpointRevisions, poll
 from chaos_harness import AGGRESSIVE, ChaosCluster, boot
 from nats.aio.msg import Msg
 
@@ -28,6 +30,7 @@ models:
     gpus_per_node: 1
     replicas: 1
     startup_timeout_s: {STARTUP_TIMEOUT_S:g}
+    watch: {{probe_every: 30s, budget: 20s}}
     options: {{startup_s: 0.3, ttft_ms: 15, tokens_per_s: 300, slots: 64}}
 """
 # An agent restart must not look like a lost node either.
@@ -69,6 +72,7 @@ async def test_agent_restart_after_the_startup_timeout_keeps_the_readopted_repli
             STARTUP_TIMEOUT_S + 10,
         )
         old_boot = view.heartbeats["n1"].boot_id
+        revisions = await EndpointRevisions.follow(view, "chat")
         c.procs["agent-n1"].kill()  # its engines live in groups of their own and keep running
         c.start_agent("n1")
 
@@ -81,7 +85,13 @@ async def test_agent_restart_after_the_startup_timeout_keeps_the_readopted_repli
         stats, _ = await poll("the control plane's stats", view.stats, 10)
         passes = stats.passes
         await poll("20 reconcile passes", lambda: _passes_past(view, passes + 20), 30)
-        report = f"engines {before} -> {after} (ready again {took:.1f}s after the restart); events {events}"
+        await revisions.stop()
+        report = (
+            f"engines {before} -> {after} (ready again {took:.1f}s after the restart); events {events}; "
+            f"endpoints per revision {revisions.seen}"
+        )
+        # Every revision the routers were given across the restart still lists the replica.
+        assert revisions.seen and all(ids == (rec.id,) for ids in revisions.seen), report
         assert view.engine_pids("n1") == before, report
         assert all(psutil.pid_exists(p) for p in before.values()), report
         assert await view.records() == records, report  # not failed, not replaced

@@ -15,6 +15,7 @@ from llmgw_common.messages import (
     ShardStatus,
 )
 from llmgw_controlplane.reconciler import ReplicaState, reconcile, replica_status
+from llmgw_controlplane.routing import routing_content
 from llmgw_controlplane.snapshot import NodeState
 from llmgw_controlplane.state import ClusterState, node_health, replica_phase
 
@@ -81,16 +82,24 @@ def test_repeated_heartbeat_is_not_news_but_a_shard_change_is():
     assert st.nodes["n1"].last_seen == 15.0
 
 
-def test_new_boot_id_is_a_restart_and_voids_old_reports():
+def test_new_boot_id_is_a_restart_whose_first_reports_replace_the_old_boots():
     st = _state()
-    rep = ShardReport(replica_id="r1", shard=0, model="m", state=ShardState.READY, port=1)
-    st.on_heartbeat(_hb(seq=7, shards=(rep,)), 1.0)
+    r1, r2 = (
+        ShardReport(replica_id=r, shard=0, model="m", state=ShardState.READY, port=1) for r in ("r1", "r2")
+    )
+    st.on_heartbeat(_hb(seq=7, sent_at=100.0, shards=(r1, r2)), 100.0)
     # The new boot's inventory proves the restart (an agent sends it before anything else).
-    assert st.on_inventory(_inv(boot="b2"), 2.0)
+    assert st.on_inventory(_inv(boot="b2"), 101.0)
     assert st.nodes["n1"].restarts == 1
-    assert st.nodes["n1"].shards == {}
-    assert st.on_heartbeat(_hb(boot="b2", seq=1, shards=(rep,)), 3.0)
-    assert st.nodes["n1"].shards[("r1", 0)].state is ShardState.READY
+    # Until the new boot reports its shards, the old boot's reports stand: the engines outlive an
+    # agent, and voiding them here would take their endpoints from the routers until it does.
+    assert set(st.nodes["n1"].shards) == {("r1", 0), ("r2", 0)}
+    # Its statuses count even when its clock is behind the old boot's (a reboot may set it back).
+    assert st.on_status(_status("b2", ShardState.STARTING, 99.0), 101.5)
+    assert st.nodes["n1"].shards[("r1", 0)].state is ShardState.STARTING
+    # Its first heartbeat replaces the old reports whole: r2's engine did not survive.
+    assert st.on_heartbeat(_hb(boot="b2", seq=1, sent_at=99.5, shards=(r1,)), 102.0)
+    assert st.nodes["n1"].shards == {("r1", 0): r1}
 
 
 def test_node_without_inventory_takes_no_new_replicas_and_memory_unknown_stays_none():
@@ -258,13 +267,32 @@ def test_agent_restart_keeps_its_readopted_replicas_past_the_startup_timeout():
     assert st.replicas["r1"].created == 0.0  # the record is unchanged
 
 
+def test_an_agent_restart_keeps_the_ready_replica_routed_throughout():
+    st = _state()
+    ready = _ready_replica(st, timeout_s=600.0)
+
+    def routed(now: float) -> list[str]:
+        endpoints, _ = routing_content(st.snapshot(now), {})
+        return [e.replica_id for e in endpoints.get("m", ())]
+
+    assert routed(1.0) == ["r1"]
+    # The new boot's inventory, then (the agent re-adopts its engine first) its ready status and heartbeat.
+    st.on_inventory(_inv(boot="b2"), 2.0)
+    assert routed(2.0) == ["r1"]
+    st.on_status(_status("b2", ShardState.READY, 2.1), 2.1)
+    assert routed(2.1) == ["r1"]
+    st.on_heartbeat(_hb(boot="b2", seq=1, sent_at=2.2, shards=(ready,)), 2.2)
+    assert routed(2.2) == ["r1"]
+
+
 def test_a_readopted_replica_that_never_reports_ready_again_still_fails_in_time():
     st = _state()
     _ready_replica(st, timeout_s=600.0)
     st.on_inventory(_inv(boot="b2"), 700.0)
+    st.on_heartbeat(_hb(boot="b2", seq=1, sent_at=700.5), 700.5)  # its first: the engine is not ready
     # Counted from the restart: not before 600 s after it, but then.
     assert replica_status(st.snapshot(1299.0).replicas[0], 1299.0, 600.0).state is ReplicaState.STARTING
-    st.on_heartbeat(_hb(boot="b2", seq=1, sent_at=1299.0), 1299.0)  # keeps the node alive
+    st.on_heartbeat(_hb(boot="b2", seq=2, sent_at=1299.0), 1299.0)  # keeps the node alive
     assert replica_status(st.snapshot(1301.0).replicas[0], 1301.0, 600.0).state is ReplicaState.FAILED
 
 

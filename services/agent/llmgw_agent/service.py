@@ -219,7 +219,9 @@ class Agent:
         self.desired = {(sa.replica_id, sa.shard): sa for sa in assignment.shards}
         self._wake.set()
 
-    async def converge(self) -> None:
+    async def converge(self, *, adopt_only: bool = False) -> None:
+        """Apply the converge plan; ``adopt_only``: only re-adopt engines of a previous run (the rest
+        of the plan, e.g. stopping one no longer assigned, waits for the next pass)."""
         desired = self.desired
         if desired is None:
             return
@@ -230,6 +232,10 @@ class Agent:
         }
         adoptable = {k: r.fingerprint for k, r in self.adoptable.items()}
         plan = plan_converge(wanted, running, adoptable)
+        if adopt_only:
+            adopting = {k: self.adoptable.pop(k) for k in plan.adopt}
+            await asyncio.gather(*(self._adopt(r, desired[k], wanted[k].spec) for k, r in adopting.items()))
+            return
         if plan.empty:
             return
         records, self.adoptable = self.adoptable, {}
@@ -237,10 +243,7 @@ class Agent:
             *(self.supervisor.stop(k, quiesce=True) for k in plan.stop),
             *(self.supervisor.stop_orphan(records[k]) for k in plan.stop_orphans),
         )
-        for k in plan.adopt:
-            spec = wanted[k].spec
-            assert isinstance(spec, LaunchSpec)
-            await self.supervisor.adopt(records[k], desired[k], spec)
+        await asyncio.gather(*(self._adopt(records[k], desired[k], wanted[k].spec) for k in plan.adopt))
         for k in plan.refuse:
             spec = wanted[k].spec
             assert isinstance(spec, Refusal)
@@ -249,6 +252,10 @@ class Agent:
             spec = wanted[k].spec
             assert isinstance(spec, LaunchSpec)
             await self.supervisor.start(desired[k], spec)
+
+    async def _adopt(self, rec: EngineRecord, a: ShardAssignment, spec: LaunchSpec | Refusal) -> None:
+        assert isinstance(spec, LaunchSpec)
+        await self.supervisor.adopt(rec, a, spec)
 
     async def _converge_loop(self) -> None:
         """Converge on every change, and every ``CONVERGE_EVERY_S`` anyway (level-triggered)."""
@@ -277,6 +284,10 @@ class Agent:
             if self.desired is None and self.s.node not in follower.revisions:
                 self.desired = {}  # no assignment at all: run nothing (a stored-but-unreadable one is kept)
                 self._wake.set()
+            # Before the first heartbeat, so that it already says what the running engines are: the
+            # control plane replaces the old boot's reports with it, and a replica it does not say is
+            # ready leaves the routers' endpoints.
+            await self.converge(adopt_only=True)
             tasks = [
                 asyncio.create_task(self._tick_loop(), name="agent-tick"),
                 asyncio.create_task(self._converge_loop(), name="agent-converge"),

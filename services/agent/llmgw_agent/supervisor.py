@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from llmgw_agent.adoption import ready_at_adoption
 from llmgw_agent.converge import assignment_fingerprint
 from llmgw_agent.engines import LaunchSpec
 from llmgw_agent.metrics import extract_load, parse_prometheus
@@ -364,7 +365,7 @@ class Supervisor:
         sh.task = asyncio.create_task(self._monitor(sh), name=f"shard-{a.replica_id}-{a.shard}")
 
     async def adopt(self, rec: EngineRecord, a: ShardAssignment, spec: LaunchSpec) -> None:
-        """Take over an engine a previous agent run started; it is checked for health like a new one."""
+        """Take over an engine a previous run started: ready when it answers now, else judged as a new one."""
         sh = Shard(
             assignment=a,
             spec=spec,
@@ -377,8 +378,10 @@ class Supervisor:
         )
         self.shards[sh.key] = sh
         self._save_state()
-        log.info("re-adopting %s/%d (pid %d)", rec.replica_id, rec.shard, rec.pid)
-        await self._set(sh, ShardState.STARTING)
+        age = self.clock() - rec.started_at
+        ready = await ready_at_adoption(spec, age, self.headless_settle_s, self._healthy)
+        log.info("re-adopting %s/%d (pid %d, ready: %s)", rec.replica_id, rec.shard, rec.pid, ready)
+        await self._set(sh, ShardState.READY if ready else ShardState.STARTING)
         sh.task = asyncio.create_task(self._monitor(sh), name=f"shard-{a.replica_id}-{a.shard}")
 
     async def stop_orphan(self, rec: EngineRecord) -> None:
@@ -481,10 +484,10 @@ class Supervisor:
                 return
             await asyncio.sleep(every)
 
-    async def _healthy(self, url: str) -> str | None:
-        """None when healthy, else why not."""
+    async def _healthy(self, url: str, timeout: float | None = None) -> str | None:
+        """None when healthy, else why not (``timeout``: instead of the client's)."""
         try:
-            r = await self._http.get(url)
+            r = await self._http.get(url, timeout=self._http.timeout if timeout is None else timeout)
         except httpx.HTTPError as e:
             return f"{type(e).__name__}"
         return None if r.status_code == 200 else f"HTTP {r.status_code}"
@@ -505,13 +508,16 @@ class Supervisor:
         timeout = sh.assignment.startup_timeout_s
         deadline = loop.time() + (timeout if url is not None else self.headless_settle_s)
         last = "no answer yet"
-        while True:
+        # A re-adopted engine that answered at adoption is ready already: only watched.
+        while sh.state is not ShardState.READY:
             if url is not None:
                 why = await self._healthy(url)
                 if why is None:
+                    await self._set(sh, ShardState.READY)
                     break
                 last = why
             elif loop.time() >= deadline:
+                await self._set(sh, ShardState.READY)
                 break
             if loop.time() >= deadline:
                 await self._fail(sh, f"not healthy after {timeout:g}s ({last})")
@@ -520,7 +526,6 @@ class Supervisor:
             if exited:
                 await self._fail(sh, f"{_exit_reason(code)} during startup")
                 return
-        await self._set(sh, ShardState.READY)
         failures = 0
         while True:
             exited, code = await self._exited(sh, self.health_interval_s)

@@ -10,9 +10,10 @@ node's replicas; each refusal is one rate-limited log line):
 
 - a sender's time that is not finite or lies in our future (:mod:`llmgw_common.clockcheck`) voids the
   whole message;
-- a new ``boot_id`` (an agent restart voids what the old boot said) is believed only from an inventory
-  of that boot, which the agent sends first; heartbeats and statuses of an unproven boot are ignored and
-  the service asks the node for its inventory;
+- a new ``boot_id`` (an agent restart) is believed only from an inventory of that boot, which the agent
+  sends first; heartbeats and statuses of an unproven boot are ignored and the service asks the node for
+  its inventory. What the old boot said of its shards stands until the new boot's first heartbeat
+  replaces it (the agent re-adopts its running engines before that heartbeat);
 - a heartbeat ``seq`` may jump ahead only as far as the time since the last one allows
   (:mod:`seqcheck`), so a forged huge seq cannot make every genuine heartbeat look like a replay;
 - replicas that were ready when their node's agent restarted count their startup timeout from the
@@ -194,10 +195,11 @@ class ClusterState:
             if rep.state is ShardState.READY:
                 self.readopted[rid] = now
         rec.boot_id = boot_id
-        rec.seq, rec.seq_jump = -1, None
-        # A restarted agent reports afresh; what the old boot said is void.
+        rec.seq, rec.seq_jump, rec.last_sent_at = -1, None, float("-inf")
+        # A restarted agent reports afresh, but what the old boot said stands until it does (its first
+        # heartbeat replaces it whole): the engines outlive an agent, and voiding it here would take
+        # their endpoints from the routers until then. The views change: see ``readopted``.
         self._touch_shards(rec.shards)
-        rec.shards = {}
 
     def _doubt(self, node: str, kind: str, why: str, now: float) -> None:
         self.doubts.refuse(f"node {node}", kind, why, now)
