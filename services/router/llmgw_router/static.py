@@ -137,11 +137,8 @@ def parse_static(data: Any) -> StaticConfig:
     except ValidationError as e:
         problems.extend(describe("static file", e))
         # Go on with whichever lists are lists, so their problems are listed in the same round.
-        top = _StaticFile.model_construct(
-            auth=None,
-            models=data.get("models") if isinstance(data.get("models"), list) else [],
-            keys=data.get("keys") if isinstance(data.get("keys"), list) else [],
-        )
+        lists = {k: v if isinstance(v := data.get(k), list) else [] for k in ("models", "keys")}
+        top = _StaticFile.model_construct(auth=None, models=lists["models"], keys=lists["keys"])
     models, found = validate_named(
         top.models, StaticModel, kind="model", list_name="models", checks=_model_checks
     )
