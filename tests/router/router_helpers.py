@@ -8,6 +8,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import psutil
+from aiohttp import web
+
 
 async def poll(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
     """Wait until ``cond()`` holds (True) or ``timeout`` passes (its last value)."""
@@ -17,6 +20,18 @@ async def poll(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
             return True
         await asyncio.sleep(0.01)
     return bool(cond())
+
+
+def router_sockets(port: int) -> int:
+    """Accepted sockets of the router listening on ``port``, as the kernel sees them (psutil).
+
+    The router runs in the test's process: its sockets are the ones whose local port is ``port``.
+    """
+    return sum(
+        1
+        for c in psutil.Process().net_connections("tcp")
+        if c.laddr and c.laddr.port == port and c.raddr and c.status != psutil.CONN_LISTEN
+    )
 
 
 class RawResponse:
@@ -57,3 +72,33 @@ async def raw_exchange(port: int, data: bytes, timeout: float = 10.0) -> RawResp
 async def closed_by_peer(reader: asyncio.StreamReader, timeout: float) -> bytes:
     """Everything the peer sends until it closes the connection (raises TimeoutError if it does not)."""
     return await asyncio.wait_for(reader.read(), timeout)
+
+
+class CountingUpstream:
+    """A real HTTP server that answers every POST with ``status`` and counts the requests it got."""
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status, self.message = status, message
+        self.hits = 0
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def _answer(self, request: web.Request) -> web.Response:
+        self.hits += 1
+        await request.read()
+        return web.json_response({"error": {"message": self.message}}, status=self.status)
+
+    async def __aenter__(self) -> CountingUpstream:
+        app = web.Application()
+        app.router.add_post("/{tail:.*}", self._answer)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = self.runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()

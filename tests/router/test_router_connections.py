@@ -13,7 +13,7 @@ import time
 
 import aiohttp
 import psutil
-from router_helpers import closed_by_peer, poll, read_response
+from router_helpers import closed_by_peer, poll, read_response, router_sockets
 
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 BODY = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}).encode()
@@ -21,15 +21,6 @@ BODY = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "x"}]
 
 def _request(body: bytes = BODY) -> bytes:
     return HEAD + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
-
-
-def _router_sockets(port: int) -> int:
-    """Accepted sockets of the router listening on ``port`` (this process: the router runs in it)."""
-    return sum(
-        1
-        for c in psutil.Process().net_connections("tcp")
-        if c.laddr and c.laddr.port == port and c.raddr and c.status != psutil.CONN_LISTEN
-    )
 
 
 async def _open(port: int, data: bytes = b"") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -75,7 +66,7 @@ async def test_half_a_request_line_or_half_the_headers_is_closed_after_the_heade
     assert await closed_by_peer(reader, 5.0) == b""
     assert time.monotonic() - t1 >= 0.45
     writer.close()
-    assert await poll(lambda: _router_sockets(r.port) == 0)
+    assert await poll(lambda: router_sockets(r.port) == 0)
     assert await _served(r.port) == 200
 
 
@@ -106,7 +97,7 @@ async def test_a_body_slower_than_the_body_timeout_gets_408_and_is_closed(
     finally:
         sender.cancel()
         writer.close()
-    assert await poll(lambda: r.ctx.in_flight == 0 and _router_sockets(r.port) == 0)
+    assert await poll(lambda: r.ctx.in_flight == 0 and router_sockets(r.port) == 0)
     assert r.ctx.metrics.requests_count("-", 408) == 1
     assert await _served(r.port) == 200
 
@@ -119,11 +110,11 @@ async def test_an_idle_keep_alive_connection_is_closed_after_the_idle_timeout(
     reader, writer = await _open(r.port, _request())
     assert (await read_response(reader)).status == 200
     t0 = time.monotonic()
-    assert _router_sockets(r.port) == 1
+    assert router_sockets(r.port) == 1
     assert await closed_by_peer(reader, 5.0) == b""
     assert time.monotonic() - t0 >= 0.45
     writer.close()
-    assert await poll(lambda: _router_sockets(r.port) == 0)
+    assert await poll(lambda: router_sockets(r.port) == 0)
 
 
 async def test_with_the_connection_cap_reached_the_router_still_serves_and_counts_return_to_zero(
@@ -139,16 +130,16 @@ async def test_with_the_connection_cap_reached_the_router_still_serves_and_count
     fds_before = psutil.Process().num_fds()
     idle = [await _open(r.port) for _ in range(60)]
     # Never more than the cap held by the router, however many connect.
-    assert await poll(lambda: _router_sockets(r.port) <= 50)
-    assert _router_sockets(r.port) >= 40  # the idle ones are held, up to the cap
+    assert await poll(lambda: router_sockets(r.port) <= 50)
+    assert router_sockets(r.port) >= 40  # the idle ones are held, up to the cap
     # A normal request is served all the same: it takes the place of an idle connection.
     for _ in range(3):
         assert await _served(r.port) == 200
-    assert _router_sockets(r.port) <= 50
+    assert router_sockets(r.port) <= 50
     # The client ends of the 60 plus the router's at most 50: not 120 descriptors.
     assert psutil.Process().num_fds() - fds_before <= 60 + 50 + 5
     for _, w in idle:
         w.close()
-    assert await poll(lambda: _router_sockets(r.port) == 0)
+    assert await poll(lambda: router_sockets(r.port) == 0)
     assert await poll(lambda: r.connections.count == 0)
     assert await _served(r.port) == 200
