@@ -15,6 +15,8 @@ import aiohttp
 import psutil
 from router_helpers import closed_by_peer, poll, read_response, router_sockets
 
+from llmgw_router.connections import cap_for_fd_limit
+
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 BODY = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}).encode()
 
@@ -138,8 +140,46 @@ async def test_with_the_connection_cap_reached_the_router_still_serves_and_count
     assert router_sockets(r.port) <= 50
     # The client ends of the 60 plus the router's at most 50: not 120 descriptors.
     assert psutil.Process().num_fds() - fds_before <= 60 + 50 + 5
+    assert r.connections.evicted >= 10 and r.connections.refused == 0
+    text = r.ctx.metrics.exposition().decode()
+    assert f'llmgw_router_connections_closed_total{{reason="evicted"}} {float(r.connections.evicted)}' in text
     for _, w in idle:
         w.close()
     assert await poll(lambda: router_sockets(r.port) == 0)
     assert await poll(lambda: r.connections.count == 0)
+    assert "llmgw_router_connections 0.0" in r.ctx.metrics.exposition().decode()
     assert await _served(r.port) == 200
+
+
+async def test_with_every_held_connection_busy_a_new_one_gets_503_and_is_closed(
+    engines, routers, static_file
+) -> None:
+    eng = await engines("m1", ttft_ms=5, tokens_per_s=20)
+    r = await routers(static_file({"m1": [eng.url]}, auth=False), max_connections=2)
+    stream = json.dumps(
+        {"model": "m1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 200, "stream": True}
+    ).encode()
+    busy = [await _open(r.port, _request(stream)) for _ in range(2)]
+    assert await poll(lambda: eng.engine.slots.running == 2)
+    reader, writer = await _open(r.port)
+    resp = await read_response(reader)
+    assert resp.status == 503 and resp.headers["retry-after"] == "1", resp.body
+    assert "too many connections" in resp.json()["error"]["message"]
+    assert await closed_by_peer(reader, 5.0) == b""
+    writer.close()
+    assert r.connections.refused == 1 and r.connections.evicted == 0
+    # The two streams were not disturbed: both still open, still generating.
+    assert router_sockets(r.port) == 2 and eng.engine.slots.running == 2
+    for _, w in busy:
+        w.close()
+    assert await poll(lambda: router_sockets(r.port) == 0 and r.connections.count == 0)
+    assert await poll(lambda: r.ctx.in_flight == 0 and eng.engine.slots.running == 0)
+    assert await _served(r.port) == 200
+
+
+def test_the_cap_fits_the_descriptor_limit() -> None:
+    # Each client connection can need an upstream one: half of what is left after a reserve.
+    assert cap_for_fd_limit(8192, 1024) == (1024 - 64) // 2
+    assert cap_for_fd_limit(8192, 20000) == 8192
+    assert cap_for_fd_limit(50, 100) == 18
+    assert cap_for_fd_limit(50, 10) == 1

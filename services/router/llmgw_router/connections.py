@@ -25,11 +25,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import time
+from collections.abc import Iterator
 from typing import Any, cast
 
 import httptools
 from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from llmgw_router.errors import error_body
 
@@ -42,6 +46,41 @@ _REFUSED = (
 )
 # Log the cap being reached at most this often (a flood must not become a log flood).
 _LOG_EVERY_S = 60.0
+
+
+# Descriptors kept for everything that is not a client connection: listeners, NATS, logs, the loop.
+_FD_RESERVE = 64
+
+
+def cap_for_fd_limit(max_connections: int, nofile: int) -> int:
+    """The connection cap that fits the process's descriptor limit.
+
+    Each client connection can need a second descriptor for its upstream connection, so the cap is at
+    most half of what is left after a reserve; a cap above that would let clients exhaust descriptors
+    before the cap is reached.
+    """
+    return max(1, min(max_connections, (nofile - _FD_RESERVE) // 2))
+
+
+def fit_to_fd_limit(max_connections: int) -> int:
+    """Raise the soft descriptor limit to the hard one if needed, and return the cap that fits it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 2 * max_connections + _FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+    cap = max_connections if soft == resource.RLIM_INFINITY else cap_for_fd_limit(max_connections, soft)
+    if cap < max_connections:
+        log.warning(
+            "max_connections %d lowered to %d: the descriptor limit is %d (ulimit -n); "
+            "each client connection can need two",
+            max_connections,
+            cap,
+            soft,
+        )
+    return cap
 
 
 class ConnectionGuard:
@@ -114,6 +153,29 @@ class ConnectionGuard:
         while True:
             await asyncio.sleep(every)
             self.sweep(loop.time())
+
+
+class ConnectionMetrics(Collector):
+    """The guard's counts on the router's /metrics, read at scrape time."""
+
+    def __init__(self, guard: ConnectionGuard) -> None:
+        self.guard = guard
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        g = self.guard
+        held = GaugeMetricFamily("llmgw_router_connections", "Client connections held now")
+        held.add_metric([], g.count)
+        yield held
+        closed = CounterMetricFamily(
+            "llmgw_router_connections_closed",
+            "Client connections the router closed or refused: header_timeout, evicted (idle, to make "
+            "room at max_connections), refused (max_connections, all busy)",
+            labels=["reason"],
+        )
+        closed.add_metric(["header_timeout"], g.timed_out)
+        closed.add_metric(["evicted"], g.evicted)
+        closed.add_metric(["refused"], g.refused)
+        yield closed
 
 
 class _Guarded(asyncio.Protocol):

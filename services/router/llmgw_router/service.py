@@ -26,7 +26,7 @@ from llmgw_common.settings import RouterSettings
 from llmgw_common.subjects import ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
 from llmgw_router.app import build_admin_app, build_app
 from llmgw_router.auth import Exemptions
-from llmgw_router.connections import ConnectionGuard, GuardedSite
+from llmgw_router.connections import ConnectionGuard, ConnectionMetrics, GuardedSite, fit_to_fd_limit
 from llmgw_router.context import Limits, RouterContext
 from llmgw_router.endpoints import Pool
 from llmgw_router.keys import KeyTable
@@ -77,7 +77,10 @@ class Router:
         self._tasks: list[asyncio.Task[None]] = []
         self._followers: list[bus.KvFollower] = []
         self.synced = asyncio.Event()
-        self.connections = ConnectionGuard(settings.max_connections, settings.header_timeout_s)
+        self.connections = ConnectionGuard(
+            fit_to_fd_limit(settings.max_connections), settings.header_timeout_s
+        )
+        self.ctx.metrics.registry.register(ConnectionMetrics(self.connections))
         # On stop, requests in flight (streams included) get this long to finish.
         self.shutdown_grace_s = 10.0
 
