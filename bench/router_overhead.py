@@ -245,6 +245,27 @@ def sustained(run: Run) -> bool:
     return run.errors == 0 and run.rate >= 0.97 * run.target and run.p99 < 1000.0
 
 
+# name -> (process, base URL), filled by main(): what diagnose_stall() looks at.
+WATCHED: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+
+
+async def diagnose_stall() -> None:
+    """Which hop is stuck: each process's state and CPU time, and whether it answers /health now."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
+        for name, (proc, base) in WATCHED.items():
+            try:
+                p = psutil.Process(proc.pid)
+                state = f"{p.status()}, cpu {cpu_s(proc.pid):.1f}s, {p.num_fds()} fds"
+            except psutil.Error as e:
+                state = f"gone ({e})"
+            try:
+                async with s.get(base + "/health") as r:
+                    health = str(r.status)
+            except (aiohttp.ClientError, TimeoutError) as e:
+                health = f"no answer ({type(e).__name__})"
+            print(f"  stall diagnosis: {name}: {state}; /health: {health}", file=sys.stderr, flush=True)
+
+
 async def max_rate(s: aiohttp.ClientSession, url: str, stream: bool, seconds: float, steps: int) -> float:
     """Highest rate achieved with no errors: a closed-loop estimate, then a bounded open-loop search."""
     est = await closed_loop(s, url, stream, 64, seconds)
@@ -252,6 +273,7 @@ async def max_rate(s: aiohttp.ClientSession, url: str, stream: bool, seconds: fl
         # A stalled closed loop measures the stall (ok / (seconds + the client timeout)), not the rate:
         # say so, so that a max rate of a few requests/s is not read as the router's.
         print(f"max_rate {url}: closed loop stalled ({est.stalls} requests timed out)", file=sys.stderr)
+        await diagnose_stall()
     best = est.rate if est.errors == 0 else 0.0
     lo, hi = 0.0, max(est.rate * 1.15, 50.0)
     probe = est.rate * 0.9
@@ -323,6 +345,7 @@ async def main(quick: bool) -> int:
         port = _free_port()
         router = start_router(static, port)
         procs.append(router)
+        WATCHED.update(engine=(eng, eng_url), router=(router, f"http://127.0.0.1:{port}"))
         base = f"http://127.0.0.1:{port}"
         await wait_http(base + "/health")
         direct = f"{eng_url}/v1/chat/completions"
