@@ -93,7 +93,7 @@ class ConnectionGuard:
         self.evicted = 0
         self.refused = 0
         self.timed_out = 0
-        self._logged = 0.0
+        self._logged = float("-inf")
 
     @property
     def count(self) -> int:
