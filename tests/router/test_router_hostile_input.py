@@ -76,3 +76,23 @@ async def test_deeply_nested_json_is_400_without_a_traceback(
     assert r.ctx.metrics.requests_count("-", 400) == 2
     _no_traceback_and_at_most_one_line(caplog)
     assert r.ctx.in_flight == 0
+
+
+@pytest.mark.parametrize(
+    "request_line",
+    [
+        b"GET /v1/models/\xe2\x82 HTTP/1.1",
+        b"GET /v1/\xff HTTP/1.1",
+        b"POST /v1/chat/completions HTTP/1.1\x01",
+    ],
+)
+async def test_bytes_that_are_not_http_are_400_without_a_traceback(
+    engines, routers, static_file, caplog: pytest.LogCaptureFixture, request_line: bytes
+) -> None:
+    eng = await engines("m1")
+    r = await routers(static_file({"m1": [eng.url]}, auth=False))
+    caplog.set_level(logging.DEBUG)
+    resp = await raw_exchange(r.port, request_line + b"\r\nHost: x\r\n\r\n")
+    assert resp.status == 400, resp.body
+    _no_traceback_and_at_most_one_line(caplog)
+    assert len([x for x in caplog.records if x.name == "aiohttp.server"]) == 1

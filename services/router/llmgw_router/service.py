@@ -30,6 +30,7 @@ from llmgw_router.connections import ConnectionGuard, ConnectionMetrics, Guarded
 from llmgw_router.context import Limits, RouterContext
 from llmgw_router.endpoints import Pool
 from llmgw_router.keys import KeyTable
+from llmgw_router.server_log import server_logger
 from llmgw_router.static import load_static
 
 log = logging.getLogger("llmgw.router")
@@ -97,6 +98,7 @@ class Router:
             access_log=None,
             shutdown_timeout=self.shutdown_grace_s,
             keepalive_timeout=s.idle_timeout_s,
+            logger=server_logger(),
         )
         await runner.setup()
         # Header deadline and connection cap (aiohttp has neither): see connections.py.
