@@ -38,6 +38,7 @@ import psutil
 
 KEY = "llmgw-bench-" + "x" * 32
 LOW_RPS = 100
+CLIENT_TIMEOUT_S = 30.0
 NONSTREAM = json.dumps(
     {"model": "bench", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}
 ).encode()
@@ -145,6 +146,8 @@ class Run:
     errors: int
     seconds: float
     lat_ms: list[float]
+    # Requests that hit the client's timeout (CLIENT_TIMEOUT_S): a stall, not a slow answer.
+    stalls: int = 0
 
     @property
     def rate(self) -> float:
@@ -165,8 +168,17 @@ async def _one(s: aiohttp.ClientSession, url: str, body: bytes, stream: bool, ru
         async with s.post(url, data=body) as r:
             data = await r.read()
             good = r.status == 200 and (not stream or data.endswith(b"data: [DONE]\n\n"))
-    except (aiohttp.ClientError, TimeoutError):
+    except aiohttp.ClientError:
         good = False
+    except TimeoutError:
+        good = False
+        run.stalls += 1
+        print(
+            f"stall: a request to {url} got no answer in {CLIENT_TIMEOUT_S:g}s "
+            f"(started {time.strftime('%H:%M:%S', time.localtime(time.time() - (time.perf_counter() - t0)))})",
+            file=sys.stderr,
+            flush=True,
+        )
     if good:
         run.ok += 1
         run.lat_ms.append((time.perf_counter() - t0) * 1000)
@@ -222,6 +234,7 @@ def _merge(into: Run, part: Run) -> None:
     into.sent += part.sent
     into.ok += part.ok
     into.errors += part.errors
+    into.stalls += part.stalls
     into.seconds += part.seconds
     into.lat_ms.extend(part.lat_ms)
 
@@ -232,9 +245,35 @@ def sustained(run: Run) -> bool:
     return run.errors == 0 and run.rate >= 0.97 * run.target and run.p99 < 1000.0
 
 
+# name -> (process, base URL), filled by main(): what diagnose_stall() looks at.
+WATCHED: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+
+
+async def diagnose_stall() -> None:
+    """Which hop is stuck: each process's state and CPU time, and whether it answers /health now."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
+        for name, (proc, base) in WATCHED.items():
+            try:
+                p = psutil.Process(proc.pid)
+                state = f"{p.status()}, cpu {cpu_s(proc.pid):.1f}s, {p.num_fds()} fds"
+            except psutil.Error as e:
+                state = f"gone ({e})"
+            try:
+                async with s.get(base + "/health") as r:
+                    health = str(r.status)
+            except (aiohttp.ClientError, TimeoutError) as e:
+                health = f"no answer ({type(e).__name__})"
+            print(f"  stall diagnosis: {name}: {state}; /health: {health}", file=sys.stderr, flush=True)
+
+
 async def max_rate(s: aiohttp.ClientSession, url: str, stream: bool, seconds: float, steps: int) -> float:
     """Highest rate achieved with no errors: a closed-loop estimate, then a bounded open-loop search."""
     est = await closed_loop(s, url, stream, 64, seconds)
+    if est.stalls:
+        # A stalled closed loop measures the stall (ok / (seconds + the client timeout)), not the rate:
+        # say so, so that a max rate of a few requests/s is not read as the router's.
+        print(f"max_rate {url}: closed loop stalled ({est.stalls} requests timed out)", file=sys.stderr)
+        await diagnose_stall()
     best = est.rate if est.errors == 0 else 0.0
     lo, hi = 0.0, max(est.rate * 1.15, 50.0)
     probe = est.rate * 0.9
@@ -306,6 +345,7 @@ async def main(quick: bool) -> int:
         port = _free_port()
         router = start_router(static, port)
         procs.append(router)
+        WATCHED.update(engine=(eng, eng_url), router=(router, f"http://127.0.0.1:{port}"))
         base = f"http://127.0.0.1:{port}"
         await wait_http(base + "/health")
         direct = f"{eng_url}/v1/chat/completions"
@@ -317,7 +357,7 @@ async def main(quick: bool) -> int:
         print("streams_1000", json.dumps(out["streams_1000"]), flush=True)
         headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
         conn = aiohttp.TCPConnector(limit=0)
-        timeout = aiohttp.ClientTimeout(total=30)
+        timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
         async with aiohttp.ClientSession(connector=conn, headers=headers, timeout=timeout) as s:
             # Warm both paths (connection pools, first-request costs).
             await closed_loop(s, via, False, 16, 0.5)

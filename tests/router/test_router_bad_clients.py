@@ -1,24 +1,17 @@
 """Clients that misbehave: wrong types, bodies that trickle in or stop, readers that stall and leave.
 
-Each gets the right status (when it is still there to get one), and every count returns to zero.
+Each gets the right status (when it is still there to get one), and every count returns to zero. Each
+check waits for a state that is false at the start and true only when the router did its part: a
+count that went up comes back down, a request the router answered is counted, a socket it held is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import aiohttp
-
-
-async def _poll(cond, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        await asyncio.sleep(0.01)
-    return bool(cond())
+from router_helpers import poll, router_sockets
 
 
 def _body(model: object = "m1", max_tokens: object = 2, stream: bool = False) -> bytes:
@@ -43,7 +36,8 @@ async def test_wrong_types_are_400_naming_the_field(engines, routers, static_fil
             ) as resp:
                 err = (await resp.json())["error"]
                 assert resp.status == 400 and err["param"] == "model", (bad, err)
-    assert r.ctx.in_flight == 0
+    assert r.ctx.metrics.requests_count("-", 400) == 4
+    assert r.ctx.in_flight == 0 and eng.engine._served == 0
 
 
 async def _raw_request(
@@ -67,12 +61,16 @@ async def test_a_body_that_trickles_in_is_served(engines, routers, static_file) 
     reader, writer = await _raw_request(r.port, body, send=10)
     for i in range(10, len(body), 20):
         await asyncio.sleep(0.02)
+        # Nothing reaches the engine while the body is incomplete.
+        assert eng.engine._served == 0
         writer.write(body[i : i + 20])
         await writer.drain()
     status = await asyncio.wait_for(reader.readline(), 5)
     writer.close()
     assert status.startswith(b"HTTP/1.1 200"), status
-    assert await _poll(lambda: r.ctx.in_flight == 0)
+    # The engine served it, and the router counted it as done.
+    assert await poll(lambda: r.ctx.metrics.requests_count("m1", 200) == 1 and eng.engine._served == 1)
+    assert r.ctx.in_flight == 0
 
 
 async def test_a_client_that_stops_sending_its_body_and_leaves_leaks_nothing(
@@ -81,17 +79,20 @@ async def test_a_client_that_stops_sending_its_body_and_leaves_leaks_nothing(
     eng = await engines("m1")
     r = await routers(static_file({"m1": [eng.url]}, auth=False))
     _, writer = await _raw_request(r.port, _body(), send=15)
-    await asyncio.sleep(0.2)
-    writer.close()  # gone with half a body
+    # The router holds the connection, waiting for the rest of the body...
+    assert await poll(lambda: router_sockets(r.port) == 1 and r.connections.count == 1)
+    writer.close()  # ...and the client goes with half a body
     await writer.wait_closed()
-    assert await _poll(
-        lambda: r.ctx.in_flight == 0 and ("m1" not in r.ctx.gates or r.ctx.gates["m1"].active == 0)
-    )
-    assert eng.engine.slots.running == 0
+    # The router lets go of it: its socket is closed, its count back to zero.
+    assert await poll(lambda: router_sockets(r.port) == 0 and r.connections.count == 0)
+    assert r.ctx.in_flight == 0 and ("m1" not in r.ctx.gates or r.ctx.gates["m1"].active == 0)
+    # Half a body never reaches an engine.
+    assert eng.engine._served == 0 and eng.engine.slots.running == 0
     # The router still serves.
     async with aiohttp.ClientSession() as s:
         async with s.post(f"http://127.0.0.1:{r.port}/v1/chat/completions", data=_body()) as resp:
             assert resp.status == 200
+    assert eng.engine._served == 1
 
 
 async def test_a_stalled_reader_that_leaves_mid_stream_releases_everything(
@@ -101,10 +102,14 @@ async def test_a_stalled_reader_that_leaves_mid_stream_releases_everything(
     r = await routers(static_file({"m1": [eng.url]}, auth=False))
     reader, writer = await _raw_request(r.port, _body(max_tokens=20000, stream=True))
     assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"HTTP/1.1 200")
-    # Read nothing more for a while: the stream backs up through the router to the engine.
-    await asyncio.sleep(1.0)
-    assert r.ctx.in_flight == 1
+    # Read nothing more: the stream is generating, held open by the router for this client.
+    assert await poll(
+        lambda: r.ctx.in_flight == 1 and r.ctx.gates["m1"].active == 1 and eng.engine.slots.running == 1
+    )
     writer.close()
     await writer.wait_closed()
-    assert await _poll(lambda: r.ctx.in_flight == 0 and r.ctx.gates["m1"].active == 0)
-    assert await _poll(lambda: eng.engine.slots.running == 0)
+    assert await poll(lambda: r.ctx.in_flight == 0 and r.ctx.gates["m1"].active == 0)
+    # The engine was told (its connection closed) and stopped before generating 20,000 tokens.
+    assert await poll(lambda: eng.engine.slots.running == 0)
+    assert eng.engine._served == 0
+    assert r.ctx.metrics.requests_count("m1", 499) == 1

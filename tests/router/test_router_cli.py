@@ -77,6 +77,6 @@ def test_bad_static_file_is_refused_with_every_problem(tmp_path):
     bad.write_text(yaml.safe_dump({"models": [{"name": "m", "endpoints": "nope"}], "extra": 1}))
     res = CliRunner().invoke(app, ["router", "--static", str(bad)])
     assert res.exit_code == 2
-    assert "'endpoints' must be a list" in res.stderr and "unknown top-level field 'extra'" in res.stderr
+    assert "'endpoints' must be a list" in res.stderr and "static file: extra: unknown field" in res.stderr
     res = CliRunner().invoke(app, ["router", "--static", str(tmp_path / "missing.yaml")])
     assert res.exit_code == 2 and "cannot read" in res.stderr

@@ -11,6 +11,7 @@ import time
 
 import aiohttp
 import pytest
+from router_helpers import CountingUpstream
 
 from llmgw_router.breaker import BreakerState
 
@@ -58,15 +59,28 @@ async def test_connect_failures_are_retried_on_another_endpoint_and_open_the_bre
 
 
 async def test_engine_503_is_retried_elsewhere(engines, routers, static_file):
-    loading = await engines("m1", startup_s=60)  # answers 503 "Loading model"
     good = await engines("m1")
-    r = await routers(static_file({"m1": [loading.url, good.url]}, auth=False))
-    async with aiohttp.ClientSession() as s:
-        for _ in range(10):
-            async with s.post(
-                f"http://127.0.0.1:{r.port}/v1/completions", json={"model": "m1", "prompt": "a"}
-            ) as resp:
-                assert resp.status == 200
+    # A real upstream that answers 503 "Loading model" and counts what reached it: the proof that the
+    # router did try it (a router that skipped it would also answer every request with a 200).
+    async with CountingUpstream(503, "Loading model") as loading:
+        r = await routers(static_file({"m1": [loading.url, good.url]}, auth=False))
+        statuses = []
+        async with aiohttp.ClientSession() as s:
+            # Until the 503 endpoint was tried (the choice is random) and its breaker opened.
+            for _ in range(200):
+                async with s.post(
+                    f"http://127.0.0.1:{r.port}/v1/completions", json={"model": "m1", "prompt": "a"}
+                ) as resp:
+                    statuses.append(resp.status)
+                if loading.hits >= 3:
+                    break
+        assert loading.hits >= 3, "the 503 endpoint was never tried"
+        assert set(statuses) == {200}
+        # Every 503 was retried on the other endpoint, and each request got there once.
+        assert r.ctx.metrics.retries_count("m1") == loading.hits
+        assert good.engine._served == len(statuses)
+        dead = next(e for e in r.ctx.pool.by_key.values() if e.url == loading.url)
+        assert dead.breaker.state is BreakerState.OPEN
 
 
 async def test_breaker_half_open_probe_closes_it(engines, routers, static_file):

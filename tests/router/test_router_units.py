@@ -19,7 +19,6 @@ from llmgw_router.endpoints import Pool
 from llmgw_router.keys import KeyTable, allows_model, generate_key, hash_key
 from llmgw_router.metrics import RouterMetrics
 from llmgw_router.scheduling import choose, load_score
-from llmgw_router.static import StaticConfigError, parse_static
 from llmgw_router.usage import UsageTable, find_usage
 
 # ---------------------------------------------------------------- scheduling
@@ -349,38 +348,6 @@ def test_unavailable_reason_comes_from_routing():
     p = Pool()
     p.set_endpoints(RoutingEndpoints(version=2, unavailable={"m": "needs 2 x H100-80GB, 0 free"}))
     assert p.why_unavailable("m", 0.0) == "model 'm' has no ready replica: needs 2 x H100-80GB, 0 free"
-
-
-# ---------------------------------------------------------------- static file
-
-
-def test_static_file_parses_and_reports_every_problem():
-    cfg = parse_static(
-        {
-            "models": [{"name": "m", "endpoints": ["http://a:1/"], "max_concurrency": 4}],
-            "keys": [{"name": "dev", "hash": "a" * 64, "models": ["m"]}],
-        }
-    )
-    assert cfg.auth and cfg.catalog.names == ("m",)
-    assert cfg.routing.endpoints["m"][0].url == "http://a:1"
-    assert cfg.catalog.get("m").max_concurrency == 4  # type: ignore[union-attr]
-    assert not parse_static({"models": []}).auth
-    with pytest.raises(StaticConfigError) as e:
-        parse_static(
-            {
-                "models": [{"name": "m", "endpoints": ["ftp://x"]}, {"nope": 1}],
-                "keys": [{"hash": "x"}],
-                "extra": 1,
-            }
-        )
-    text = str(e.value)
-    for bit in (
-        "'endpoints' must be",
-        "models[1]: needs a 'name'",
-        "keys[0]",
-        "unknown top-level field 'extra'",
-    ):
-        assert bit in text
 
 
 def test_metrics_exposition_counts_buckets_like_prometheus():

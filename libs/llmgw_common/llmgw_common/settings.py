@@ -174,6 +174,20 @@ class RouterSettings(BusSettings):
     connect_timeout_s: float = Field(default=5.0, gt=0)
     read_timeout_s: float = Field(default=600.0, gt=0)
     load_stale_s: float = Field(default=5.0, gt=0, description="Ignore agents' load reports older than this")
+    header_timeout_s: float = Field(
+        default=10.0, gt=0, description="A client's request line and headers must arrive within this"
+    )
+    body_timeout_s: float = Field(
+        default=60.0, gt=0, description="A request body must arrive within this of its headers (else 408)"
+    )
+    idle_timeout_s: float = Field(
+        default=75.0, gt=0, description="Close a client's keep-alive connection idle for this long"
+    )
+    max_connections: int = Field(
+        default=8192,
+        gt=0,
+        description="Client connections held at most; beyond it idle ones are closed, else new ones refused",
+    )
     tick_s: float = Field(default=1.0, gt=0)
     static_file: str | None = Field(default=None, description="Serve fixed endpoints from this file, no NATS")
 

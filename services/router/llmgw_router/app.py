@@ -7,6 +7,7 @@ touches NATS.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -173,9 +174,18 @@ def _make_proxy_handler(ctx: RouterContext, path: str) -> Handler:
                 return _too_large(ctx)
         else:
             try:
-                body = await request.read()
+                async with asyncio.timeout(ctx.limits.body_timeout_s):
+                    body = await request.read()
             except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past the limit
                 return _too_large(ctx)
+            except TimeoutError:
+                # A body that trickles in holds a connection and a handler: answer while we still can.
+                metrics.request(UNKNOWN_MODEL, 408)
+                late = error_response(
+                    408, f"the request body did not arrive within {ctx.limits.body_timeout_s:g}s"
+                )
+                late.force_close()
+                return late
         parsed = parse_request(body)
         if isinstance(parsed, str):
             metrics.request(UNKNOWN_MODEL, 400)

@@ -25,6 +25,7 @@ class Limits:
     load_stale_s: float = 5.0
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
+    body_timeout_s: float = 60.0
 
 
 @dataclass(eq=False)

@@ -13,6 +13,7 @@ _KINDS: dict[int, tuple[str, str | None]] = {
     403: ("permission_error", "model_not_allowed"),
     404: ("invalid_request_error", "model_not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
+    408: ("invalid_request_error", "request_timeout"),
     413: ("invalid_request_error", "request_too_large"),
     429: ("rate_limit_error", "queue_full"),
     502: ("upstream_error", "upstream_failed"),

@@ -76,7 +76,12 @@ class KeyTable:
     def check(self, key: str | None, now: float) -> KeyCheck:
         if not key:
             return KeyCheck(None, "no API key: send 'Authorization: Bearer <key>'")
-        rec = self._by_hash.get(hash_key(key))
+        try:
+            digest = hash_key(key)
+        except UnicodeEncodeError:
+            # aiohttp hands over header bytes that are not UTF-8 as surrogates; no key has them.
+            return KeyCheck(None, "invalid API key: it is not valid UTF-8")
+        rec = self._by_hash.get(digest)
         if rec is None:
             return KeyCheck(None, "invalid API key")
         if rec.revoked:

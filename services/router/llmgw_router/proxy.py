@@ -239,6 +239,9 @@ def parse_request(body: bytes) -> dict[str, Any] | str:
         obj = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         return f"the request body is not valid JSON: {e}"
+    except RecursionError:
+        # json.loads recurses per nesting level: `[[[[...` 100,000 deep must be a 400, not a 500.
+        return "the request body is not valid JSON: nested too deeply"
     if not isinstance(obj, dict):
         return "the request body must be a JSON object"
     model = obj.get("model")

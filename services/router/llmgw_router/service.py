@@ -26,9 +26,11 @@ from llmgw_common.settings import RouterSettings
 from llmgw_common.subjects import ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
 from llmgw_router.app import build_admin_app, build_app
 from llmgw_router.auth import Exemptions
+from llmgw_router.connections import ConnectionGuard, ConnectionMetrics, GuardedSite, fit_to_fd_limit
 from llmgw_router.context import Limits, RouterContext
 from llmgw_router.endpoints import Pool
 from llmgw_router.keys import KeyTable
+from llmgw_router.server_log import server_logger
 from llmgw_router.static import load_static
 
 log = logging.getLogger("llmgw.router")
@@ -63,6 +65,7 @@ class Router:
                 load_stale_s=settings.load_stale_s,
                 connect_timeout_s=settings.connect_timeout_s,
                 read_timeout_s=settings.read_timeout_s,
+                body_timeout_s=settings.body_timeout_s,
             ),
             started=time.time(),
         )
@@ -75,6 +78,10 @@ class Router:
         self._tasks: list[asyncio.Task[None]] = []
         self._followers: list[bus.KvFollower] = []
         self.synced = asyncio.Event()
+        self.connections = ConnectionGuard(
+            fit_to_fd_limit(settings.max_connections), settings.header_timeout_s
+        )
+        self.ctx.metrics.registry.register(ConnectionMetrics(self.connections))
         # On stop, requests in flight (streams included) get this long to finish.
         self.shutdown_grace_s = 10.0
 
@@ -90,9 +97,12 @@ class Router:
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=self.shutdown_grace_s,
+            keepalive_timeout=s.idle_timeout_s,
+            logger=server_logger(),
         )
         await runner.setup()
-        site = web.TCPSite(runner, s.host, s.port, backlog=4096, reuse_address=True)
+        # Header deadline and connection cap (aiohttp has neither): see connections.py.
+        site = GuardedSite(runner, s.host, s.port, self.connections, backlog=4096, reuse_address=True)
         await site.start()
         self._runners.append(runner)
         self.port = _bound_port(runner)

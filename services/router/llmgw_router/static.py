@@ -9,22 +9,36 @@ models:
   - name: tiny
     endpoints: [http://127.0.0.1:9001, http://127.0.0.1:9002]
     max_concurrency: 64   # optional, any catalog profile field
+
+The file is validated like the catalog and the fleet file: the top level is a strict pydantic model
+(``auth: "false"`` is an error, not a true string), each model and key is validated on its own by
+:func:`llmgw_common.validation.validate_named` (duplicates included), and every problem is listed.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
-from llmgw_common.catalog import Catalog, ModelProfile
+from llmgw_common.catalog import ENGINES, Catalog, ModelProfile
 from llmgw_common.messages import ApiKeyRecord, Endpoint, RoutingEndpoints
+from llmgw_common.validation import describe, validate_named
+
+# The catalog's rule for model names (llmgw_common.catalog).
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
 
 
 class StaticConfigError(ValueError):
-    pass
+    """A static file that cannot be used; ``problems`` lists every reason."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("invalid static file:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,73 +49,147 @@ class StaticConfig:
     auth: bool
 
 
+class _StaticFile(BaseModel):
+    """The top level; the entries of ``models`` and ``keys`` are validated one by one below."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    auth: StrictBool | None = None
+    keys: list[Any] = Field(default_factory=list)
+    models: list[Any] = Field(default_factory=list)
+
+    @field_validator("keys", "models", mode="before")
+    @classmethod
+    def _empty(cls, v: Any) -> Any:
+        return [] if v is None else v  # `keys:` with nothing under it
+
+
+class StaticModel(ModelProfile):
+    """A catalog profile plus the URLs that serve it. The engine only labels it here."""
+
+    engine: str = "sim"
+    endpoints: tuple[str, ...] = ()
+
+    @field_validator("endpoints", mode="before")
+    @classmethod
+    def _urls(cls, v: Any) -> Any:
+        if v is None:
+            return ()
+        if not isinstance(v, list | tuple):
+            raise ValueError("'endpoints' must be a list of http(s) URLs")
+        bad = [u for u in v if not _is_http_url(u)]
+        if bad:
+            raise ValueError(", ".join(f"{u!r} is not an http(s) URL" for u in bad))
+        return tuple(u.rstrip("/") for u in v)
+
+
+class StaticKey(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    hash: str = Field(pattern=r"^[0-9A-Fa-f]{64}$", description="sha256 hex of the key")
+    models: tuple[str, ...] | None = None
+    id: str | None = None
+    expires: float | None = None
+
+
+def _is_http_url(u: Any) -> bool:
+    if not isinstance(u, str):
+        return False
+    try:
+        p = urlsplit(u)
+        p.port  # noqa: B018 - raises ValueError on a port that is not a number
+    except ValueError:
+        return False
+    return p.scheme in ("http", "https") and bool(p.hostname)
+
+
+def _model_checks(m: StaticModel) -> list[str]:
+    where = f"model {m.name!r}"
+    out = []
+    # Model names travel in clients' request bodies and metrics labels: the catalog's rule.
+    if not _NAME.match(m.name):
+        out.append(f"{where}: name may contain only letters, digits and . _ : / -")
+    if m.engine not in ENGINES:
+        out.append(f"{where}: unknown engine {m.engine!r} (known: {', '.join(ENGINES)})")
+    seen: set[str] = set()
+    for u in m.endpoints:
+        if u in seen:
+            out.append(f"{where}: endpoint {u!r} is listed twice")
+        seen.add(u)
+    return out
+
+
 def parse_static(data: Any) -> StaticConfig:
+    """A validated static file from a mapping or YAML text; StaticConfigError lists every problem."""
     if isinstance(data, str | bytes):
         try:
             data = yaml.safe_load(data)
         except yaml.YAMLError as e:
-            raise StaticConfigError(f"not valid YAML: {e}") from None
+            raise StaticConfigError([f"not valid YAML: {e}"]) from None
+    if data is None:
+        data = {}
     if not isinstance(data, dict):
-        raise StaticConfigError("a static file is a mapping with a 'models' list")
+        raise StaticConfigError(["a static file is a mapping with a 'models' list"])
     problems: list[str] = []
-    for k in data:
-        if k not in ("models", "keys", "auth"):
-            problems.append(f"unknown top-level field {k!r} (known: models, keys, auth)")
-    profiles: list[ModelProfile] = []
-    endpoints: dict[str, tuple[Endpoint, ...]] = {}
-    raw_models = data.get("models") or []
-    if not isinstance(raw_models, list):
-        raise StaticConfigError("'models' must be a list")
-    for i, raw in enumerate(raw_models):
-        if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
-            problems.append(f"models[{i}]: needs a 'name'")
-            continue
-        raw = dict(raw)
-        name = raw["name"]
-        urls = raw.pop("endpoints", None) or []
-        if not isinstance(urls, list) or not all(isinstance(u, str) and u.startswith("http") for u in urls):
-            problems.append(f"model {name!r}: 'endpoints' must be a list of http(s) URLs")
-            continue
-        raw.setdefault("engine", "sim")
-        try:
-            profiles.append(ModelProfile.model_validate(raw))
-        except ValidationError as e:
-            problems.extend(f"model {name!r}: {'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
-            continue
-        endpoints[name] = tuple(
-            Endpoint(replica_id=f"static-{name}-{j}", model=name, url=u.rstrip("/"), node="static")
-            for j, u in enumerate(urls)
-        )
-    keys: list[ApiKeyRecord] = []
-    for i, raw in enumerate(data.get("keys") or []):
-        if not isinstance(raw, dict) or not isinstance(raw.get("hash"), str) or len(raw["hash"]) != 64:
-            problems.append(f"keys[{i}]: needs 'hash' (sha256 hex of the key, 64 characters)")
-            continue
-        models = raw.get("models")
-        keys.append(
-            ApiKeyRecord(
-                id=str(raw.get("id") or f"static-{i}"),
-                name=str(raw.get("name") or f"static-{i}"),
-                hash=raw["hash"].lower(),
-                models=tuple(models) if models is not None else None,
-                created=0.0,
-                expires=raw.get("expires"),
-            )
-        )
+    try:
+        top = _StaticFile.model_validate(data)
+    except ValidationError as e:
+        problems.extend(describe("static file", e))
+        # Go on with whichever lists are lists, so their problems are listed in the same round.
+        lists = {k: v if isinstance(v := data.get(k), list) else [] for k in ("models", "keys")}
+        top = _StaticFile.model_construct(auth=None, models=lists["models"], keys=lists["keys"])
+    models, found = validate_named(
+        top.models, StaticModel, kind="model", list_name="models", checks=_model_checks
+    )
+    problems.extend(found)
+    names = {m.name for m in models}
+    hashes: dict[str, str] = {}
+
+    def key_checks(k: StaticKey) -> list[str]:
+        out = [f"key {k.name!r}: model {m!r} is not in this file" for m in k.models or () if m not in names]
+        h = k.hash.lower()
+        if h in hashes:
+            out.append(f"key {k.name!r}: the same hash as key {hashes[h]!r} (one key, two names)")
+        else:
+            hashes[h] = k.name
+        return out
+
+    keys, found = validate_named(top.keys, StaticKey, kind="key", list_name="keys", checks=key_checks)
+    problems.extend(found)
     if problems:
-        raise StaticConfigError("invalid static file:\n" + "\n".join(f"  - {p}" for p in problems))
-    auth = data.get("auth")
+        raise StaticConfigError(problems)
+    profiles = [ModelProfile.model_validate(m.model_dump(exclude={"endpoints"})) for m in models]
+    endpoints = {
+        m.name: tuple(
+            Endpoint(replica_id=f"static-{m.name}-{j}", model=m.name, url=u, node="static")
+            for j, u in enumerate(m.endpoints)
+        )
+        for m in models
+    }
+    records = tuple(
+        ApiKeyRecord(
+            id=k.id or f"static-{i}",
+            name=k.name,
+            hash=k.hash.lower(),
+            models=k.models,
+            created=0.0,
+            expires=k.expires,
+        )
+        for i, k in enumerate(keys)
+    )
     return StaticConfig(
         catalog=Catalog(models=tuple(profiles)),
         routing=RoutingEndpoints(version=0, endpoints=endpoints),
-        keys=tuple(keys),
-        auth=bool(keys) if auth is None else bool(auth),
+        keys=records,
+        auth=bool(records) if top.auth is None else top.auth,
     )
 
 
 def load_static(path: str) -> StaticConfig:
     try:
         with open(path, encoding="utf-8") as f:
-            return parse_static(f.read())
+            text = f.read()
     except OSError as e:
-        raise StaticConfigError(f"cannot read {path}: {e.strerror}") from None
+        raise StaticConfigError([f"cannot read {path}: {e.strerror}"]) from None
+    return parse_static(text)

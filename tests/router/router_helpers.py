@@ -1,0 +1,104 @@
+"""Helpers for router tests that talk raw HTTP/1.1: bytes on the wire exactly as written."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+from aiohttp import web
+
+
+async def poll(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Wait until ``cond()`` holds (True) or ``timeout`` passes (its last value)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        await asyncio.sleep(0.01)
+    return bool(cond())
+
+
+def router_sockets(port: int) -> int:
+    """Accepted sockets of the router listening on ``port``, as the kernel sees them (psutil).
+
+    The router runs in the test's process: its sockets are the ones whose local port is ``port``.
+    """
+    return sum(
+        1
+        for c in psutil.Process().net_connections("tcp")
+        if c.laddr and c.laddr.port == port and c.raddr and c.status != psutil.CONN_LISTEN
+    )
+
+
+class RawResponse:
+    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.status, self.headers, self.body = status, headers, body
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+async def read_response(reader: asyncio.StreamReader, timeout: float = 10.0) -> RawResponse:
+    """One HTTP/1.1 response with a Content-Length (every answer the router makes itself has one)."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {}
+    for line in lines[1:]:
+        if ":" in line:
+            k, _, v = line.partition(":")
+            headers[k.strip().lower()] = v.strip()
+    n = int(headers.get("content-length", "0"))
+    body = await asyncio.wait_for(reader.readexactly(n), timeout) if n else b""
+    return RawResponse(status, headers, body)
+
+
+async def raw_exchange(port: int, data: bytes, timeout: float = 10.0) -> RawResponse:
+    """Send ``data`` as is on a new connection and read one response."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        return await read_response(reader, timeout)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+async def closed_by_peer(reader: asyncio.StreamReader, timeout: float) -> bytes:
+    """Everything the peer sends until it closes the connection (raises TimeoutError if it does not)."""
+    return await asyncio.wait_for(reader.read(), timeout)
+
+
+class CountingUpstream:
+    """A real HTTP server that answers every POST with ``status`` and counts the requests it got."""
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status, self.message = status, message
+        self.hits = 0
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def _answer(self, request: web.Request) -> web.Response:
+        self.hits += 1
+        await request.read()
+        return web.json_response({"error": {"message": self.message}}, status=self.status)
+
+    async def __aenter__(self) -> CountingUpstream:
+        app = web.Application()
+        app.router.add_post("/{tail:.*}", self._answer)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = self.runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
