@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -94,17 +95,29 @@ class PassGuard:
     """The failure policy of one loop's passes.
 
     A pass that raises is logged (with its traceback when the error is new) and counted, and the loop
-    goes on: one bad input must not stop the loop. ``limit`` failures in a row (None: no limit) raise
+    goes on: one bad input must not stop the loop. ``limit`` failures in a row (None: no limit), the
+    first of them at least ``min_span_s`` ago (so that a burst of passes is not "for long"), raise
     :class:`FailedPasses` from the last error, for a loop whose process should rather be replaced than
     go on failing (a leader that cannot reconcile must not hold the lease for ever).
     """
 
-    def __init__(self, name: str, logger: logging.Logger, limit: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        logger: logging.Logger,
+        limit: int | None = None,
+        *,
+        min_span_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.name = name
         self.log = logger
         self.limit = limit
+        self.min_span_s = min_span_s
+        self.clock = clock
         self.failed = 0
         self.in_a_row = 0
+        self._since = 0.0
         self._last = ""
 
     def ok(self) -> None:
@@ -112,6 +125,9 @@ class PassGuard:
         self._last = ""
 
     def failure(self, e: Exception) -> None:
+        now = self.clock()
+        if self.in_a_row == 0:
+            self._since = now
         self.failed += 1
         self.in_a_row += 1
         what = f"{type(e).__name__}: {e}"
@@ -121,5 +137,8 @@ class PassGuard:
             exc_info=e if what != self._last else None,  # one traceback per distinct error
         )  # fmt: skip
         self._last = what
-        if self.limit is not None and self.in_a_row >= self.limit:
-            raise FailedPasses(f"{self.name}: {self.in_a_row} passes in a row failed; giving up") from e
+        span = now - self._since
+        if self.limit is not None and self.in_a_row >= self.limit and span >= self.min_span_s:
+            raise FailedPasses(
+                f"{self.name}: {self.in_a_row} passes in a row failed over {span:.0f}s; giving up"
+            ) from e

@@ -64,8 +64,9 @@ log = logging.getLogger("llmgw.controlplane")
 # Routers report every tick (1 s): one silent for this many of our ticks is forgotten.
 IDLE_STALE_TICKS = 5
 WRITE_BATCH = 64
-# Reconcile passes failing in a row (a bug, not the bus) before the loop gives up: the process exits,
-# giving the lease up, so that a standby (or the restarted process, with fresh state) takes over.
+# Reconcile passes failing in a row (a bug, not the bus), for at least one lease TTL, before the loop
+# gives up: the process exits, giving the lease up, so that a standby (or the restarted process, with
+# fresh state) takes over.
 MAX_FAILED_PASSES = 10
 
 
@@ -114,7 +115,7 @@ class ControlPlane:
         self.bus_up = True
         self.pass_ms: deque[float] = deque(maxlen=200)
         self.passes = 0
-        self.guard = PassGuard("reconcile", log, limit=MAX_FAILED_PASSES)
+        self.guard = PassGuard("reconcile", log, limit=MAX_FAILED_PASSES, min_span_s=s.lease_ttl_s)
         self.last_reconcile_ms = 0.0
         self._hb_window: deque[tuple[float, int]] = deque(maxlen=64)
         self._subs: list[Subscription] = []
