@@ -175,8 +175,12 @@ class ChaosCluster:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    def _proc(self, name: str, command: list[str], extra: dict[str, str]) -> Proc:
-        argv = [sys.executable, "-m", "llmgw_cli", *command, "--nats", self.nats_url, "--prefix", self.prefix]
+    def _proc(
+        self, name: str, command: list[str], extra: dict[str, str], launcher: list[str] | None = None
+    ) -> Proc:
+        """``launcher``: what runs the llmgw command instead of ``python -m llmgw_cli`` (see faults.py)."""
+        head = launcher or [sys.executable, "-m", "llmgw_cli"]
+        argv = [*head, *command, "--nats", self.nats_url, "--prefix", self.prefix]
         old = self.procs.get(name)
         if old is not None and old.alive():
             raise RuntimeError(f"{name} is already running (pid {old.pid})")
@@ -184,20 +188,26 @@ class ChaosCluster:
         self.procs[name] = p
         return p.start()
 
-    def start_controlplane(self, name: str = "cp-a", extra: dict[str, str] | None = None) -> Proc:
+    def start_controlplane(
+        self, name: str = "cp-a", extra: dict[str, str] | None = None, launcher: list[str] | None = None
+    ) -> Proc:
         return self._proc(
             name,
             ["controlplane", "--catalog", str(self.catalog_path), "--admin-port", "0"],
             extra or {},
+            launcher,
         )
 
-    def start_router(self, name: str = "router", port: int | None = None) -> Proc:
+    def start_router(
+        self, name: str = "router", port: int | None = None, launcher: list[str] | None = None
+    ) -> Proc:
         old = self.procs.get(name)
         port = port or (old.port if old is not None and old.port else free_port())
         p = self._proc(
             name,
             ["router", "--port", str(port), "--admin-port", "0", "--router-id", name],
             {},
+            launcher,
         )
         p.port = port
         return p

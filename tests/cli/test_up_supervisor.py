@@ -31,7 +31,10 @@ from llmgw_cli.devcluster import (
     run_processes,
 )
 from llmgw_cli.fleet import parse_fleet
+from llmgw_cli.restarts import Restarts
+from llmgw_cli.upkeep import supervise
 from llmgw_common.catalog import Catalog
+from llmgw_common.natsserver import NatsServer
 
 STANDIN = textwrap.dedent(
     """
@@ -299,3 +302,66 @@ def test_sweep_spares_other_processes_naming_the_data_dir(sup: Supervisor, tmp_p
         for p in (tail, fake_nats):
             p.kill()
             p.wait()
+
+
+def test_dead_children_and_nats_are_restarted_with_backoff_and_announced(
+    sup: Supervisor, rec: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    start_ready(sup, rec, ChildSpec("cp", "x", {}, tier=0))
+    sup.start(ChildSpec("router", "x", {"BEHAVE": "crash"}, tier=1))  # exits 3 at every start
+    nats = NatsServer(tmp_path / "nats").start()
+    port = nats.port
+    restarts = Restarts(base_s=0.1, max_s=0.4)
+    stop = StopFlag(threading.Event())
+    state: dict[str, object] = {}
+    codes: list[int] = []
+    t = threading.Thread(
+        target=lambda: codes.append(supervise(stop, sup, nats, state, restarts, every_s=0.02))
+    )
+    t.start()
+    try:
+        wait_for(lambda: restarts.count.get("router", 0) >= 4, timeout=20)
+        cp = sup.children[0]
+        os.remove(f"{rec}.cp.ready")
+        cp.proc.kill()
+        old_nats = nats.pid
+        assert old_nats is not None
+        os.kill(old_nats, signal.SIGKILL)
+        wait_for(lambda: Path(f"{rec}.cp.ready").exists(), timeout=20)
+        wait_for(lambda: nats.pid not in (None, old_nats) and nats._healthy(), timeout=20)
+        assert nats.port == port  # clients reconnect to the same URL
+        assert sup.children[0].pid != cp.pid and sup.children[0].alive()
+        assert [c.spec.name for c in sup.children] == ["cp", "router"]  # stop order kept
+    finally:
+        stop.event.set()
+        t.join(10)
+        nats.stop()
+    assert codes == [0]
+    err = capsys.readouterr().err
+    log = sup.children[1].log_path
+    # One line per death: the child, its exit code, the delay (doubling, capped) and the restart count.
+    assert (
+        f"llmgw up: router exited with code 3 after 0s; restarting it in 0.1s (restart 1); see {log}" in err
+    )
+    assert (
+        f"llmgw up: router exited with code 3 after 0s; restarting it in 0.2s (restart 2); see {log}" in err
+    )
+    assert (
+        f"llmgw up: router exited with code 3 after 0s; restarting it in 0.4s (restart 3); see {log}" in err
+    )
+    assert (
+        f"llmgw up: router exited with code 3 after 0s; restarting it in 0.4s (restart 4); see {log}" in err
+    )
+    assert "llmgw up: cp exited with code -9 (SIGKILL) after " in err
+    assert "llmgw up: nats-server exited with code -9 (SIGKILL) after " in err
+    assert f"llmgw up: cp restarted (pid {sup.children[0].pid})" in err
+    assert "llmgw up: nats-server restarted (pid " in err
+    # The state file (up.json) tells the pids and restart counts.
+    children = {c["name"]: c for c in state["children"]}  # type: ignore[attr-defined]
+    assert children["cp"]["restarts"] == 1 and children["cp"]["pid"] == sup.children[0].pid
+    assert children["router"]["restarts"] >= 4
+    assert state["nats_restarts"] == 1
+    # Stopping still leaves nothing behind.
+    sup.stop_all()
+    sup.sweep()
+    wait_for(lambda: run_processes(sup.run_token, sup.layout.data_dir) == [])

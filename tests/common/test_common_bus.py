@@ -122,3 +122,72 @@ def test_nats_server_restarts_on_the_same_port(tmp_path):
         assert srv.url == url and srv.proc is not None and srv.proc.poll() is None
     finally:
         srv.stop()
+
+
+async def test_kv_follower_retries_a_value_whose_callback_raised_and_keeps_watching(
+    nats_server, prefix, caplog
+):
+    """A raising callback neither ends the watch nor loses the value: it is delivered again."""
+    s = BusSettings(nats_urls=[nats_server.url], prefix=prefix)
+    nc = await bus.connect(s, "t", wait=False)
+    try:
+        kv = await bus.ensure_kv(nc.jetstream(), f"{prefix}_r")
+        calls: list[tuple[str, bytes | None]] = []
+        taken: list[bytes | None] = []
+
+        def on_change(k: str, v: bytes | None, r: int) -> None:
+            calls.append((k, v))
+            if len(calls) == 1:
+                raise ValueError("cannot take it now")
+            taken.append(v)
+
+        # A resync an hour away: only the retry can deliver the value again, only the watch the update.
+        f = bus.KvFollower(kv, on_change, resync_s=3600, retry_s=0.1, name="flaky")
+        await f.start()
+        await kv.put("a", b"1")
+        for _ in range(300):
+            if taken:
+                break
+            await asyncio.sleep(0.01)
+        assert taken == [b"1"]
+        assert calls == [("a", b"1"), ("a", b"1")]
+        assert f.errors == 1
+        assert f.revisions["a"] > 0
+        assert any("flaky" in r.message and "cannot take it now" in str(r.exc_info) for r in caplog.records)
+        await kv.put("a", b"2")
+        for _ in range(300):
+            if len(taken) == 2:
+                break
+            await asyncio.sleep(0.01)
+        await f.stop()
+        assert taken == [b"1", b"2"]
+        assert f.errors == 1
+    finally:
+        await nc.close()
+
+
+async def test_kv_follower_retries_a_delete_whose_callback_raised(nats_server, prefix):
+    s = BusSettings(nats_urls=[nats_server.url], prefix=prefix)
+    nc = await bus.connect(s, "t", wait=False)
+    try:
+        kv = await bus.ensure_kv(nc.jetstream(), f"{prefix}_d")
+        await kv.put("n1", b"1")
+        seen: list[tuple[str, bytes | None]] = []
+        fail = [True]
+
+        def on_change(k: str, v: bytes | None, r: int) -> None:
+            if v is None and fail[0]:
+                fail[0] = False
+                raise RuntimeError("busy")
+            seen.append((k, v))
+
+        f = bus.KvFollower(kv, on_change, key="n1", resync_s=3600)
+        await f.start()
+        await f.stop()  # resync() by hand: the delete is seen twice, the first time refused
+        await kv.delete("n1")
+        await f.resync()
+        assert seen == [("n1", b"1")] and f.errors == 1 and "n1" in f.revisions
+        await f.resync()
+        assert seen == [("n1", b"1"), ("n1", None)] and "n1" not in f.revisions
+    finally:
+        await nc.close()

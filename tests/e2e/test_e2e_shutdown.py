@@ -43,10 +43,14 @@ def in_groups(pgids: set[int]) -> list[int]:
 
 
 def stop_and_check_nothing_left(
-    cluster: Cluster, *, whole_group: bool, orphans: tuple[int, ...] = ()
+    cluster: Cluster,
+    *,
+    whole_group: bool,
+    orphans: tuple[int, ...] = (),
+    swept: tuple[int, ...] | None = None,
 ) -> None:
     """Stop `up` and check that no process of the run is left; ``orphans``: engines whose agent was
-    killed, which `up` itself must sweep."""
+    killed; ``swept``: those `up` itself must sweep (default: all the orphans)."""
     state = json.loads((cluster.data_dir / "up.json").read_text())
     up = psutil.Process(cluster.proc.pid)
     # The catalog's five replicas run as engines, children of the agents in their own groups.
@@ -77,7 +81,8 @@ def stop_and_check_nothing_left(
     assert not (cluster.data_dir / "up.json").exists()
     left = [line for line in out.splitlines() if "left behind:" in line]
     # Each service stopped what it owns: `up` swept only the engines of a killed agent.
-    assert sorted(int(x.split("left behind: ")[1].split()[0]) for x in left) == sorted(orphans), diag
+    expected = orphans if swept is None else swept
+    assert sorted(int(x.split("left behind: ")[1].split()[0]) for x in left) == sorted(expected), diag
     assert took < 30, f"stopping took {took:.1f} s\n{diag}"
 
 
@@ -114,15 +119,23 @@ def test_sigint_leaves_nothing_and_a_second_run_keeps_key_and_catalog(tmp_path: 
         # The bus had a catalog: the file given this time is not loaded over it.
         assert set(ctl_models(again)) == first_models
         assert chat_once(again, "tiny-cpu").status_code == 200
-        # Killing one simulated node's agent is a node loss; its engine is orphaned, as on a crash.
+        # Killing one simulated node's agent orphans its engine, as on a crash; `up` restarts the agent,
+        # which re-adopts the engine (and stops it at the end: nothing is left for `up` to sweep).
         agent = next(c for c in again.state["children"] if c["name"] == "agent-gpu-b1")
         engines = [p.pid for p in psutil.Process(agent["pid"]).children(recursive=True)]
         assert engines
+        agent_log = again.logs_dir / "agent-gpu-b1.log"
+        adopted_before = agent_log.read_text(errors="replace").count("re-adopting")
         os.kill(agent["pid"], signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while "agent-gpu-b1 exited with code -9" not in again.output():
+        deadline = time.monotonic() + 60
+        while (
+            "agent-gpu-b1 exited with code -9" not in again.output()
+            or "agent-gpu-b1 restarted (pid " not in again.output()
+            or agent_log.read_text(errors="replace").count("re-adopting") < adopted_before + len(engines)
+        ):
             assert time.monotonic() < deadline, again.diagnostics()
             time.sleep(0.3)
-        stop_and_check_nothing_left(again, whole_group=False, orphans=tuple(engines))  # kill -INT <pid>
+        assert all(alive(e) for e in engines)  # adopted, not restarted
+        stop_and_check_nothing_left(again, whole_group=False, orphans=tuple(engines), swept=())  # kill -INT
     finally:
         stop_up(again)

@@ -231,7 +231,7 @@ async def kv_keys(kv: KeyValue) -> list[str]:
         return []
 
 
-# How often a follower re-reads while it has no working watch.
+# How often a follower re-reads while it has no working watch, or a value its callback refused.
 UNWATCHED_RESYNC_S = 2.0
 
 
@@ -240,7 +240,9 @@ class KvFollower:
 
     ``on_change(key, value_or_None, revision)`` is called for every key whose revision changed
     (``None`` when deleted). Values are raw bytes: decoding is the caller's, so the caller decides
-    what a bad value means.
+    what a bad value means. A callback that raises is logged and counted (``errors``), and its value
+    is not taken as seen: it is offered again every ``retry_s`` until the callback accepts it (or a
+    newer value replaces it), while the watch goes on delivering other updates.
     """
 
     def __init__(
@@ -250,14 +252,21 @@ class KvFollower:
         *,
         key: str = ">",
         resync_s: float = 10.0,
+        retry_s: float = UNWATCHED_RESYNC_S,
         name: str = "kv",
     ) -> None:
         self.kv = kv
         self.on_change = on_change
         self.key = key
         self.resync_s = resync_s
+        self.retry_s = retry_s
         self.name = name
+        # Revisions the callback accepted; a refused one is absent, so the next read offers it again.
         self.revisions: dict[str, int] = {}
+        # Key -> revision whose callback raised and is still to be retried; and every raise counted.
+        self.failed: dict[str, int] = {}
+        self.errors = 0
+        self._failure = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.synced = asyncio.Event()
         # False until a watch is established, and whenever it breaks (e.g. a role that may read one
@@ -279,18 +288,38 @@ class KvFollower:
                 await t
         self._tasks = []
 
+    @property
+    def tasks(self) -> list[asyncio.Task[None]]:
+        """The watch and resync loops: a service treats either ending as its own death."""
+        return list(self._tasks)
+
     async def _emit(self, key: str, value: bytes | None, rev: int) -> None:
         if value is None:
             if key not in self.revisions:
+                self.failed.pop(key, None)  # never accepted, now gone: nothing left to retry
                 return
+        elif self.revisions.get(key, -1) >= rev:
+            return
+        try:
+            r = self.on_change(key, value, rev)
+            if r is not None:
+                await r
+        except Exception as e:  # the caller's to fix; the follow (and every other key) must go on
+            self.errors += 1
+            again = self.failed.get(key) == rev
+            self.failed[key] = rev
+            self._failure.set()
+            log.error(
+                "%s: callback for %s (revision %d) failed%s (%d error(s) so far); retrying in %gs: %s",
+                self.name, key, rev, " again" if again else "", self.errors, self.retry_s, e,
+                exc_info=not again,  # one traceback per value, not one per retry
+            )  # fmt: skip
+            return
+        self.failed.pop(key, None)
+        if value is None:
             self.revisions.pop(key, None)
         else:
-            if self.revisions.get(key, -1) >= rev:
-                return
             self.revisions[key] = rev
-        r = self.on_change(key, value, rev)
-        if r is not None:
-            await r
 
     async def resync(self) -> None:
         if self.key != ">" and not any(c in self.key for c in "*>"):
@@ -317,11 +346,20 @@ class KvFollower:
                 await self._emit(k, None, 0)
                 continue
             await self._emit(k, e.value, e.revision or 0)
+        for k in list(self.failed):
+            if k not in present and k not in self.revisions:
+                del self.failed[k]  # refused, then deleted before it was accepted
         self.synced.set()
 
     async def _resync_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.resync_s if self.watching else min(self.resync_s, UNWATCHED_RESYNC_S))
+            if self.watching and not self.failed:
+                # A refused value wakes this loop: it is retried after retry_s, not after resync_s.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._failure.wait(), self.resync_s)
+            if self.failed or not self.watching:
+                await asyncio.sleep(min(self.resync_s, self.retry_s))
+            self._failure.clear()
             try:
                 await self.resync()
             except (nats.errors.Error, TimeoutError) as e:

@@ -289,6 +289,8 @@ class DebugStatsReply(Message):
     fence: int = 0
     started_at: float = 0.0
     passes: int = 0
+    # Passes that raised (a bug on some input), counted since start.
+    failed_passes: int = 0
     last_pass_ms: float = 0.0
     pass_p50_ms: float = 0.0
     pass_p95_ms: float = 0.0

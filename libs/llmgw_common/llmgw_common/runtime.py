@@ -1,4 +1,5 @@
-"""Process plumbing shared by every service: logging, the event loop, signals."""
+"""Process plumbing shared by every service: logging, the event loop, signals, and the rule that a
+service whose long-running task dies exits non-zero instead of lingering half-alive."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 
 def setup_logging(level: str = "INFO", name: str = "llmgw") -> None:
@@ -18,7 +21,11 @@ def setup_logging(level: str = "INFO", name: str = "llmgw") -> None:
 
 
 def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Run ``main(stop)`` on uvloop where available; SIGTERM and SIGINT set ``stop``."""
+    """Run ``main(stop)`` on uvloop where available; SIGTERM and SIGINT set ``stop``.
+
+    ``main`` raising :class:`TaskDied` (from :func:`until_stopped`) or :class:`FailedPasses` exits the
+    process with :data:`EXIT_TASK_DIED`, after ``main``'s own cleanup ran.
+    """
 
     async def runner() -> None:
         stop = asyncio.Event()
@@ -28,8 +35,110 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         await main(stop)
 
     try:
-        import uvloop
+        try:
+            import uvloop
+        except ImportError:
+            asyncio.run(runner())
+        else:
+            uvloop.run(runner())
+    except (TaskDied, FailedPasses) as e:
+        _log.critical("%s; exiting with status %d so that it is restarted", e, EXIT_TASK_DIED, exc_info=e)
+        raise SystemExit(EXIT_TASK_DIED) from None
 
-        uvloop.run(runner())
-    except ImportError:
-        asyncio.run(runner())
+
+# The exit status of a process whose long-running task ended (sysexits.h EX_SOFTWARE): not a clean stop,
+# so that `llmgw up`, systemd or Kubernetes restarts it, and a standby control plane takes over.
+EXIT_TASK_DIED = 70
+
+_log = logging.getLogger("llmgw.runtime")
+
+
+class TaskDied(RuntimeError):
+    """A task meant to run as long as the process ended (returned, raised or was cancelled)."""
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task_name = task.get_name()
+        if task.cancelled():
+            how = "was cancelled"
+        elif (e := task.exception()) is not None:
+            how = f"raised {type(e).__name__}: {e}"
+            self.__cause__ = e
+        else:
+            how = "returned"
+        super().__init__(f"task {self.task_name} {how}")
+
+
+async def until_stopped(stop: asyncio.Event, tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Wait until ``stop`` is set; raise :class:`TaskDied` as soon as one of ``tasks`` ends first.
+
+    A service's loops run for its whole life, so one that ends is a bug whatever the way: the process
+    must not linger half-alive (a control plane renewing its lease without reconciling). The caller's
+    ``finally`` cancels the others and cleans up; :func:`run_service` then exits with
+    :data:`EXIT_TASK_DIED`.
+    """
+    waiter = asyncio.create_task(stop.wait(), name="stop")
+    try:
+        done, _ = await asyncio.wait({waiter, *tasks}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if stop.is_set():
+        return  # loops that end because of the stop are not deaths
+    dead = sorted((t for t in done if t is not waiter), key=lambda t: t.get_name())
+    raise TaskDied(dead[0])
+
+
+class FailedPasses(RuntimeError):
+    """A loop's passes kept failing: the loop gives up so that the process exits (and is replaced)."""
+
+
+class PassGuard:
+    """The failure policy of one loop's passes.
+
+    A pass that raises is logged (with its traceback when the error is new) and counted, and the loop
+    goes on: one bad input must not stop the loop. ``limit`` failures in a row (None: no limit), the
+    first of them at least ``min_span_s`` ago (so that a burst of passes is not "for long"), raise
+    :class:`FailedPasses` from the last error, for a loop whose process should rather be replaced than
+    go on failing (a leader that cannot reconcile must not hold the lease for ever).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        logger: logging.Logger,
+        limit: int | None = None,
+        *,
+        min_span_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.name = name
+        self.log = logger
+        self.limit = limit
+        self.min_span_s = min_span_s
+        self.clock = clock
+        self.failed = 0
+        self.in_a_row = 0
+        self._since = 0.0
+        self._last = ""
+
+    def ok(self) -> None:
+        self.in_a_row = 0
+        self._last = ""
+
+    def failure(self, e: Exception) -> None:
+        now = self.clock()
+        if self.in_a_row == 0:
+            self._since = now
+        self.failed += 1
+        self.in_a_row += 1
+        what = f"{type(e).__name__}: {e}"
+        self.log.error(
+            "%s pass failed (%d in a row, %d in all): %s",
+            self.name, self.in_a_row, self.failed, what,
+            exc_info=e if what != self._last else None,  # one traceback per distinct error
+        )  # fmt: skip
+        self._last = what
+        span = now - self._since
+        if self.limit is not None and self.in_a_row >= self.limit and span >= self.min_span_s:
+            raise FailedPasses(
+                f"{self.name}: {self.in_a_row} passes in a row failed over {span:.0f}s; giving up"
+            ) from e

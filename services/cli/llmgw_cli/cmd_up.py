@@ -3,7 +3,8 @@
 Order: embedded NATS (its store in ``<data-dir>/nats``, so a second run keeps desired state and
 keys), the development key, control plane, router, notifier, the local agent and one agent per
 simulated node of the fleet file. Then it polls a chat completion through the router until one
-succeeds, prints how to use it, and waits. SIGINT or SIGTERM stops everything in reverse order.
+succeeds, prints how to use it, and keeps the run whole: a child or the nats-server that dies is
+restarted with a backoff (:mod:`llmgw_cli.upkeep`). SIGINT or SIGTERM stops everything in reverse order.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from llmgw_cli.devcluster import (
 )
 from llmgw_cli.devkey import ensure_dev_key
 from llmgw_cli.fleet import Fleet, FleetError, load_fleet_file
+from llmgw_cli.upkeep import supervise
 from llmgw_common.bus import connect, ensure_all
 from llmgw_common.catalog import Catalog, CatalogError, load_catalog_file
 from llmgw_common.natsserver import NatsServer, NatsServerError, ensure_on_path
@@ -429,17 +431,8 @@ def _wait_ready_then_serve(
     state.update(ready=True, ready_s=round(ready_s, 2), model=ready_model)
     write_state(layout.data_dir / STATE_FILE, state)
     out(usage_text(base, key, ready_model, models, layout, ready_s))
-    reported: set[str] = set()
-    while not stop.wait(1.0):
-        sup.note_descendants()
-        for c in sup.dead():
-            if c.spec.name not in reported:
-                reported.add(c.spec.name)
-                err(f"llmgw up: {c.spec.name} exited with code {c.proc.returncode}; see {c.log_path}")
-        if nats is not None and nats.proc is not None and nats.proc.poll() is not None:
-            err(f"error: nats-server exited with code {nats.proc.returncode}; see {nats.log_file}")
-            return 1
-    return 0
+    # From here a child or the nats-server that dies is announced and restarted, with a backoff.
+    return supervise(stop, sup, nats, state, state_path=layout.data_dir / STATE_FILE, say=err)
 
 
 def register(app: typer.Typer) -> None:

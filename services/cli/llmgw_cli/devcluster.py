@@ -255,6 +255,22 @@ class Supervisor:
     def dead(self) -> list[Child]:
         return [c for c in self.children if not c.alive()]
 
+    def restart(self, old: Child) -> Child:
+        """Start ``old``'s spec again in its place (stop order unchanged); ``old`` must have exited."""
+        new = self.start(old.spec)
+        self.children.remove(new)
+        self.children[self.children.index(old)] = new
+        # Engines of a killed agent outlive it (the new agent adopts them): the sweep must still know them.
+        new.descendants |= old.descendants
+        try:
+            os.killpg(old.pgid, 0)
+        except ProcessLookupError:
+            # Its group is empty: forget it, so that a recycled group id is never swept.
+            self.pgids.discard(old.pgid)
+        except OSError:
+            pass
+        return new
+
     def note_descendants(self) -> None:
         """Remember every descendant's pid and group: the sweep after a stop kills the stragglers."""
         for c in self.children:

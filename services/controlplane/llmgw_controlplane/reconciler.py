@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from types import MappingProxyType
 
+from llmgw_common.backoff import backoff_delay
 from llmgw_common.catalog import ModelProfile
 from llmgw_common.messages import ShardState
 from llmgw_controlplane.placement import Fleet, Placement, Unplaceable, place_in
@@ -100,13 +101,6 @@ def replica_status(replica: ReplicaView, now: float, startup_timeout_s: float | 
 def default_replica_id(model: str, now: float, seq: int) -> str:
     """``<model>-<ms since epoch, hex>-<seq>``: unique across restarts, safe as a KV key and subject token."""
     return f"{_ID_UNSAFE.sub('_', model)}-{int(now * 1000):x}-{seq}"
-
-
-def backoff_delay(failures: int, base_s: float, max_s: float) -> float:
-    """``min(base * 2**(failures-1), max)``: the first failure waits ``base``."""
-    if failures <= 0:
-        return 0.0
-    return min(base_s * 2.0 ** min(failures - 1, 62), max_s)
 
 
 @dataclass(slots=True)

@@ -43,6 +43,7 @@ from llmgw_common.messages import (
     UsageReport,
 )
 from llmgw_common.messages import ShardPlacement as RecordShard
+from llmgw_common.runtime import PassGuard, until_stopped
 from llmgw_common.settings import ControlPlaneSettings
 from llmgw_common.subjects import DESIRED_CATALOG, DESIRED_MARKS, DESIRED_SETTINGS, Subjects
 from llmgw_controlplane.admin import AdminBindError, AdminServer, CtlApiSource, build_admin_app
@@ -64,6 +65,10 @@ log = logging.getLogger("llmgw.controlplane")
 # Routers report every tick (1 s): one silent for this many of our ticks is forgotten.
 IDLE_STALE_TICKS = 5
 WRITE_BATCH = 64
+# Reconcile passes failing in a row (a bug, not the bus), for at least one lease TTL, before the loop
+# gives up: the process exits, giving the lease up, so that a standby (or the restarted process, with
+# fresh state) takes over.
+MAX_FAILED_PASSES = 10
 
 
 class StartupError(RuntimeError):
@@ -114,6 +119,7 @@ class ControlPlane:
         self.bus_up = True
         self.pass_ms: deque[float] = deque(maxlen=200)
         self.passes = 0
+        self.guard = PassGuard("reconcile", log, limit=MAX_FAILED_PASSES, min_span_s=s.lease_ttl_s)
         self.last_reconcile_ms = 0.0
         self._hb_window: deque[tuple[float, int]] = deque(maxlen=64)
         self._subs: list[Subscription] = []
@@ -233,16 +239,16 @@ class ControlPlane:
             asyncio.create_task(self._reconcile_loop(stop), name="cp-reconcile"),
         ]
         try:
-            await stop.wait()
+            # A loop that ends (a bug) ends the run: close() gives the lease up, the process exits non-zero.
+            await until_stopped(stop, self._tasks)
         finally:
             await self.close()
 
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        # A loop that died was reported by run(); its error must not stop the lease being given up.
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         await self.api.stop()
         if self.lease is not None and self.leader:
@@ -332,34 +338,42 @@ class ControlPlane:
             self.dirty.clear()
             if stop.is_set():
                 return
-            if not self.bus_up:
-                continue
-            now = self.clock()
-            transitions = self.state.judge(now)
-            node_events = self.detector.nodes(transitions, now)
-            for name in self.state.forget_silent(now, self.s.node_forget_s):
-                self.detector.forget_node(name)
-                self._inventory_asked.pop(name, None)
-                log.warning(
-                    "node %s forgotten: lost for over %gs with no replica on it", name, self.s.node_forget_s
-                )
-            self.idle.prune(now)
-            if not self.leader:
-                continue
-            assert self.lease is not None
-            if not self.lease.held():
-                await self._step_down()
-                continue
-            await self.events.publish(node_events)
-            if now < self.settle_until:
-                continue
             try:
-                await self.pass_once(now)
-            except Fenced as e:
-                log.warning("write refused (%s): another control plane leads", e)
-                await self._step_down()
+                await self._tick(self.clock())
             except (nats.errors.Error, TimeoutError) as e:
                 log.warning("reconcile pass could not write (%s): retrying next tick", e)
+            except Exception as e:  # one bad input must not stop reconciling; the guard gives up at its limit
+                self.guard.failure(e)
+            else:
+                self.guard.ok()
+
+    async def _tick(self, now: float) -> None:
+        """One turn of the loop: judge nodes; the leader also publishes events and, once settled, passes."""
+        if not self.bus_up:
+            return
+        transitions = self.state.judge(now)
+        node_events = self.detector.nodes(transitions, now)
+        for name in self.state.forget_silent(now, self.s.node_forget_s):
+            self.detector.forget_node(name)
+            self._inventory_asked.pop(name, None)
+            log.warning(
+                "node %s forgotten: lost for over %gs with no replica on it", name, self.s.node_forget_s
+            )
+        self.idle.prune(now)
+        if not self.leader:
+            return
+        assert self.lease is not None
+        if not self.lease.held():
+            await self._step_down()
+            return
+        await self.events.publish(node_events)
+        if now < self.settle_until:
+            return
+        try:
+            await self.pass_once(now)
+        except Fenced as e:
+            log.warning("write refused (%s): another control plane leads", e)
+            await self._step_down()
 
     # ------------------------------------------------------------ one pass
 
@@ -501,6 +515,7 @@ class ControlPlane:
             fence=self.lease.fence if self.lease else 0,
             started_at=self.started_at,
             passes=self.passes,
+            failed_passes=self.guard.failed,
             last_pass_ms=ms[-1] if ms else 0.0,
             pass_p50_ms=statistics.median(ms) if ms else 0.0,
             pass_p95_ms=sorted(ms)[int(len(ms) * 0.95)] if ms else 0.0,

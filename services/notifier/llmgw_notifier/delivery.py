@@ -37,6 +37,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from llmgw_common import backoff
 from llmgw_common.bus import DropLog
 from llmgw_common.codec import DecodeError, decode
 from llmgw_common.messages import Event, Webhook
@@ -88,7 +89,7 @@ def wants(hook: Webhook, kind: str) -> bool:
 def backoff_delay(attempt: int, base: float, cap: float, rand: float) -> float:
     """Delay before retry ``attempt`` (1-based): doubling from ``base`` up to ``cap``, then jittered
     into its upper half with ``rand`` in [0, 1), so many notifiers do not retry in step."""
-    ceiling = min(cap, base * (2.0 ** (attempt - 1)))
+    ceiling = backoff.backoff_delay(attempt, base, cap)
     return ceiling * (0.5 + 0.5 * rand)
 
 

@@ -275,6 +275,13 @@ class Prober:
                 spec.failures,
             )
 
+    def revive(self) -> None:
+        """Restart probe loops that died (a bug in one probe): logged, and the model is probed again."""
+        for model, t in self.tasks.items():
+            if t.done() and not t.cancelled() and (e := t.exception()) is not None:
+                log.error("probe loop of %s crashed; restarting it", model, exc_info=e)
+        self.apply(dict(self.specs))
+
     async def close(self) -> None:
         tasks = list(self.tasks.values())
         self.tasks.clear()

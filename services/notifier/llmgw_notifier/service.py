@@ -18,6 +18,7 @@ import httpx
 import nats.errors
 
 from llmgw_common.bus import DropLog, KvFollower, connect, ensure_all
+from llmgw_common.runtime import PassGuard, until_stopped
 from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import DESIRED_SETTINGS, ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
 from llmgw_notifier.delivery import NotifierStats
@@ -27,8 +28,10 @@ from llmgw_notifier.targets import Targets
 
 log = logging.getLogger("llmgw.notifier")
 
-# How often dead delivery workers are restarted and the settings re-read regardless of watches.
+# How often dead delivery workers and probe loops are restarted and the settings re-applied.
 HOUSEKEEPING_S = 5.0
+# Housekeeping passes failing in a row before the notifier exits (non-zero) to be restarted afresh.
+MAX_FAILED_PASSES = 10
 
 
 async def serve(s: NotifierSettings, stop: asyncio.Event, stats: NotifierStats | None = None) -> None:
@@ -78,10 +81,21 @@ async def serve(s: NotifierSettings, stop: asyncio.Event, stats: NotifierStats |
         await targets.mark_synced()
         stats.up = True
         log.info("notifier up: stream %s, probes through %s", subjects.events_stream, s.router_url)
+        # The followers run for the notifier's life: one of their loops ending ends it (TaskDied).
+        lifelines = [t for f in followers for t in f.tasks]
+        guard = PassGuard("notifier housekeeping", log, limit=MAX_FAILED_PASSES)
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), HOUSEKEEPING_S)
-            await targets.reconcile()
+                await asyncio.wait_for(until_stopped(stop, lifelines), HOUSEKEEPING_S)
+            if stop.is_set():
+                break
+            try:
+                prober.revive()
+                await targets.reconcile()
+            except Exception as e:  # one bad pass must not end housekeeping; the guard gives up at its limit
+                guard.failure(e)
+            else:
+                guard.ok()
     finally:
         for f in followers:
             await f.stop()

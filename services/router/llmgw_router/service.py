@@ -22,6 +22,7 @@ from nats.aio.msg import Msg
 from llmgw_common import bus
 from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.messages import LoadReport, RoutingCatalog, RoutingEndpoints
+from llmgw_common.runtime import PassGuard, until_stopped
 from llmgw_common.settings import RouterSettings
 from llmgw_common.subjects import ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
 from llmgw_router.app import build_admin_app, build_app
@@ -38,7 +39,8 @@ _ADMIN_LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 class Router:
-    """One router: ``await start()``, then ``port``/``admin_port`` are bound; ``await stop()``."""
+    """One router: ``await start()``, then ``port``/``admin_port`` are bound; ``await run(stop)`` (which
+    raises :class:`~llmgw_common.runtime.TaskDied` if a loop of the router ends); ``await stop()``."""
 
     def __init__(self, settings: RouterSettings, *, follow_bus: bool | None = None) -> None:
         self.settings = settings
@@ -82,6 +84,9 @@ class Router:
             fit_to_fd_limit(settings.max_connections), settings.header_timeout_s
         )
         self.ctx.metrics.registry.register(ConnectionMetrics(self.connections))
+        # A failing tick is logged and counted, never the tick's end: the router goes on serving.
+        self.tick_guard = PassGuard("router tick", log)
+        self._closing = asyncio.Event()
         # On stop, requests in flight (streams included) get this long to finish.
         self.shutdown_grace_s = 10.0
 
@@ -119,12 +124,16 @@ class Router:
             self.synced.set()
         self._tasks.append(asyncio.create_task(self._tick(), name="router-tick"))
 
+    async def run(self, stop: asyncio.Event) -> None:
+        """Until ``stop`` is set; a loop that ends (a bug) raises TaskDied, the caller then stops."""
+        await until_stopped(stop, self._tasks)
+
     async def stop(self) -> None:
+        self._closing.set()
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        # A loop that died was reported by run(); stopping goes on regardless.
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         for f in self._followers:
             await f.stop()
@@ -160,17 +169,23 @@ class Router:
         await routing.start()
         await keyf.start()
         self.synced.set()
+        # From here this task stands for the followers: one of their loops ending is the router's death.
+        await until_stopped(self._closing, [*routing.tasks, *keyf.tasks])
 
     async def _tick(self) -> None:
         """Once per tick: close idle upstream connections, publish the idle and usage reports."""
         while True:
             await asyncio.sleep(self.settings.tick_s)
-            if self.ctx.upstream is not None:
-                self.ctx.upstream.sweep()
             try:
+                if self.ctx.upstream is not None:
+                    self.ctx.upstream.sweep()
                 await self._publish_reports()
             except (nats.errors.Error, TimeoutError) as e:
                 log.debug("tick publish failed: %s", e)
+            except Exception as e:  # a bug in one tick must not end the ticks (nor the serving)
+                self.tick_guard.failure(e)
+            else:
+                self.tick_guard.ok()
 
     async def _publish_reports(self) -> None:
         if self.nc is None or not self.nc.is_connected:
@@ -222,6 +237,6 @@ async def serve(settings: RouterSettings, stop: asyncio.Event, *, follow_bus: bo
     # Everything allocated so far lives as long as the process: keep it out of the collector's scans.
     gc.freeze()
     try:
-        await stop.wait()
+        await router.run(stop)
     finally:
         await router.stop()

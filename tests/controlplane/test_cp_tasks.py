@@ -1,0 +1,90 @@
+"""The control plane's loops: a bad pass is counted and reconciling goes on; passes that keep failing,
+or a loop that ends, end the run and give the lease up so that a standby takes over at once."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from cp_helpers import cp_settings, eventually, start_cp
+
+from llmgw_common import bus
+from llmgw_common.ctl import CtlClient, LeaseRecord
+from llmgw_common.runtime import FailedPasses, TaskDied
+from llmgw_common.subjects import LEADER_KEY, Subjects
+from llmgw_controlplane import service
+from llmgw_controlplane.reconciler import reconcile as real_reconcile
+from llmgw_controlplane.service import MAX_FAILED_PASSES
+
+
+async def _true(v: bool) -> bool:
+    return v
+
+
+async def _lease(nc: Any, prefix: str) -> tuple[LeaseRecord | None, int]:
+    kv = await nc.jetstream().key_value(Subjects(prefix).bucket_leader)
+    return await bus.kv_get(kv, LEADER_KEY, LeaseRecord)
+
+
+async def test_one_failing_pass_is_counted_and_reconciling_goes_on(nats_server, prefix, bus_nc, monkeypatch):
+    calls = [0]
+
+    def flaky(*a: Any, **kw: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise ZeroDivisionError("one bad input")
+        return real_reconcile(*a, **kw)
+
+    monkeypatch.setattr(service, "reconcile", flaky)
+    run = await start_cp(cp_settings(nats_server.url, prefix, lease_ttl_s=30.0))
+    try:
+        await eventually(lambda: _true(run.cp.passes >= 3))
+        assert run.cp.guard.failed == 1 and run.cp.guard.in_a_row == 0
+        assert not run.task.done() and run.cp.leader
+        stats = await CtlClient(bus_nc, prefix, timeout=2.0).debug_stats()
+        assert stats.failed_passes == 1
+    finally:
+        await run.stop()
+
+
+async def test_passes_that_keep_failing_end_the_run_and_release_the_lease(
+    nats_server, prefix, bus_nc, monkeypatch
+):
+    def broken(*a: Any, **kw: Any) -> Any:
+        raise ZeroDivisionError("every pass")
+
+    monkeypatch.setattr(service, "reconcile", broken)
+    s = cp_settings(nats_server.url, prefix, lease_ttl_s=3.0)
+    a = await start_cp(s, holder="a")
+    await eventually(lambda: _true(a.cp.leader))
+    b = await start_cp(s, holder="b", catalog_text=None)
+    try:
+        with pytest.raises(TaskDied, match="task cp-reconcile raised FailedPasses") as died:
+            await asyncio.wait_for(a.task, 20)
+        assert isinstance(died.value.__cause__, FailedPasses)
+        assert a.cp.guard.in_a_row >= MAX_FAILED_PASSES
+        assert not a.cp.leader
+        # Given up, not left to lapse: gone at once (unless the standby took it already).
+        rec, _ = await _lease(bus_nc, prefix)
+        assert rec is None or rec.holder == "b"
+        await eventually(lambda: _true(b.cp.leader), timeout=15)
+        rec, _ = await _lease(bus_nc, prefix)
+        assert rec is not None and rec.holder == "b"
+    finally:
+        await b.stop()
+        await a.nc.close()
+
+
+async def test_a_loop_that_ends_ends_the_run_and_releases_the_lease(nats_server, prefix, bus_nc):
+    run = await start_cp(cp_settings(nats_server.url, prefix, lease_ttl_s=60.0), holder="a")
+    try:
+        await eventually(lambda: _true(run.cp.leader))
+        lease_task = next(t for t in run.cp._tasks if t.get_name() == "cp-lease")
+        lease_task.cancel()
+        with pytest.raises(TaskDied, match="task cp-lease was cancelled"):
+            await asyncio.wait_for(run.task, 10)
+        assert run.cp._tasks == []  # the reconcile loop was stopped too
+        assert await _lease(bus_nc, prefix) == (None, 0)
+    finally:
+        await run.nc.close()
