@@ -32,6 +32,8 @@ def _no_traceback_and_at_most_one_line(caplog: pytest.LogCaptureFixture) -> None
         b"Authorization: Bearer llmgw-\xc3\x28",  # a truncated two-byte sequence
         b"X-Api-Key: \xff" + KEY.encode(),
     ],
+    # The key is random per process: an id holding it would differ between xdist workers.
+    ids=["bearer-invalid-bytes", "bearer-truncated-sequence", "x-api-key-prefixed"],
 )
 async def test_non_utf8_api_key_is_401_without_a_traceback(
     engines, routers, static_file, caplog: pytest.LogCaptureFixture, header: bytes
