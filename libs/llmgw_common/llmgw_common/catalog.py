@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llmgw_common.durations import parse_duration
 from llmgw_common.validation import validate_named
+from llmgw_common.yamlsafe import load_yaml
 
 ENGINES = ("vllm", "llamacpp", "sim")
 # Engines that can serve without a GPU.
@@ -127,7 +128,7 @@ def parse_catalog(data: Any) -> Catalog:
     """A validated catalog from a mapping (or YAML text); CatalogError lists every problem."""
     if isinstance(data, str | bytes):
         try:
-            data = yaml.safe_load(data)
+            data = load_yaml(data)
         except yaml.YAMLError as e:
             raise CatalogError([f"not valid YAML: {e}"]) from None
     if data is None:

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from llmgw_common.catalog import Catalog, ModelProfile
 from llmgw_common.messages import ApiKeyRecord, Endpoint, RoutingEndpoints
+from llmgw_common.yamlsafe import load_yaml
 
 
 class StaticConfigError(ValueError):
@@ -38,7 +39,7 @@ class StaticConfig:
 def parse_static(data: Any) -> StaticConfig:
     if isinstance(data, str | bytes):
         try:
-            data = yaml.safe_load(data)
+            data = load_yaml(data)
         except yaml.YAMLError as e:
             raise StaticConfigError(f"not valid YAML: {e}") from None
     if not isinstance(data, dict):
