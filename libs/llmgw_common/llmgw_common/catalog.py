@@ -42,6 +42,8 @@ class WatchSpec(_Strict):
     """A model people depend on: probed through a router, and alerted on when down."""
 
     probe_every: float = 30.0
+    # A probe's time limit, and how long the control plane lets the model go without a ready replica
+    # before it says model.down.
     budget: float = 20.0
     failures: int = Field(default=3, ge=1)
 

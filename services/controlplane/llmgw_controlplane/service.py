@@ -117,6 +117,8 @@ class ControlPlane:
         self._desired_cache: tuple[int, dict[str, NodeShards]] | None = None
         self._synced_generation = -1
         self._routing_key: tuple[int, dict[str, str]] | None = None
+        # Ready replicas per model as last published to routers (recomputed when _routing_key changes).
+        self._ready: dict[str, int] = {}
 
     # ------------------------------------------------------------ start
 
@@ -385,10 +387,11 @@ class ControlPlane:
             endpoints, unavailable = routing_content(snap, why)
             self.reasons = unavailable
             await self.routing.publish_endpoints(endpoints, unavailable)
-            ready = {m: len(eps) for m, eps in endpoints.items()}
-            watched = [p.name for p in snap.catalog.models if p.watch is not None]
-            events = self.detector.models(ready, watched, unavailable, now)
+            self._ready = {m: len(eps) for m, eps in endpoints.items()}
             self._routing_key = key
+        # Every pass, not only on change: a model becomes down by time alone (its watch budget).
+        watched = {p.name: p.watch.budget for p in snap.catalog.models if p.watch is not None}
+        events += self.detector.models(self._ready, watched, self.reasons, now)
         events += self.detector.placement(self.unplaceable, now)
         await self.events.publish(events)
         self.passes += 1
