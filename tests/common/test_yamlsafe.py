@@ -106,12 +106,13 @@ def test_plain_yaml_still_loads() -> None:
 def test_settings_file_with_an_alias_bomb_is_bad_settings(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv("LLMGW_CONFIG", raising=False)
     p = tmp_path / "settings.yaml"
     p.write_text("prefix: llmgw\nlabels:\n  " + alias_bomb().replace("\n", "\n  "))
+    # Through the environment, so that monkeypatch takes it back (load_settings(cls, path) sets it).
+    monkeypatch.setenv("LLMGW_CONFIG", str(p))
     t0 = time.perf_counter()
     with pytest.raises(ValidationError, match="aliases are expanded"):
-        load_settings(AgentSettings, str(p))
+        load_settings(AgentSettings)
     assert time.perf_counter() - t0 < 0.5
 
 

@@ -7,13 +7,13 @@ a file in one round rather than one error at a time.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llmgw_common.durations import parse_duration
+from llmgw_common.names import check_model_name
 from llmgw_common.validation import validate_named
 from llmgw_common.yamlsafe import load_yaml
 
@@ -22,8 +22,6 @@ ENGINES = ("vllm", "llamacpp", "sim")
 CPU_ENGINES = frozenset({"llamacpp", "sim"})
 # Engines that can split one replica across nodes or GPUs.
 PARALLEL_ENGINES = frozenset({"vllm", "sim"})
-
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
 
 
 class CatalogError(ValueError):
@@ -103,8 +101,10 @@ class Catalog(_Strict):
 def _semantic_problems(p: ModelProfile) -> list[str]:
     where = f"model {p.name!r}"
     out: list[str] = []
-    if not _NAME.match(p.name):
-        out.append(f"{where}: name may contain only letters, digits and . _ : / -")
+    try:
+        check_model_name(p.name)
+    except ValueError as e:
+        out.append(f"{where}: {e}")
     if p.engine not in ENGINES:
         out.append(f"{where}: unknown engine {p.engine!r} (known: {', '.join(ENGINES)})")
         return out

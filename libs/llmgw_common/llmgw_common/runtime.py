@@ -8,13 +8,13 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 
+from llmgw_common.names import VisibleFormatter
+
 
 def setup_logging(level: str = "INFO", name: str = "llmgw") -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(VisibleFormatter(f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
 
 
 def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
