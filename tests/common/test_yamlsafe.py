@@ -125,3 +125,16 @@ def test_fleet_file_with_an_alias_bomb_is_refused() -> None:
 def test_static_router_file_with_an_alias_bomb_is_refused() -> None:
     with pytest.raises(StaticConfigError, match="aliases are expanded"):
         parse_static("models: []\nkeys: []\nx:\n  " + alias_bomb().replace("\n", "\n  "))
+
+
+def test_no_module_reads_yaml_around_the_bounded_loader() -> None:
+    root = Path(__file__).resolve().parents[2]
+    offenders = [
+        f"{p.relative_to(root)}:{i}"
+        for top in ("libs", "services")
+        for p in (root / top).rglob("*.py")
+        if p.name != "yamlsafe.py"
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "yaml.safe_load" in line or "yaml.load(" in line or "YamlConfigSettingsSource(" in line
+    ]
+    assert offenders == [], "read YAML with llmgw_common.yamlsafe.load_yaml"
