@@ -5,7 +5,10 @@ The detector is pure: every call carries the control plane's clock, so time here
 
 from __future__ import annotations
 
-from llmgw_controlplane.events import EventDetector
+from llmgw_common.catalog import parse_catalog
+from llmgw_common.messages import ShardState
+from llmgw_controlplane.events import EventDetector, watch_inputs
+from llmgw_controlplane.snapshot import NodeState, NodeView, ReplicaView, ShardView, Snapshot
 
 WHY = {"m": "no ready replica: 1 failed on n1 (exit -9)"}
 
@@ -52,3 +55,40 @@ def test_zero_budget_alerts_on_the_first_pass_without_a_ready_replica() -> None:
     d = EventDetector(placement_failing_after_s=60.0)
     d.models({"m": 2}, {"m": 0.0}, {}, 10.0)
     assert [e.kind for e in d.models({}, {"m": 0.0}, WHY, 10.25)] == ["model.down"]
+
+
+def _snap(node_state: NodeState, shard_state: ShardState = ShardState.READY) -> Snapshot:
+    cat = parse_catalog(
+        "models:\n  - {name: m, engine: sim, watch: {budget: 2s, probe_every: 5s}}\n  - {name: other, engine: sim}\n"
+    )
+    return Snapshot(
+        now=100.0,
+        nodes={"n1": NodeView(name="n1", state=node_state)},
+        replicas=(
+            ReplicaView(
+                id="r1", model="m", created=0.0, shards=(ShardView(0, "n1", port=20001, state=shard_state),)
+            ),
+        ),
+        catalog=cat,
+    )
+
+
+def test_watch_inputs_count_only_replicas_on_nodes_that_report() -> None:
+    # A node that stopped reporting may still serve, but nobody knows: its replicas do not hold off
+    # the alert (else a dead node's model is called down only after node-lost plus the budget).
+    assert watch_inputs(_snap(NodeState.READY)) == ({"m": 1}, {"m": 2.0}, {})
+    ready, budgets, why = watch_inputs(_snap(NodeState.UNREACHABLE))
+    assert ready == {} and budgets == {"m": 2.0}
+    assert why == {"m": "no ready replica known: its replicas are on nodes that stopped reporting (n1)"}
+    assert watch_inputs(_snap(NodeState.LOST))[0] == {}
+    assert watch_inputs(_snap(NodeState.READY, ShardState.FAILED))[0] == {}
+
+
+def test_a_silent_node_makes_its_model_down_after_the_budget() -> None:
+    d = EventDetector(placement_failing_after_s=60.0)
+    ready, budgets, _ = watch_inputs(_snap(NodeState.READY))
+    assert d.models(ready, budgets, {}, 100.0) == []
+    ready, budgets, why = watch_inputs(_snap(NodeState.UNREACHABLE))
+    assert d.models(ready, budgets, why, 101.5) == []
+    (down,) = d.models(ready, budgets, why, 102.0)
+    assert down.kind == "model.down" and "stopped reporting (n1)" in down.summary

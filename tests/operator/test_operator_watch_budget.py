@@ -99,5 +99,51 @@ async def test_killed_engine_alerts_after_the_budget_not_after_node_lost(cluster
         await view.close()
 
 
+async def test_silent_node_alerts_after_unreachable_plus_budget_not_after_node_lost(
+    cluster: ChaosCluster,
+) -> None:
+    """The agent freezes (SIGSTOP; its engine runs on): nobody knows whether the replica serves, so the
+    model is down a budget after its node went unreachable, long before the 30 s node-lost."""
+    view = await BusView.connect(cluster.nats_url, cluster.prefix)
+    agent = cluster.procs["agent-n1"]
+    try:
+
+        async def serving() -> bool:
+            eps = await view.endpoints()
+            return eps is not None and bool(eps.endpoints.get("judge"))
+
+        await poll("judge serving before the freeze", serving, 60)
+        seen = len(await _model_events(view, "judge"))
+        t_stop = time.time()
+        os.kill(agent.pid, signal.SIGSTOP)
+        try:
+
+            async def down() -> Event | None:
+                evs = (await _model_events(view, "judge"))[seen:]
+                return evs[0] if evs else None
+
+            ev, _ = await poll("model.down after the freeze", down, 30)
+        finally:
+            os.kill(agent.pid, signal.SIGCONT)
+        assert ev.kind == "model.down", ev
+        assert "stopped reporting (n1)" in ev.summary
+        after = ev.time - t_stop
+        unreachable_s = 3 * float(AGGRESSIVE["LLMGW_HEARTBEAT_INTERVAL_S"])
+        print(
+            f"agent frozen; model.down {after:.2f}s later (unreachable after {unreachable_s}s, budget {BUDGET_S}s)"
+        )
+        assert BUDGET_S <= after <= unreachable_s + BUDGET_S + TICK_S + 1.0, after
+
+        async def recovered() -> bool:
+            return [e.kind for e in (await _model_events(view, "judge"))[seen:]] == [
+                "model.down",
+                "model.recovered",
+            ]
+
+        await poll("model.recovered once the agent reports again", recovered, 30)
+    finally:
+        await view.close()
+
+
 async def _pids(view: BusView) -> set[int] | None:
     return set(view.engine_pids().values()) or None

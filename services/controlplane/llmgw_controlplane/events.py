@@ -17,7 +17,8 @@ from nats.js import JetStreamContext
 from llmgw_common.codec import encode
 from llmgw_common.messages import Event
 from llmgw_common.subjects import Subjects
-from llmgw_controlplane.snapshot import NodeState
+from llmgw_controlplane.routing import serving
+from llmgw_controlplane.snapshot import NodeState, Snapshot
 from llmgw_controlplane.state import Transition
 
 log = logging.getLogger("llmgw.controlplane.events")
@@ -38,6 +39,33 @@ def _event(kind: str, subject: str, now: float, summary: str, **details: object)
         summary=summary,
         details=dict(details),
     )
+
+
+def watch_inputs(snap: Snapshot) -> tuple[dict[str, int], dict[str, float], dict[str, str]]:
+    """What :meth:`EventDetector.models` needs from a snapshot: ready replicas per watched model, each
+    watched model's budget, and why, for those whose only serving replicas are on silent nodes.
+
+    A replica counts only while every node it runs on reports (READY). Routers keep using a replica on
+    an unreachable node (it may well serve), but nobody knows that it does: counting it would hold the
+    alert off until the node is lost (30 s by default) and then for the budget again.
+    """
+    budgets = {p.name: p.watch.budget for p in snap.catalog.models if p.watch is not None}
+    ready: dict[str, int] = {}
+    silent: dict[str, set[str]] = {}
+    for r in snap.replicas:
+        if r.model not in budgets or not serving(snap, r):
+            continue
+        quiet = {s.node for s in r.shards if snap.nodes[s.node].state is not NodeState.READY}
+        if quiet:
+            silent.setdefault(r.model, set()).update(quiet)
+        else:
+            ready[r.model] = ready.get(r.model, 0) + 1
+    why = {
+        m: f"no ready replica known: its replicas are on nodes that stopped reporting ({', '.join(sorted(ns))})"
+        for m, ns in silent.items()
+        if m not in ready
+    }
+    return ready, budgets, why
 
 
 class EventDetector:
