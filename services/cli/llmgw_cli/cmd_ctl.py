@@ -218,7 +218,7 @@ def render_models(reply: ModelsReply) -> str:
         )
     out = table(["MODEL", "ENGINE", "GPUS", "READY", "STATE", "REASON"], rows)
     if any(m.watched for m in reply.models):
-        out += "\n* watched: alerts when it has no ready replica"
+        out += "\n* watched: alerts when it has had no ready replica for its watch budget"
     return out
 
 
