@@ -93,16 +93,16 @@ def test_node_lost_and_recovered_are_said_once_each():
 
 def test_watched_model_down_only_after_it_had_a_ready_replica_and_recovers():
     d = EventDetector(placement_failing_after_s=60.0)
-    assert d.models({}, ["m"], {"m": "no replica placed yet"}, 1.0) == []  # never up: not "down"
-    assert d.models({"m": 1}, ["m"], {}, 2.0) == []
-    evs = d.models({}, ["m"], {"m": "no ready replica: 1 starting on a"}, 3.0)
+    assert d.models({}, {"m": 0.0}, {"m": "no replica placed yet"}, 1.0) == []  # never up: not "down"
+    assert d.models({"m": 1}, {"m": 0.0}, {}, 2.0) == []
+    evs = d.models({}, {"m": 0.0}, {"m": "no ready replica: 1 starting on a"}, 3.0)
     assert [e.kind for e in evs] == ["model.down"]
     assert "1 starting on a" in evs[0].summary
-    assert d.models({}, ["m"], {}, 4.0) == []  # said once
-    evs = d.models({"m": 2}, ["m"], {}, 5.0)
+    assert d.models({}, {"m": 0.0}, {}, 4.0) == []  # said once
+    evs = d.models({"m": 2}, {"m": 0.0}, {}, 5.0)
     assert [e.kind for e in evs] == ["model.recovered"]
     # Unwatched models never alert.
-    assert d.models({"x": 1}, [], {}, 6.0) == [] and d.models({}, [], {}, 7.0) == []
+    assert d.models({"x": 1}, {}, {}, 6.0) == [] and d.models({}, {}, {}, 7.0) == []
 
 
 def test_placement_failing_after_threshold_once_and_again_after_it_clears():

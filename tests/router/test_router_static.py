@@ -77,7 +77,22 @@ BAD: list[tuple[str, Any, str]] = [
         {"models": [_m(endpoints=["http://a:1", "http://a:1/"])]},
         "model 'm': endpoint 'http://a:1' is listed twice",
     ),
-    ("model name not a token", {"models": [_m(name="a b")]}, "model 'a b': name may contain only"),
+    (
+        "model name not a token",
+        {"models": [_m(name="a b")]},
+        "model 'a b': model name 'a b' may contain only",
+    ),
+    # A trailing newline passed the old `$`-anchored rule: one name check for catalog and static file.
+    ("model name with a newline", {"models": [_m(name="tiny2\n")]}, "model 'tiny2\\n': model name"),
+    (
+        "alias bomb",
+        "a: &a [x, x, x, x, x, x, x, x, x, x]\n"
+        + "".join(
+            f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
+            for p, c in zip("abcdefgh", "bcdefghi", strict=True)
+        ),
+        "once its aliases are expanded",
+    ),
     ("key without a hash", {"keys": [{"name": "dev"}]}, "key 'dev': hash: Field required"),
     ("key hash too short", {"keys": [{"name": "dev", "hash": "x"}]}, "key 'dev': hash: "),
     ("key hash not hex", {"keys": [{"name": "dev", "hash": "z" * 64}]}, "key 'dev': hash: "),

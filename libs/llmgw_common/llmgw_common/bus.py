@@ -25,6 +25,7 @@ from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
 from llmgw_common.codec import DecodeError, decode
+from llmgw_common.names import visible
 from llmgw_common.settings import BusSettings
 from llmgw_common.subjects import Subjects
 
@@ -170,7 +171,8 @@ class DropLog:
 
     def drop(self, where: str, reason: str) -> None:
         self.count += 1
-        self.logger.warning("dropped undecodable message on %s: %s", where, reason)
+        # The subject is the sender's choice, control characters included: shown, never obeyed.
+        self.logger.warning("dropped undecodable message on %s: %s", visible(where), visible(reason))
 
 
 async def subscribe(

@@ -7,22 +7,21 @@ a file in one round rather than one error at a time.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llmgw_common.durations import parse_duration
+from llmgw_common.names import check_model_name
 from llmgw_common.validation import validate_named
+from llmgw_common.yamlsafe import load_yaml
 
 ENGINES = ("vllm", "llamacpp", "sim")
 # Engines that can serve without a GPU.
 CPU_ENGINES = frozenset({"llamacpp", "sim"})
 # Engines that can split one replica across nodes or GPUs.
 PARALLEL_ENGINES = frozenset({"vllm", "sim"})
-
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
 
 
 class CatalogError(ValueError):
@@ -41,6 +40,8 @@ class WatchSpec(_Strict):
     """A model people depend on: probed through a router, and alerted on when down."""
 
     probe_every: float = 30.0
+    # A probe's time limit, and how long the control plane lets the model go without a ready replica
+    # before it says model.down.
     budget: float = 20.0
     failures: int = Field(default=3, ge=1)
 
@@ -100,8 +101,10 @@ class Catalog(_Strict):
 def _semantic_problems(p: ModelProfile) -> list[str]:
     where = f"model {p.name!r}"
     out: list[str] = []
-    if not _NAME.match(p.name):
-        out.append(f"{where}: name may contain only letters, digits and . _ : / -")
+    try:
+        check_model_name(p.name)
+    except ValueError as e:
+        out.append(f"{where}: {e}")
     if p.engine not in ENGINES:
         out.append(f"{where}: unknown engine {p.engine!r} (known: {', '.join(ENGINES)})")
         return out
@@ -127,7 +130,7 @@ def parse_catalog(data: Any) -> Catalog:
     """A validated catalog from a mapping (or YAML text); CatalogError lists every problem."""
     if isinstance(data, str | bytes):
         try:
-            data = yaml.safe_load(data)
+            data = load_yaml(data)
         except yaml.YAMLError as e:
             raise CatalogError([f"not valid YAML: {e}"]) from None
     if data is None:

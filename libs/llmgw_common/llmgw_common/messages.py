@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmgw_common.catalog import Catalog
+from llmgw_common.names import NodeName
 
 
 class Message(BaseModel):
@@ -55,7 +56,7 @@ class StorageReport(Message):
 
 
 class Inventory(Message):
-    node: str
+    node: NodeName
     boot_id: str
     sent_at: float
     address: str = "127.0.0.1"
@@ -93,7 +94,7 @@ class ShardReport(Message):
 
 
 class Heartbeat(Message):
-    node: str
+    node: NodeName
     boot_id: str
     seq: int
     sent_at: float
@@ -104,7 +105,7 @@ class Heartbeat(Message):
 class ShardStatus(Message):
     """A shard's state change, sent when it happens (heartbeats repeat the state every tick)."""
 
-    node: str
+    node: NodeName
     boot_id: str
     sent_at: float
     replica_id: str
@@ -127,7 +128,7 @@ class ReplicaLoad(Message):
 
 
 class LoadReport(Message):
-    node: str
+    node: NodeName
     sent_at: float
     replicas: tuple[ReplicaLoad, ...] = ()
 

@@ -11,13 +11,13 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from llmgw_common.names import VisibleFormatter
+
 
 def setup_logging(level: str = "INFO", name: str = "llmgw") -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(VisibleFormatter(f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
 
 
 def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import os
 import socket
+from importlib.resources.abc import Traversable
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
-from pydantic import Field, field_validator
+import yaml
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -24,7 +27,18 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from llmgw_common.yamlsafe import load_yaml
+
 S = TypeVar("S", bound="BusSettings")
+
+
+class _BoundedYamlSource(YamlConfigSettingsSource):
+    """pydantic-settings' YAML source, reading through :func:`load_yaml` (size and alias limits)."""
+
+    def _read_file(self, file_path: Path | Traversable) -> dict[str, Any]:
+        with file_path.open(encoding=self.yaml_file_encoding or "utf-8") as f:
+            data = load_yaml(f)
+        return data or {}
 
 
 class BusSettings(BaseSettings):
@@ -75,7 +89,7 @@ class BusSettings(BaseSettings):
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         path = os.environ.get("LLMGW_CONFIG")
         if path:
-            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+            sources.append(_BoundedYamlSource(settings_cls, yaml_file=path))
         return tuple(sources)
 
 
@@ -213,4 +227,20 @@ def load_settings(cls: type[S], config: str | None = None, **overrides: Any) -> 
     """Settings of ``cls`` from env and YAML (``config`` or ``LLMGW_CONFIG``), then ``overrides``."""
     if config:
         os.environ["LLMGW_CONFIG"] = config
-    return cls(**{k: v for k, v in overrides.items() if v is not None})
+    try:
+        return cls(**{k: v for k, v in overrides.items() if v is not None})
+    except yaml.YAMLError as e:
+        # As a ValidationError, so every command reports it as the bad settings it is (exit 2), not
+        # with a traceback.
+        where = os.environ.get("LLMGW_CONFIG", "settings file")
+        raise ValidationError.from_exception_data(
+            cls.__name__,
+            [
+                {
+                    "type": "value_error",
+                    "loc": (where,),
+                    "input": None,
+                    "ctx": {"error": f"not valid YAML: {e}"},
+                }
+            ],
+        ) from None

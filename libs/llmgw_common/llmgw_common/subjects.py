@@ -5,17 +5,12 @@ All names hang off a prefix (default ``llmgw``) so that two clusters can share o
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+# The one name validator (llmgw_common.names); imported from here by older code.
+from llmgw_common.names import check_token
 
-
-def check_token(value: str, what: str = "name") -> str:
-    """A single NATS subject token: no dots, spaces or wildcards. Raise ValueError otherwise."""
-    if not _TOKEN.match(value):
-        raise ValueError(f"{what} {value!r} may contain only letters, digits, '-' and '_'")
-    return value
+__all__ = ["Subjects", "check_token"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -222,17 +222,23 @@ def llamacpp_adapter(a: ShardAssignment, s: AgentSettings) -> LaunchSpec | Refus
 
 
 def sim_adapter(a: ShardAssignment, s: AgentSettings, style: str = "vllm") -> LaunchSpec | Refusal:
-    """The simulator standing in for an engine; ``style`` picks the metric names it serves."""
-    default_names = LLAMACPP_METRICS if style == "llamacpp" else VLLM_METRICS
-    c = _common(a, s, default_names)
-    if isinstance(c, Refusal):
-        return c
+    """The simulator standing in for an engine; ``style`` picks the metric names it serves.
+
+    A ``sim`` profile chooses its own style (``options.metrics_style``); a simulated real engine serves
+    that engine's. The names scraped are those of the style served, or the tiny-cpu example (sim,
+    llama.cpp style) was read with vLLM's names and every load report came back blank.
+    """
     opts: dict[str, Any] = {k: v for k, v in a.options.items() if k not in AGENT_OPTIONS}
     if a.engine != "sim":
         # A real engine's profile simulated: its options are the real engine's, not the simulator's.
         known = {f.name for f in dataclasses.fields(SimOptions)}
         opts = {k: v for k, v in opts.items() if k in known}
-    opts["metrics_style"] = style if a.engine != "sim" else opts.get("metrics_style", style)
+    else:
+        style = opts.get("metrics_style", style)
+    opts["metrics_style"] = style
+    c = _common(a, s, LLAMACPP_METRICS if style == "llamacpp" else VLLM_METRICS)
+    if isinstance(c, Refusal):
+        return c
     opts.update(port=a.port, host=c.host, model=a.model, rank=a.shard, world=a.shards, leader=a.leader)
     try:
         sim_argv = SimOptions.from_dict(opts).to_argv()

@@ -7,11 +7,12 @@ answers, a clear message goes to stderr and the exit code is 1.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated, ParamSpec, TypeVar
 
 import typer
 
@@ -31,8 +32,10 @@ from llmgw_common.ctl import (
 )
 from llmgw_common.durations import format_duration, parse_duration
 from llmgw_common.messages import Message
+from llmgw_common.names import visible
 
 T = TypeVar("T", bound=Message)
+P = ParamSpec("P")
 
 NatsOpt = Annotated[list[str] | None, typer.Option("--nats", help="NATS URL (repeatable, or a comma list)")]
 PrefixOpt = Annotated[str | None, typer.Option("--prefix", help="Subject and bucket prefix")]
@@ -50,7 +53,7 @@ ctl_app.add_typer(catalog_app)
 
 
 def _fail(message: str) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
+    typer.echo("error: " + visible(message, keep="\n"), err=True)
     return typer.Exit(1)
 
 
@@ -101,8 +104,22 @@ def _json(msg: Message) -> None:
     typer.echo(json.dumps(msg.model_dump(mode="json"), indent=2, sort_keys=False))
 
 
+def _shown(render: Callable[P, str]) -> Callable[P, str]:
+    """A renderer whose text reaches a terminal: names, reasons and engine log lines come from
+    elsewhere, so their control characters (clear screen, OSC 8 links, bidi overrides) are written
+    out (``\\x1b``), never sent. Line breaks between lines are the renderer's own and stay."""
+
+    @functools.wraps(render)
+    def shown(*args: P.args, **kwargs: P.kwargs) -> str:
+        return visible(render(*args, **kwargs), keep="\n")
+
+    return shown
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Plain aligned text: one header line, one line per row, columns two spaces apart."""
+    """Plain aligned text: one header line, one line per row, columns two spaces apart.
+    Cells are escaped first (:func:`visible`), so columns align on what the terminal shows."""
+    rows = [[visible(c) for c in r] for r in rows]
     widths = [len(h) for h in headers]
     for r in rows:
         for i, c in enumerate(r):
@@ -122,6 +139,7 @@ def _num(v: float | None, unit: str = "") -> str:
 # ---------------------------------------------------------------- renderers (pure, tested)
 
 
+@_shown
 def render_nodes(reply: NodesReply) -> str:
     rows = []
     for n in reply.nodes:
@@ -167,6 +185,7 @@ def render_nodes(reply: NodesReply) -> str:
     return out + nodes_legend(reply)
 
 
+@_shown
 def render_replicas(reply: ReplicasReply) -> str:
     rows = []
     for r in reply.replicas:
@@ -186,6 +205,7 @@ def render_replicas(reply: ReplicasReply) -> str:
     return out
 
 
+@_shown
 def render_models(reply: ModelsReply) -> str:
     rows = []
     for m in reply.models:
@@ -204,7 +224,7 @@ def render_models(reply: ModelsReply) -> str:
         )
     out = table(["MODEL", "ENGINE", "GPUS", "READY", "STATE", "REASON"], rows)
     if any(m.watched for m in reply.models):
-        out += "\n* watched: alerts when it has no ready replica"
+        out += "\n* watched: alerts when it has had no ready replica for its watch budget"
     return out
 
 
@@ -265,6 +285,7 @@ def _wrap_ids(ids: Sequence[str], max_lines: int = 3, width: int = STATUS_WIDTH)
     return [*out, line] if line else out
 
 
+@_shown
 def render_status(s: StatusReply) -> str:
     lines = [f"leader: {'yes' if s.leader else 'no'} (fence {s.fence}), catalog v{s.catalog_version}"]
     lines.append("capacity (unhealthy GPUs are neither used nor free; held: idle on cordoned, draining,")
@@ -306,6 +327,7 @@ def render_status(s: StatusReply) -> str:
     return "\n".join(lines)
 
 
+@_shown
 def render_explain(e: ExplainReply) -> str:
     lines = [e.summary]
     lines.extend(f"  {p}" for p in e.placement)
@@ -317,6 +339,7 @@ def render_explain(e: ExplainReply) -> str:
     return "\n".join(lines)
 
 
+@_shown
 def render_diff(d: CatalogDiff) -> str:
     if d.empty:
         return "no change"
@@ -462,9 +485,10 @@ def catalog_show(
     if output == "json":
         _json(r)
     else:
-        typer.echo(f"# catalog v{r.version}\n{r.yaml}", nl=False)
+        typer.echo(f"# catalog v{r.version}\n" + visible(r.yaml, keep="\n"), nl=False)
 
 
+@_shown
 def _marks_text(verb: str, r: MarksReply) -> str:
     d = r.marks.draining.get(r.node)
     if verb == "drain" and d is not None:

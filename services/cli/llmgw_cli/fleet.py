@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from llmgw_agent.sim_gpus import parse_sim_gpus
 from llmgw_common.subjects import check_token
 from llmgw_common.validation import validate_named
+from llmgw_common.yamlsafe import load_yaml
 
 _GPU_SPEC = re.compile(r"^\s*(\d+)\s*[xX]\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*$")
 
@@ -132,7 +133,7 @@ def parse_fleet(data: Any) -> Fleet:
     """A validated fleet from a mapping or YAML text; FleetError lists every problem."""
     if isinstance(data, str | bytes):
         try:
-            data = yaml.safe_load(data)
+            data = load_yaml(data)
         except yaml.YAMLError as e:
             raise FleetError([f"not valid YAML: {e}"]) from None
     if data is None:

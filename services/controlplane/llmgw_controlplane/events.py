@@ -1,7 +1,7 @@
 """Events for people: detected from state transitions (pure), published into stream ``LLMGW_EVENTS``.
 
 Kinds: ``node.lost``, ``node.recovered``, ``model.down`` / ``model.recovered`` (catalog models with
-``watch``), ``placement.failing`` (a model unplaceable for longer than a threshold). Each event's id
+``watch``: down once without a ready replica for the watch's budget), ``placement.failing`` (a model unplaceable for longer than a threshold). Each event's id
 is derived from what it is about and when it happened, and doubles as the ``Nats-Msg-Id`` so a retried
 publish is stored once.
 """
@@ -18,7 +18,8 @@ from nats.js import JetStreamContext
 from llmgw_common.codec import encode
 from llmgw_common.messages import Event
 from llmgw_common.subjects import Subjects
-from llmgw_controlplane.snapshot import NodeState
+from llmgw_controlplane.routing import serving
+from llmgw_controlplane.snapshot import NodeState, Snapshot
 from llmgw_controlplane.state import Transition
 
 log = logging.getLogger("llmgw.controlplane.events")
@@ -41,14 +42,43 @@ def _event(kind: str, subject: str, now: float, summary: str, **details: object)
     )
 
 
+def watch_inputs(snap: Snapshot) -> tuple[dict[str, int], dict[str, float], dict[str, str]]:
+    """What :meth:`EventDetector.models` needs from a snapshot: ready replicas per watched model, each
+    watched model's budget, and why, for those whose only serving replicas are on silent nodes.
+
+    A replica counts only while every node it runs on reports (READY). Routers keep using a replica on
+    an unreachable node (it may well serve), but nobody knows that it does: counting it would hold the
+    alert off until the node is lost (30 s by default) and then for the budget again.
+    """
+    budgets = {p.name: p.watch.budget for p in snap.catalog.models if p.watch is not None}
+    ready: dict[str, int] = {}
+    silent: dict[str, set[str]] = {}
+    for r in snap.replicas:
+        if r.model not in budgets or not serving(snap, r):
+            continue
+        quiet = {s.node for s in r.shards if snap.nodes[s.node].state is not NodeState.READY}
+        if quiet:
+            silent.setdefault(r.model, set()).update(quiet)
+        else:
+            ready[r.model] = ready.get(r.model, 0) + 1
+    why = {
+        m: f"no ready replica known: its replicas are on nodes that stopped reporting ({', '.join(sorted(ns))})"
+        for m, ns in silent.items()
+        if m not in ready
+    }
+    return ready, budgets, why
+
+
 class EventDetector:
     """Remembers what was last said about each node and model, and says only what changed."""
 
     def __init__(self, placement_failing_after_s: float) -> None:
         self.failing_after_s = placement_failing_after_s
         self.lost: set[str] = set()
-        self.down: set[str] = set()
-        self._had_ready: set[str] = set()
+        # Watched model -> the last pass that saw it with a ready replica, and, while it is down,
+        # that time again (the outage's start).
+        self._last_ready: dict[str, float] = {}
+        self._down_since: dict[str, float] = {}
         self._unplaceable_since: dict[str, float] = {}
         self._failing_said: set[str] = set()
 
@@ -70,28 +100,58 @@ class EventDetector:
         self.lost.discard(node)
 
     def models(
-        self, ready: Mapping[str, int], watched: Iterable[str], why: Mapping[str, str], now: float
+        self, ready: Mapping[str, int], watched: Mapping[str, float], why: Mapping[str, str], now: float
     ) -> list[Event]:
-        """``ready``: ready replicas per catalog model; ``why``: the routing reason for those without."""
+        """``ready``: ready replicas per catalog model; ``watched``: each watched model's budget (s);
+        ``why``: the routing reason for those without. Call it every pass: time alone makes a model down.
+
+        A watched model is down once it has had no ready replica for its budget, counted on our clock
+        from the last pass that saw one (a replica that comes back sooner was a blip, not an outage);
+        a model never seen ready since we lead (or since it became watched) is starting, not down.
+        """
         out = []
-        watched = set(watched)
-        for m in watched:
+        for m, budget in watched.items():
             n = ready.get(m, 0)
             if n > 0:
-                self._had_ready.add(m)
-                if m in self.down:
-                    self.down.discard(m)
-                    out.append(_event(MODEL_RECOVERED, m, now, f"model {m} has {n} ready replica(s) again"))
-            elif m in self._had_ready and m not in self.down:
-                self.down.add(m)
-                reason = why.get(m, "no ready replica")
-                out.append(
-                    _event(MODEL_DOWN, m, now, f"model {m} has no ready replica: {reason}", reason=reason)
+                self._last_ready[m] = now
+                if m in self._down_since:
+                    since = self._down_since.pop(m)
+                    out.append(
+                        _event(
+                            MODEL_RECOVERED,
+                            m,
+                            now,
+                            f"model {m} has {n} ready replica(s) again, after {now - since:.0f}s without",
+                            since=since,
+                        )
+                    )
+                continue
+            last = self._last_ready.get(m)
+            if last is None or m in self._down_since or now - last < budget:
+                continue
+            self._down_since[m] = last
+            reason = why.get(m, "no ready replica")
+            out.append(
+                _event(
+                    MODEL_DOWN,
+                    m,
+                    now,
+                    f"model {m} has had no ready replica for {now - last:.0f}s (budget {budget:g}s): {reason}",
+                    reason=reason,
+                    since=last,
+                    budget=budget,
                 )
+            )
         # A model no longer watched (or no longer in the catalog) is forgotten.
-        self._had_ready &= watched
-        self.down &= watched
+        for table in (self._last_ready, self._down_since):
+            for m in set(table) - set(watched):
+                del table[m]
         return out
+
+    @property
+    def down(self) -> set[str]:
+        """Watched models said down and not yet recovered."""
+        return set(self._down_since)
 
     def placement(self, unplaceable: Mapping[str, str], now: float) -> list[Event]:
         out = []

@@ -51,7 +51,7 @@ from llmgw_controlplane.api import CtlApi
 from llmgw_controlplane.apply import AssignmentWriter, Fenced, NodeShards, ReplicaStore, RoutingPublisher
 from llmgw_controlplane.apply import desired_assignments as compute_assignments
 from llmgw_controlplane.console.usage import UsageBook
-from llmgw_controlplane.events import EventDetector, EventPublisher
+from llmgw_controlplane.events import EventDetector, EventPublisher, watch_inputs
 from llmgw_controlplane.idle import IdleMerger
 from llmgw_controlplane.leader import Lease
 from llmgw_controlplane.plan import Plan, ReconcileMemo
@@ -409,10 +409,10 @@ class ControlPlane:
             endpoints, unavailable = routing_content(snap, why)
             self.reasons = unavailable
             await self.routing.publish_endpoints(endpoints, unavailable)
-            ready = {m: len(eps) for m, eps in endpoints.items()}
-            watched = [p.name for p in snap.catalog.models if p.watch is not None]
-            events = self.detector.models(ready, watched, unavailable, now)
             self._routing_key = key
+        # Every pass, not only on change: a model becomes down by time alone (its watch budget).
+        ready, budgets, silent = watch_inputs(snap)
+        events += self.detector.models(ready, budgets, {**self.reasons, **silent}, now)
         events += self.detector.placement(self.unplaceable, now)
         await self.events.publish(events)
         self.passes += 1

@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from llmgw_common.messages import Event, Webhook
+from llmgw_common.names import visible
 
 SIGNATURE_HEADER = "X-Llmgw-Signature"
 EVENT_ID_HEADER = "X-Llmgw-Event-Id"
@@ -147,21 +148,32 @@ def _group_title(events: Sequence[Event]) -> str:
     return f"{len(events)} {many} {when}"
 
 
+def slack_escape(text: str) -> str:
+    """Text as Slack shows it, never as Slack markup: ``&``, ``<``, ``>`` escaped (Slack's rule), so a
+    name like ``<https://evil|click>`` or ``<!channel>`` is neither a link nor a ping; control
+    characters written out (``\\x1b``)."""
+    return visible(text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;"), keep="\n")
+
+
 def slack_text(events: Sequence[Event]) -> str:
-    """A readable message: what, where, since when, what to do."""
+    """A readable message: what, where, since when, what to do. Every name and summary is escaped."""
     kind = events[0].kind
     one, _, marker, todo = _KINDS.get(kind, (kind, kind, ":information_source:", ""))
+    esc = slack_escape
     lines: list[str] = []
     if len(events) == 1:
         e = events[0]
-        lines.append(f"{marker} *{one}* `{e.subject}` since {utc(e.time)}")
-        lines.append(e.summary or default_summary(e))
+        lines.append(f"{marker} *{esc(one)}* `{esc(e.subject)}` since {utc(e.time)}")
+        lines.append(esc(e.summary or default_summary(e)))
     else:
         lines.append(
-            f"{marker} *{_group_title(events)}*: " + ", ".join(f"`{e.subject}`" for e in events[:50])
+            f"{marker} *{esc(_group_title(events))}*: "
+            + ", ".join(f"`{esc(e.subject)}`" for e in events[:50])
         )
         shown = events[:SLACK_MAX_LINES]
-        lines.extend(f"• {utc(e.time)} `{e.subject}`: {e.summary or default_summary(e)}" for e in shown)
+        lines.extend(
+            f"• {utc(e.time)} `{esc(e.subject)}`: {esc(e.summary or default_summary(e))}" for e in shown
+        )
         if len(events) > len(shown):
             lines.append(f"… and {len(events) - len(shown)} more")
     if todo:

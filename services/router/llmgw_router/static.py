@@ -17,7 +17,6 @@ The file is validated like the catalog and the fleet file: the top level is a st
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,10 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 
 from llmgw_common.catalog import ENGINES, Catalog, ModelProfile
 from llmgw_common.messages import ApiKeyRecord, Endpoint, RoutingEndpoints
+from llmgw_common.names import check_model_name
 from llmgw_common.validation import describe, validate_named
-
-# The catalog's rule for model names (llmgw_common.catalog).
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
+from llmgw_common.yamlsafe import load_yaml
 
 
 class StaticConfigError(ValueError):
@@ -108,8 +106,10 @@ def _model_checks(m: StaticModel) -> list[str]:
     where = f"model {m.name!r}"
     out = []
     # Model names travel in clients' request bodies and metrics labels: the catalog's rule.
-    if not _NAME.match(m.name):
-        out.append(f"{where}: name may contain only letters, digits and . _ : / -")
+    try:
+        check_model_name(m.name)
+    except ValueError as e:
+        out.append(f"{where}: {e}")
     if m.engine not in ENGINES:
         out.append(f"{where}: unknown engine {m.engine!r} (known: {', '.join(ENGINES)})")
     seen: set[str] = set()
@@ -124,7 +124,7 @@ def parse_static(data: Any) -> StaticConfig:
     """A validated static file from a mapping or YAML text; StaticConfigError lists every problem."""
     if isinstance(data, str | bytes):
         try:
-            data = yaml.safe_load(data)
+            data = load_yaml(data)
         except yaml.YAMLError as e:
             raise StaticConfigError([f"not valid YAML: {e}"]) from None
     if data is None:

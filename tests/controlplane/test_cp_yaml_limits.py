@@ -1,0 +1,41 @@
+"""An alias bomb sent to the real control plane's ctl API is refused at once; the old catalog stays."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from cp_helpers import cp_settings, eventually, start_cp
+
+from llmgw_common.ctl import CtlClient, CtlError
+
+# The report's 1.2 KB catalog: nine levels of ten aliases in a model's options (10^9 nodes expanded).
+BOMB = "models:\n  - name: tiny\n    engine: sim\n    options:\n      a0: &a0 [lol]\n" + "".join(
+    f"      a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]\n" for i in range(1, 10)
+)
+
+
+async def _true(v: bool) -> bool:
+    return v
+
+
+async def test_alias_bomb_refused_fast_and_old_catalog_kept(nats_server, prefix, bus_nc):
+    assert len(BOMB) < 1300
+    run = await start_cp(cp_settings(nats_server.url, prefix))
+    # Two seconds is the ctl default; the unbounded loader took 13 s and 1.15 GB here.
+    c = CtlClient(bus_nc, prefix, timeout=5.0)
+    try:
+        await eventually(lambda: _true(run.cp.leader))
+        before = await c.catalog_show()
+        for call in (c.catalog_apply, c.catalog_diff):
+            t0 = time.perf_counter()
+            with pytest.raises(
+                CtlError, match="expands to more than 200000 nodes once its aliases are expanded"
+            ):
+                await call(BOMB)
+            assert time.perf_counter() - t0 < 1.0
+        after = await c.catalog_show()
+        assert after.catalog == before.catalog and after.version == before.version
+        assert run.cp.leader
+    finally:
+        await run.stop()
