@@ -1,4 +1,9 @@
-"""The console's pages over fixed data, through the ASGI app (no socket, no browser)."""
+"""The console's pages over fixed data, through the ASGI app (no socket, no browser).
+
+These check the rendering of given ctl replies (columns, escaping, edge states that are hard to reach
+live). Whether the numbers are right is checked in ``test_console_live.py``: there the real handlers
+compute them from a fleet the test builds, and the pages are compared with that fleet.
+"""
 
 from __future__ import annotations
 
