@@ -3,6 +3,7 @@ the real handlers, and checked against the fleet the test built."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 
@@ -65,6 +66,22 @@ async def test_live_console_shows_what_the_fleet_holds(live_console: LiveConsole
     could not catch a broken view."""
     live = live_console
     await _settled(live)
+    # On a loaded machine a fake agent's heartbeat can be late and the fleet change under the test for a
+    # moment: compare again until one read of the assignments and the pages agree, or fail with the
+    # last difference (a broken view never agrees).
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 20
+    while True:
+        try:
+            await _compare_with_fleet(live)
+            return
+        except AssertionError:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+async def _compare_with_fleet(live: LiveConsole) -> None:
     used = await _assigned_gpus(live)
     # llama-8b takes 2 healthy H100s on one node; qwen-cpu runs on the CPU node.
     assert sorted(len(g) for g in used.values()) == [0, 0, 0, 2]
@@ -117,7 +134,7 @@ async def test_live_console_shows_what_the_fleet_holds(live_console: LiveConsole
 
         stats = (await c.get("/debug/stats")).json()
         assert stats["leader"] is True and stats["nodes"] == len(inv) and stats["passes"] > 0
-        assert stats["console"]["requests"]["overview"] == 1
+        assert stats["console"]["requests"]["overview"] >= 1
 
 
 async def test_live_webhook_banner_follows_settings(live_console: LiveConsole):
