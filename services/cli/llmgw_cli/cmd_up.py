@@ -41,7 +41,7 @@ from llmgw_cli.devcluster import (
 )
 from llmgw_cli.devkey import ensure_dev_key
 from llmgw_cli.fleet import Fleet, FleetError, load_fleet_file
-from llmgw_cli.upaddr import LOOPBACK, host_error, port_error, reach_host
+from llmgw_cli.upopts import LOOPBACK, option_errors, reach_host
 from llmgw_common.bus import connect, ensure_all
 from llmgw_common.catalog import Catalog, CatalogError, load_catalog_file
 from llmgw_common.natsserver import NatsServer, NatsServerError, ensure_on_path
@@ -270,22 +270,15 @@ def run_up(opts: UpOptions) -> int:
         stop.restore()
 
 
-def option_errors(opts: UpOptions) -> list[str]:
-    """What is wrong with the options themselves, found before anything is created or started."""
-    errors = [
-        host_error(opts.host),
-        port_error("--port", opts.port, free=0),
-        port_error("--admin-port", opts.admin_port, free=0),
-        port_error("--nats-port", opts.nats_port, free=-1),
-    ]
-    if not opts.ready_timeout_s > 0:
-        errors.append(f"--ready-timeout {opts.ready_timeout_s:g}: must be more than 0 seconds")
-    return [e for e in errors if e is not None]
-
-
 def _run(opts: UpOptions, stop: StopFlag, t0: float) -> int:
     ensure_on_path()
-    problems = option_errors(opts)
+    problems = option_errors(
+        host=opts.host,
+        port=opts.port,
+        admin_port=opts.admin_port,
+        nats_port=opts.nats_port,
+        ready_timeout_s=opts.ready_timeout_s,
+    )
     if problems:
         err(f"error: {'; '.join(problems)}")
         return 1

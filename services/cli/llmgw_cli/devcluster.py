@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 
 from llmgw_cli.fleet import Fleet
-from llmgw_cli.upaddr import LOOPBACK, reach_host
+from llmgw_cli.upopts import LOOPBACK, reach_host
 
 RUN_MARKER = "LLMGW_UP_RUN"
 LOCAL_NODE = "local"
@@ -69,7 +69,7 @@ class Layout:
     data_dir: Path
     nats_url: str
     prefix: str
-    # The router's address; the admin listeners stay on loopback (see upaddr).
+    # The router's address; the admin listeners stay on loopback (see upopts).
     host: str
     router_port: int
     router_admin_port: int

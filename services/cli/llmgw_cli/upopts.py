@@ -1,4 +1,4 @@
-"""Where ``llmgw up`` listens, and the checks of its address and port options before anything starts.
+"""Where ``llmgw up`` listens, and the checks of its options made before anything starts.
 
 ``--host`` is the router's (the OpenAI API) address only. The embedded NATS has no users, so anyone
 who reaches it could write assignments (the argv an agent runs); the admin listeners serve the
@@ -41,3 +41,18 @@ def port_error(flag: str, port: int, *, free: int) -> str | None:
     if port == free or low <= port <= 65535:
         return None
     return f"{flag} {port}: a port is {low}-65535 ({free}: a free one)"
+
+
+def option_errors(
+    *, host: str, port: int, admin_port: int, nats_port: int, ready_timeout_s: float
+) -> list[str]:
+    """Everything wrong with these options, each in one line naming the flag."""
+    errors = [
+        host_error(host),
+        port_error("--port", port, free=0),
+        port_error("--admin-port", admin_port, free=0),
+        port_error("--nats-port", nats_port, free=-1),
+    ]
+    if not ready_timeout_s > 0:
+        errors.append(f"--ready-timeout {ready_timeout_s:g}: must be more than 0 seconds")
+    return [e for e in errors if e is not None]
