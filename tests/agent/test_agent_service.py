@@ -26,6 +26,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from llmgw_agent.service import serve
+from llmgw_common import bus
 from llmgw_common.bus import ensure_kv
 from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.messages import (
@@ -320,15 +321,35 @@ async def test_sigkilled_agent_readopts_its_engines(
 
 
 async def test_stop_while_nats_is_unreachable_returns(tmp_path: Path) -> None:
-    s = AgentSettings(node="n4", nats_urls=[f"nats://127.0.0.1:{free_port()}"], state_dir=str(tmp_path))
+    # Not a NATS server: it takes each connection and hangs up, so every attempt fails and is counted.
+    attempts = 0
+
+    async def hang_up(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        nonlocal attempts
+        attempts += 1
+        w.close()
+
+    server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    s = AgentSettings(node="n4", nats_urls=[f"nats://127.0.0.1:{port}"], state_dir=str(tmp_path))
     stop = asyncio.Event()
     agent = asyncio.create_task(
         serve(s, stop, collect=lambda s, b, now: Inventory(node=s.node, boot_id=b, sent_at=now))
     )
-    await asyncio.sleep(0.5)  # let it try to connect; there is no event for "still retrying"
-    assert not agent.done()
-    stop.set()
-    await asyncio.wait_for(agent, 10)
+    try:
+        # A second attempt is the sign that the first failure did not end the agent: it is retrying.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while attempts < 2:
+            assert not agent.done(), agent
+            assert loop.time() < deadline, f"{attempts} connection attempt(s) in 10 s"
+            await asyncio.sleep(0.02)
+        assert not agent.done()
+        stop.set()
+        await asyncio.wait_for(agent, 10)
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 async def test_bad_node_id_is_refused(tmp_path: Path) -> None:
@@ -576,31 +597,56 @@ async def test_inventory_is_sent_again_when_the_control_plane_asks(
         nats_urls=[nats_server.url],
         state_dir=str(tmp_path),
         inventory_interval_s=600,
+        load_interval_s=0.05,
     )
     sent: list[Inventory] = []
+    loads = 0
 
     async def on(msg: Msg) -> None:
         sent.append(decode(msg.data, Inventory))
 
-    await nc.subscribe(Subjects(prefix).inventory("n9"), cb=on)
+    async def on_load(_msg: Msg) -> None:
+        nonlocal loads
+        loads += 1
+
+    subj = Subjects(prefix)
+    await nc.subscribe(subj.inventory("n9"), cb=on)
+    await nc.subscribe(subj.load("n9"), cb=on_load)
+    await bus.sent(nc)
+    # The agent's clock, moved by the test: the interval is judged on it, not on how long we wait.
+    now = [1_000_000.0]
     stop = asyncio.Event()
     agent = asyncio.create_task(
-        serve(s, stop, collect=lambda s, b, now: Inventory(node=s.node, boot_id=b, sent_at=now))
+        serve(
+            s,
+            stop,
+            collect=lambda s, b, t: Inventory(node=s.node, boot_id=b, sent_at=t),
+            clock=lambda: now[0],
+        )
     )
     try:
 
-        async def count_reaches(n: int) -> None:
+        async def until(cond: Callable[[], bool], what: str) -> None:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 10
-            while len(sent) < n and loop.time() < deadline:
-                await asyncio.sleep(0.05)
-            assert len(sent) >= n, f"{len(sent)} inventories, wanted {n}"
+            while not cond():
+                assert loop.time() < deadline, f"{what}: {len(sent)} inventories, {loads} load reports"
+                await asyncio.sleep(0.01)
 
-        await count_reaches(1)
-        await asyncio.sleep(1.5)  # a few ticks: nothing changed and the interval is 600 s
+        async def ticks_pass() -> None:
+            # Each tick sends its load report before it judges the inventory: two more reports mean
+            # a whole tick judged it on the clock as it is now.
+            seen = loads
+            await until(lambda: loads >= seen + 2, "two more ticks")
+
+        await until(lambda: len(sent) >= 1, "the first inventory")
+        now[0] += 599.0  # unchanged, and not yet due
+        await ticks_pass()
         assert len(sent) == 1
-        await nc.publish(Subjects(prefix).inventory_request("n9"), b"")
-        await count_reaches(2)
+        await nc.publish(subj.inventory_request("n9"), b"")
+        await until(lambda: len(sent) >= 2, "an inventory on request")
+        now[0] += 600.0  # due again: the interval is kept without being asked
+        await until(lambda: len(sent) >= 3, "an inventory after the interval")
     finally:
         stop.set()
         await agent

@@ -104,3 +104,15 @@ def test_setup_refuses_a_node_name_that_is_not_a_subject_token(tmp_path) -> None
     r = runner.invoke(app, ["setup", "--no-input", "--nats-auth", str(tmp_path / "a"), "--nodes", "bad.node"])
     assert r.exit_code == 1
     assert "node 'bad.node'" in r.output
+
+
+def test_setup_auth_without_nodes_warns_that_no_agent_can_connect(tmp_path) -> None:
+    """The deploy configs require the generated file: one without agent users locks every agent out."""
+    auth = tmp_path / "auth.conf"
+    args = ["setup", "--no-input", "--nats-auth", str(auth), "--creds-dir", str(tmp_path / "c")]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "warning: no --nodes: the file has no agent users, so no agent can connect" in r.output
+    assert "agent-" not in auth.read_text()
+    r = runner.invoke(app, [*args, "--nodes", "gpu-a1"])
+    assert "warning: no --nodes" not in r.output

@@ -1,10 +1,18 @@
-"""The console's pages over fixed data, through the ASGI app (no socket, no browser)."""
+"""The console's pages through the ASGI app (no socket, no browser).
+
+Most tests render fixed ctl replies (columns, escaping, edge states). The numbers are checked where the
+real ctl handlers compute them: at the end of this file from a fleet the test feeds into a control
+plane's state (cordoned, draining, lost, unhealthy), and in ``test_console_live.py`` over the bus.
+"""
 
 from __future__ import annotations
 
 import html
 import re
+from collections import Counter
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
@@ -19,9 +27,22 @@ from console_fleet import (
     FixedSource,
 )
 
+from llmgw_common.catalog import parse_catalog
 from llmgw_common.ctl import StatusReply
-from llmgw_controlplane.admin import CONSOLE_DIR, PAGES, WEBHOOK_COMMAND, build_admin_app
+from llmgw_common.messages import (
+    GpuInfo,
+    Heartbeat,
+    Inventory,
+    Marks,
+    ReplicaRecord,
+    ShardPlacement,
+    ShardReport,
+    ShardState,
+)
+from llmgw_common.settings import ControlPlaneSettings
+from llmgw_controlplane.admin import CONSOLE_DIR, PAGES, WEBHOOK_COMMAND, CtlApiSource, build_admin_app
 from llmgw_controlplane.console.usage import UsageView
+from llmgw_controlplane.service import ControlPlane
 
 PATHS = [p for p, _, _ in PAGES]
 
@@ -419,3 +440,139 @@ async def test_every_page_has_the_nav_and_marks_itself(c, path):
         assert f'href="{href}"' in page and label in page
     assert page.count('aria-current="page"') == 1
     assert re.search(rf'<a href="{re.escape(path)}" class="on"', page)
+
+
+# ---------------------------------------------------------------- numbers from the real handlers
+
+
+def _gpus(n: int, cls: str, bad: int | None = None) -> tuple[GpuInfo, ...]:
+    return tuple(
+        GpuInfo(
+            index=i,
+            uuid=f"GPU-{cls}-{i}",
+            name=cls,
+            gpu_class=cls,
+            memory_mb=81559,
+            healthy=i != bad,
+            reasons=("XID 79",) if i == bad else (),
+        )
+        for i in range(n)
+    )
+
+
+@dataclass(frozen=True)
+class BuiltNode:
+    name: str
+    fabric: str | None
+    gpus: tuple[GpuInfo, ...]
+    used: tuple[int, ...] = ()  # GPUs its one replica holds
+    heard_ago_s: float = 1.0
+    cordoned: bool = False
+    draining: bool = False
+
+
+# Every case the overview must count differently: a partly used node with an unhealthy GPU, a cordoned
+# idle node (its GPUs are held, not free), a draining busy one, a free one, a lost one (not counted at
+# all) and a node without GPUs.
+BUILT = (
+    BuiltNode("gpu-a01", "ib-a", _gpus(8, "H100-80GB", bad=7), used=(0, 1, 2, 3)),
+    BuiltNode("gpu-a02", "ib-a", _gpus(8, "H100-80GB"), cordoned=True),
+    BuiltNode("gpu-a03", "ib-a", _gpus(8, "H100-80GB"), used=tuple(range(8)), draining=True),
+    BuiltNode("gpu-b01", "ib-b", _gpus(4, "A100-40GB")),
+    BuiltNode("gpu-b02", "ib-b", _gpus(4, "A100-40GB"), heard_ago_s=1000.0),
+    BuiltNode("cpu-01", None, ()),
+)
+BUILT_CATALOG = "models:\n  - name: m\n    engine: sim\n    replicas: 2\n    gpu_class: H100-80GB\n"
+
+
+@pytest.fixture
+async def built(nats_server: Any, nc: Any, prefix: str) -> AsyncIterator[httpx.AsyncClient]:
+    """The console over the real ctl handlers of a control plane (started, not leading) whose state is
+    fed the fleet above, on a clock the test holds."""
+    s = ControlPlaneSettings(
+        nats_urls=[nats_server.url], prefix=prefix, heartbeat_interval_s=2.0, node_lost_s=30.0
+    )
+    cp = ControlPlane(s, nc, clock=lambda: NOW)
+    await cp.start()
+    cp.state.set_catalog(parse_catalog(BUILT_CATALOG), 1)
+    for n in BUILT:
+        heard = NOW - n.heard_ago_s
+        inv = Inventory(node=n.name, boot_id="b", sent_at=heard, gpus=n.gpus, fabric=n.fabric, cpus=8)
+        cp.state.on_inventory(inv, heard)
+        shards: tuple[ShardReport, ...] = ()
+        if n.used:
+            rid = f"r-{n.name}"
+            cp.state.put_replica(
+                ReplicaRecord(
+                    id=rid,
+                    model="m",
+                    created=NOW - 60,
+                    shards=(ShardPlacement(shard=0, node=n.name, gpus=n.used, port=20000),),
+                )
+            )
+            shards = (ShardReport(replica_id=rid, shard=0, model="m", state=ShardState.READY, port=20000),)
+        cp.state.on_heartbeat(Heartbeat(node=n.name, boot_id="b", seq=1, sent_at=heard, shards=shards), heard)
+    cp.state.marks = Marks(
+        cordoned=tuple(n.name for n in BUILT if n.cordoned),
+        draining={n.name: NOW + 600 for n in BUILT if n.draining},
+    )
+    cp.state.judge(NOW)
+    app = build_admin_app(CtlApiSource(cp.api), clock=lambda: NOW)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:8081"
+    ) as cl:
+        yield cl
+
+
+def _lost(n: BuiltNode) -> bool:
+    return n.heard_ago_s > 30.0
+
+
+async def test_overview_numbers_are_the_built_fleets(built: httpx.AsyncClient) -> None:
+    """Computed here from the fleet's description, the way ARCHITECTURE says to count: unhealthy is
+    neither used nor free (#2), idle GPUs of a cordoned or draining node are held, a lost node's
+    GPUs are not capacity."""
+    cap: dict[str, Counter[str]] = {}
+    free_nodes: Counter[str] = Counter()
+    for n in BUILT:
+        for g in n.gpus:
+            c = cap.setdefault(g.gpu_class, Counter())
+            if _lost(n):
+                continue
+            c["total"] += 1
+            if not g.healthy:
+                c["unhealthy"] += 1
+            elif g.index in n.used:
+                c["used"] += 1
+            elif n.cordoned or n.draining:
+                c["held"] += 1
+            else:
+                c["free"] += 1
+        if n.gpus and not (_lost(n) or n.cordoned or n.draining or n.used):
+            free_nodes[n.fabric or "-"] += 1
+    page = await get(built, "/")
+    assert rows(page, "capacity")[1:] == [
+        f"{k} {v['used']} {v['free']} {v['unhealthy']} {v['held']} {v['total']}"
+        for k, v in sorted(cap.items())
+    ]
+    assert rows(page, "free-nodes") == [f"{f} {k}" for f, k in sorted(free_nodes.items())]
+    lost = sum(1 for n in BUILT if _lost(n))
+    assert f"nodes lost {lost} ready {len(BUILT) - lost}" in text(page)
+
+
+async def test_nodes_numbers_are_the_built_fleets(built: httpx.AsyncClient) -> None:
+    page = await get(built, "/nodes")
+    by_name = {r.split()[0]: r for r in rows(page, "nodes")[1:]}
+    assert sorted(by_name) == sorted(n.name for n in BUILT)
+    for n in BUILT:
+        row = by_name[n.name]
+        assert row.split()[1] == ("lost" if _lost(n) else "ready"), row
+        if n.gpus:
+            bad = sum(1 for g in n.gpus if not g.healthy)
+            # Per node, ctl's numbers: a cordoned node's idle GPUs are its free ones (drawn as held).
+            assert f"{len(n.used)}/{len(n.gpus) - len(n.used) - bad}/{bad}/{len(n.gpus)}" in row, row
+    attention = re.search(r'<div class="attention" id="attention">(.*?)</div>', page, re.S)
+    assert attention is not None
+    assert text(attention.group(1)) == (
+        "Needs a look: gpu-b02 lost · gpu-a01 1 unhealthy GPU · gpu-a03 draining · gpu-a02 cordoned"
+    )

@@ -59,12 +59,13 @@ def _ctl(cp: CP, *args: str):  # type: ignore[no-untyped-def]
     return runner.invoke(app, ["ctl", *args, *cp.args()])
 
 
-@pytest.fixture(scope="module")
-def cp(nats_server, tmp_path_factory) -> Iterator[CP]:  # type: ignore[no-untyped-def]
+@pytest.fixture
+def cp(nats_server, tmp_path_factory, prefix: str) -> Iterator[CP]:  # type: ignore[no-untyped-def]
+    """A control plane of the test's own (its own prefix, so its own buckets): tests that change the
+    catalog or the marks cannot change what another test sees, whatever the order."""
     d = tmp_path_factory.mktemp("cpcli")
     cat = d / "catalog.yaml"
     cat.write_text(CATALOG)
-    prefix = f"cli{os.getpid()}"
     log = d / "cp.log"
     env = {
         **os.environ,

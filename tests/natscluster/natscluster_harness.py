@@ -2,7 +2,8 @@
 
 The server configurations are derived from the production files ``deploy/nats/nats-{1,2,3}.conf``:
 the same blocks, with loopback ports, a temporary store and, optionally, the per-role authorization
-block of ``llmgw_common.natsauth`` included where the production file says ``# include ./auth.conf``.
+block of ``llmgw_common.natsauth`` in the ``auth.conf`` the production file includes (without
+authorization, the include is commented out).
 A substitution that finds nothing to replace fails loudly, so the deploy files and this test cannot
 drift apart unnoticed.
 
@@ -61,8 +62,13 @@ def derive_config(
             f"nats-route://127.0.0.1:{port}",
             f"a route to nats-{i}",
         )
-    if auth:
-        text = _sub(text, r"^# include \./auth\.conf$", "include ./auth.conf", "the auth.conf include")
+    # The production files require the generated authorization; a cluster without it drops the include.
+    text = _sub(
+        text,
+        r"^include \./auth\.conf$",
+        "include ./auth.conf" if auth else "# include ./auth.conf (a test cluster without users)",
+        "the auth.conf include",
+    )
     return text
 
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import nats
 import pytest
-from nats.js.errors import KeyNotFoundError
 
 from llmgw_common import bus
 from llmgw_common.codec import encode
@@ -20,6 +20,42 @@ from llmgw_common.subjects import Subjects
 
 PREFIX = "llmgw"
 SUBJ = Subjects(PREFIX)
+# Every bucket name Subjects declares (it holds every name llmgw uses): a bucket added there and
+# forgotten by ensure_all, or by a role's bind grants, fails the binding test below.
+EVERY_BUCKET = sorted(getattr(SUBJ, n) for n in vars(Subjects) if n.startswith("bucket_"))
+
+
+class Denials:
+    """The server's permission violations as each client's error callback logged them (llmgw.bus).
+
+    A denied publish is not an exception: the server drops it and sends ``-ERR``, which nats-py hands
+    to ``error_cb`` (lowercased); a request on a denied subject then times out.
+    """
+
+    def __init__(self, caplog: pytest.LogCaptureFixture) -> None:
+        self.caplog = caplog
+
+    def of(self, client: str) -> list[str]:
+        prefix = f"nats ({client}): nats: permissions violation for publish to "
+        return [
+            r.getMessage()[len(prefix) :].strip('"')
+            for r in self.caplog.records
+            if r.name == "llmgw.bus" and r.getMessage().startswith(prefix)
+        ]
+
+    async def wait(self, client: str, subject: str, timeout: float = 5.0) -> None:
+        """Until the server refused ``client`` a publish to ``subject``: then it dropped that message."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while subject.lower() not in self.of(client):
+            assert loop.time() < deadline, f"no violation for {subject} from {client}: {self.of(client)}"
+            await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def denials(caplog: pytest.LogCaptureFixture) -> Denials:
+    caplog.set_level(logging.WARNING, logger="llmgw.bus")
+    return Denials(caplog)
 
 
 @pytest.fixture(scope="module")
@@ -62,61 +98,82 @@ async def clients(secured_server: NatsServer, roles: dict[str, Role]) -> AsyncIt
         await c.close()  # type: ignore[attr-defined]
 
 
-async def _received(nc, subject: str, publish) -> list[bytes]:  # type: ignore[no-untyped-def]
-    got: list[bytes] = []
+async def _until(cond, what: str, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        assert loop.time() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+async def test_agent_publishes_its_own_heartbeat_only(clients, denials: Denials) -> None:
+    cp, agent = clients["controlplane"], clients["agent-gpu-a1"]
+    own, other = SUBJ.heartbeat("gpu-a1"), SUBJ.heartbeat("gpu-a2")
+    got: dict[str, list[bytes]] = {own: [], other: []}
 
     async def cb(m) -> None:  # type: ignore[no-untyped-def]
-        got.append(m.data)
+        got[m.subject].append(m.data)
 
-    sub = await nc.subscribe(subject, cb=cb)
-    await bus.sent(nc)
-    await publish()
-    await asyncio.sleep(0.3)
-    await sub.unsubscribe()
-    return got
+    for subject in (own, other):
+        await cp.subscribe(subject, cb=cb)
+    await bus.sent(cp)
 
-
-async def test_agent_publishes_its_own_heartbeat_only(clients) -> None:
-    cp, agent = clients["controlplane"], clients["agent-gpu-a1"]
-    hb = encode(Heartbeat(node="gpu-a1", boot_id="b", seq=1, sent_at=1.0))
-
-    async def pub_own() -> None:
-        await agent.publish(SUBJ.heartbeat("gpu-a1"), hb)
+    async def publish(subject: str, seq: int) -> bytes:
+        hb = encode(Heartbeat(node="gpu-a1", boot_id="b", seq=seq, sent_at=1.0))
+        await agent.publish(subject, hb)
         await agent.flush()
+        return hb
 
-    async def pub_other() -> None:
-        await agent.publish(SUBJ.heartbeat("gpu-a2"), hb)
-        await agent.flush()
+    first = await publish(own, 1)
+    await _until(lambda: got[own] == [first], "the agent's own heartbeat never arrived")
+    await publish(other, 2)
+    # A permission violation only reaches error_cb: once it did, the server has dropped the message.
+    await denials.wait("agent-gpu-a1", other)
+    # And a heartbeat the agent sends after it, on the same connection, arriving shows that one the
+    # server had let through would have arrived by now.
+    marker = await publish(own, 3)
+    await _until(lambda: got[own] == [first, marker], "the agent's later heartbeat never arrived")
+    assert got[other] == []
 
-    assert await _received(cp, SUBJ.heartbeat("gpu-a1"), pub_own) == [hb]
-    # A permission violation only reaches error_cb: the proof is that nothing arrives.
-    assert await _received(cp, SUBJ.heartbeat("gpu-a2"), pub_other) == []
 
-
-async def test_agent_reads_its_own_assignment_and_cannot_write_one(clients) -> None:
+async def test_agent_reads_its_own_assignment_and_cannot_write_one(clients, denials: Denials) -> None:
     cp, agent = clients["controlplane"], clients["agent-gpu-a1"]
     cp_kv = await cp.jetstream().key_value(SUBJ.bucket_assign)
-    await cp_kv.put("gpu-a1", encode(Assignment(node="gpu-a1", fence=1)))
+    mine = encode(Assignment(node="gpu-a1", fence=1))
+    await cp_kv.put("gpu-a1", mine)
     await cp_kv.put("gpu-a2", encode(Assignment(node="gpu-a2", fence=1)))
 
     kv = await agent.jetstream(timeout=1.0).key_value(SUBJ.bucket_assign)
     entry = await kv.get("gpu-a1")
-    assert entry.value is not None
-    with pytest.raises((nats.errors.TimeoutError, KeyNotFoundError, nats.errors.Error)):
+    assert entry.value == mine
+    # Another node's key: the direct get is refused (not "not found": the key exists).
+    with pytest.raises(nats.errors.TimeoutError):
         await kv.get("gpu-a2")
-    with pytest.raises((nats.errors.TimeoutError, nats.errors.Error)):
+    await denials.wait(
+        "agent-gpu-a1", f"$JS.API.DIRECT.GET.KV_{SUBJ.bucket_assign}.$KV.{SUBJ.bucket_assign}.gpu-a2"
+    )
+    # Its own key, written: refused by the server, so the write's ack never comes.
+    with pytest.raises(nats.errors.TimeoutError):
         await kv.put("gpu-a1", encode(Assignment(node="gpu-a1", fence=99)))
+    await denials.wait("agent-gpu-a1", f"$KV.{SUBJ.bucket_assign}.gpu-a1")
     # The control plane's value is untouched.
-    assert (await cp_kv.get("gpu-a1")).revision == entry.revision
+    after = await cp_kv.get("gpu-a1")
+    assert (after.value, after.revision) == (mine, entry.revision)
 
 
-async def test_router_cannot_write_assignments_or_desired_state(clients) -> None:
-    router = clients["router"]
+async def test_router_cannot_write_assignments_or_desired_state(clients, denials: Denials) -> None:
+    cp, router = clients["controlplane"], clients["router"]
+    cp_js = cp.jetstream()
     js = router.jetstream(timeout=1.0)
     for bucket in (SUBJ.bucket_assign, SUBJ.bucket_desired, SUBJ.bucket_keys):
-        with pytest.raises((nats.errors.TimeoutError, nats.errors.Error)):
-            kv = await js.key_value(bucket)
+        cp_kv = await cp_js.key_value(bucket)
+        revision = await cp_kv.put("x", b"before")
+        kv = await js.key_value(bucket)  # binding is allowed (stream info): the write is not
+        with pytest.raises(nats.errors.TimeoutError):
             await kv.put("x", b"y")
+        await denials.wait("router", f"$KV.{bucket}.x")
+        after = await cp_kv.get("x")
+        assert (after.value, after.revision) == (b"before", revision), bucket
 
 
 async def test_router_can_read_routing(clients) -> None:
@@ -127,18 +184,29 @@ async def test_router_can_read_routing(clients) -> None:
 
 
 async def test_notifier_and_router_can_bind_every_bucket_but_write_none(
-    secured_server, roles, clients
+    secured_server, roles, clients, denials: Denials
 ) -> None:
+    cp_kv = await clients["controlplane"].jetstream().key_value(SUBJ.bucket_desired)
+    revision = await cp_kv.put("settings", b"before")
+    # What the server holds for this prefix is what Subjects declares (the test's list is not stale).
+    streams = await clients["controlplane"].jetstream().streams_info()
+    assert (
+        sorted(s.config.name[3:] for s in streams if s.config.name.startswith(f"KV_{PREFIX}_"))
+        == EVERY_BUCKET
+    )
     for name in ("notifier", "router"):
         nc = await _connect(secured_server, roles[name])
         try:
             js = nc.jetstream(timeout=2.0)
             buckets = await bus.ensure_all(js, SUBJ)  # binds: every bucket exists already
-            assert len(buckets) == 6
-            with pytest.raises((nats.errors.TimeoutError, nats.errors.Error)):
+            assert sorted(buckets) == EVERY_BUCKET
+            with pytest.raises(nats.errors.TimeoutError):
                 await buckets[SUBJ.bucket_desired].put("settings", b"x")
+            await denials.wait(name, f"$KV.{SUBJ.bucket_desired}.settings")
         finally:
             await nc.close()
+    after = await cp_kv.get("settings")
+    assert (after.value, after.revision) == (b"before", revision)
 
 
 async def test_an_agent_that_may_not_watch_still_follows_its_assignment(clients) -> None:

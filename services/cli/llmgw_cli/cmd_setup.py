@@ -153,6 +153,13 @@ def register(app: typer.Typer) -> None:
                 os.chmod(path, 0o600)
             os.chmod(nats_auth, 0o600)
             typer.echo(f"wrote {nats_auth} ({len(roles)} users) and per-role settings in {creds_dir}/")
+            if not node_list:
+                # The deploy configs include this file: without agent users every agent is refused.
+                typer.echo(
+                    "warning: no --nodes: the file has no agent users, so no agent can connect; "
+                    "run it again with --nodes <every node>",
+                    err=True,
+                )
 
         if webhook:
             hook = Webhook(url=webhook, format=webhook_format, secret=webhook_secret)

@@ -43,6 +43,7 @@ from llmgw_cli.devcluster import (
 from llmgw_cli.devkey import ensure_dev_key
 from llmgw_cli.fleet import Fleet, FleetError, load_fleet_file
 from llmgw_cli.upkeep import supervise
+from llmgw_cli.upopts import LOOPBACK, option_errors, reach_host
 from llmgw_common.bus import connect, ensure_all
 from llmgw_common.catalog import Catalog, CatalogError, load_catalog_file
 from llmgw_common.natsserver import NatsServer, NatsServerError, ensure_on_path
@@ -74,9 +75,11 @@ def err(msg: str) -> None:
 @contextlib.contextmanager
 def data_dir_lock(data_dir: Path) -> Iterator[None]:
     """One ``llmgw up`` per data directory: two would fight over one NATS store."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    path = data_dir / "up.lock"
-    f: IO[str] = open(path, "a+", encoding="utf-8")
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        f: IO[str] = open(data_dir / "up.lock", "a+", encoding="utf-8")
+    except OSError as e:
+        raise UpError(f"cannot use data directory {data_dir}: {e.strerror}") from None
     try:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -205,16 +208,17 @@ def report_dead(children: list[Child]) -> None:
 
 def usage_text(base: str, key: str, model: str, models: list[str], layout: Layout, ready_s: float) -> str:
     pre = "" if layout.prefix == "llmgw" else f" --prefix {layout.prefix}"
+    bound = "" if reach_host(layout.host) == layout.host else f" (the router listens on {layout.host})"
     nats = "" if layout.nats_url == "nats://127.0.0.1:4222" else f" --nats {layout.nats_url}"
     console = (
-        f"  console          http://{layout.host}:{layout.controlplane_admin_port}/\n"
+        f"  console          http://{LOOPBACK}:{layout.controlplane_admin_port}/\n"
         if layout.controlplane_admin_port
         else ""
     )
     return f"""
 llmgw is up: a chat completion went through the router {ready_s:.1f} s after start.
 
-  OpenAI base URL  {base}/v1
+  OpenAI base URL  {base}/v1{bound}
   API key          {key}
                    (kept in {layout.data_dir / "dev-key"}; reused by the next run)
   models           {", ".join(models)}
@@ -270,6 +274,16 @@ def run_up(opts: UpOptions) -> int:
 
 def _run(opts: UpOptions, stop: StopFlag, t0: float) -> int:
     ensure_on_path()
+    problems = option_errors(
+        host=opts.host,
+        port=opts.port,
+        admin_port=opts.admin_port,
+        nats_port=opts.nats_port,
+        ready_timeout_s=opts.ready_timeout_s,
+    )
+    if problems:
+        err(f"error: {'; '.join(problems)}")
+        return 1
     try:
         check_token(opts.prefix, "prefix")
         fleet = load_fleet_file(str(opts.fleet_file))
@@ -287,14 +301,14 @@ def _run(opts: UpOptions, stop: StopFlag, t0: float) -> int:
 
 
 def _start_nats(opts: UpOptions, data_dir: Path) -> NatsServer:
-    if opts.nats_port > 0 and port_in_use(opts.host, opts.nats_port):
+    if opts.nats_port > 0 and port_in_use(LOOPBACK, opts.nats_port):
         raise UpError(
             f"port {opts.nats_port} for NATS is in use (another llmgw up or a NATS server?): "
             "pass --nats-port -1 for a free one, or --nats URL to use that server"
         )
     (data_dir / "logs").mkdir(parents=True, exist_ok=True)
     nats = NatsServer(
-        data_dir / "nats", port=opts.nats_port, host=opts.host, log_file=data_dir / "logs" / "nats.log"
+        data_dir / "nats", port=opts.nats_port, host=LOOPBACK, log_file=data_dir / "logs" / "nats.log"
     )
     try:
         nats.start()
@@ -308,8 +322,11 @@ def _run_locked(
     opts: UpOptions, stop: StopFlag, t0: float, data_dir: Path, fleet: Fleet, catalog: Catalog
 ) -> int:
     host = opts.host
-    for what, flag, p in (("router", "--port", opts.port), ("console", "--admin-port", opts.admin_port)):
-        if p > 0 and port_in_use(host, p):
+    for what, flag, h, p in (
+        ("router", "--port", host, opts.port),
+        ("console", "--admin-port", LOOPBACK, opts.admin_port),
+    ):
+        if p > 0 and port_in_use(h, p):
             raise UpError(f"port {p} for the {what} is in use: pass another {flag}, or 0 for a free one")
     nats: NatsServer | None = None
     sup: Supervisor | None = None
@@ -329,8 +346,8 @@ def _run_locked(
             prefix=opts.prefix,
             host=host,
             router_port=opts.port or free_port(host),
-            router_admin_port=free_port(host),
-            controlplane_admin_port=opts.admin_port or free_port(host),
+            router_admin_port=free_port(LOOPBACK),
+            controlplane_admin_port=opts.admin_port or free_port(LOOPBACK),
             catalog_file=opts.catalog_file.resolve(),
             dev_key=bus.key,
             local_agent=opts.local_agent,
@@ -355,8 +372,8 @@ def _run_locked(
             "data_dir": str(data_dir),
             "router_url": layout.router_url,
             "base_url": f"{layout.router_url}/v1",
-            "console_url": f"http://{host}:{layout.controlplane_admin_port}/",
-            "router_admin_url": f"http://{host}:{layout.router_admin_port}/",
+            "console_url": f"http://{LOOPBACK}:{layout.controlplane_admin_port}/",
+            "router_admin_url": f"http://{LOOPBACK}:{layout.router_admin_port}/",
             "nats_url": nats_url,
             "nats_pid": nats.pid if nats is not None else None,
             "prefix": opts.prefix,
@@ -448,7 +465,12 @@ def register(app: typer.Typer) -> None:
             Path | None,
             typer.Option(help="Catalog loaded when the bus has none (default: examples/catalog.yaml)"),
         ] = None,
-        host: Annotated[str, typer.Option(help="Address every listener binds")] = "127.0.0.1",
+        host: Annotated[
+            str,
+            typer.Option(
+                help="Address the router (OpenAI API) binds; NATS, the console and /metrics stay on loopback"
+            ),
+        ] = "127.0.0.1",
         port: Annotated[int, typer.Option(help="Router (OpenAI API) port; 0: a free one")] = 8080,
         admin_port: Annotated[int, typer.Option(help="Control plane console port; 0: a free one")] = 8081,
         nats_port: Annotated[int, typer.Option(help="Embedded NATS port; -1: a free one")] = 4222,

@@ -28,6 +28,7 @@ from pathlib import Path
 import psutil
 
 from llmgw_cli.fleet import Fleet
+from llmgw_cli.upopts import LOOPBACK, reach_host
 
 RUN_MARKER = "LLMGW_UP_RUN"
 LOCAL_NODE = "local"
@@ -68,6 +69,7 @@ class Layout:
     data_dir: Path
     nats_url: str
     prefix: str
+    # The router's address; the admin listeners stay on loopback (see upopts).
     host: str
     router_port: int
     router_admin_port: int
@@ -83,7 +85,7 @@ class Layout:
 
     @property
     def router_url(self) -> str:
-        return f"http://{self.host}:{self.router_port}"
+        return f"http://{reach_host(self.host)}:{self.router_port}"
 
 
 def plan_children(layout: Layout, fleet: Fleet) -> list[ChildSpec]:
@@ -95,7 +97,7 @@ def plan_children(layout: Layout, fleet: Fleet) -> list[ChildSpec]:
             "controlplane",
             {
                 "LLMGW_CATALOG_FILE": str(layout.catalog_file),
-                "LLMGW_ADMIN_HOST": layout.host,
+                "LLMGW_ADMIN_HOST": LOOPBACK,
                 "LLMGW_ADMIN_PORT": str(layout.controlplane_admin_port),
             },
             tier=0,
@@ -107,7 +109,7 @@ def plan_children(layout: Layout, fleet: Fleet) -> list[ChildSpec]:
                 "LLMGW_ROUTER_ID": "dev",
                 "LLMGW_HOST": layout.host,
                 "LLMGW_PORT": str(layout.router_port),
-                "LLMGW_ADMIN_HOST": layout.host,
+                "LLMGW_ADMIN_HOST": LOOPBACK,
                 "LLMGW_ADMIN_PORT": str(layout.router_admin_port),
             },
             tier=1,
