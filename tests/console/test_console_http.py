@@ -472,8 +472,8 @@ class BuiltNode:
 
 
 # Every case the overview must count differently: a partly used node with an unhealthy GPU, a cordoned
-# idle node (its GPUs are held, not free), a draining busy one, a free one, a lost one (not counted at
-# all) and a node without GPUs.
+# idle node (its GPUs are held, not free), a draining busy one, a free one, a lost one (its idle GPUs are
+# held too: counted, never free) and a node without GPUs.
 BUILT = (
     BuiltNode("gpu-a01", "ib-a", _gpus(8, "H100-80GB", bad=7), used=(0, 1, 2, 3)),
     BuiltNode("gpu-a02", "ib-a", _gpus(8, "H100-80GB"), cordoned=True),
@@ -530,21 +530,19 @@ def _lost(n: BuiltNode) -> bool:
 
 async def test_overview_numbers_are_the_built_fleets(built: httpx.AsyncClient) -> None:
     """Computed here from the fleet's description, the way ARCHITECTURE says to count: unhealthy is
-    neither used nor free (#2), idle GPUs of a cordoned or draining node are held, a lost node's
-    GPUs are not capacity."""
+    neither used nor free (#2), idle GPUs of a cordoned, draining or lost node are held: they exist but
+    are not capacity."""
     cap: dict[str, Counter[str]] = {}
     free_nodes: Counter[str] = Counter()
     for n in BUILT:
         for g in n.gpus:
             c = cap.setdefault(g.gpu_class, Counter())
-            if _lost(n):
-                continue
             c["total"] += 1
             if not g.healthy:
                 c["unhealthy"] += 1
             elif g.index in n.used:
                 c["used"] += 1
-            elif n.cordoned or n.draining:
+            elif n.cordoned or n.draining or _lost(n):
                 c["held"] += 1
             else:
                 c["free"] += 1
@@ -569,8 +567,12 @@ async def test_nodes_numbers_are_the_built_fleets(built: httpx.AsyncClient) -> N
         assert row.split()[1] == ("lost" if _lost(n) else "ready"), row
         if n.gpus:
             bad = sum(1 for g in n.gpus if not g.healthy)
-            # Per node, ctl's numbers: a cordoned node's idle GPUs are its free ones (drawn as held).
-            assert f"{len(n.used)}/{len(n.gpus) - len(n.used) - bad}/{bad}/{len(n.gpus)}" in row, row
+            # used/free/held/unhealthy/total, the same count as the overview's: a cordoned, draining or
+            # lost node's idle GPUs are held, never free.
+            idle = len(n.gpus) - len(n.used) - bad
+            held = n.cordoned or n.draining or _lost(n)
+            free, kept = (0, idle) if held else (idle, 0)
+            assert f"{len(n.used)}/{free}/{kept}/{bad}/{len(n.gpus)}" in row, row
     attention = re.search(r'<div class="attention" id="attention">(.*?)</div>', page, re.S)
     assert attention is not None
     assert text(attention.group(1)) == (

@@ -245,8 +245,10 @@ class Topology(ChaosCluster):
             "LLMGW_NATS_INBOX_PREFIX": r.inbox_prefix,
         }
 
-    def _proc(self, name: str, command: list[str], extra: dict[str, str]) -> Proc:
-        return super()._proc(name, command, {**extra, **self.role_env(role_of(name))})
+    def _proc(
+        self, name: str, command: list[str], extra: dict[str, str], launcher: list[str] | None = None
+    ) -> Proc:
+        return super()._proc(name, command, {**extra, **self.role_env(role_of(name))}, launcher)
 
     def start_notifier(self, probe_key: str, router: str = "router") -> Proc:
         # The probe key travels in the environment: the harness writes each argv into the log.
