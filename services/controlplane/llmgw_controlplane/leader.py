@@ -6,23 +6,33 @@ the same revision for a whole TTL by its *own* clock takes it over with a compar
 revision (which fails if the holder renewed meanwhile). The holder counts itself leader only while its
 last successful renewal is younger than the TTL minus a margin, so it stops acting before a standby
 could have taken over, even if it cannot reach NATS to find out.
+
+A holder must never lose a compare-and-set to itself: the lease loop's renewal and a pass's confirm()
+take turns under one lock (two in flight on one revision: the second failed, and the leader stepped
+down for a TTL), and a renewal that landed unseen (its reply timed out, its task was cancelled) is
+recognised by this tenure's own record and renewed from, not taken for another holder's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
 
 import nats.errors
+import nats.js.errors
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from llmgw_common import bus
 from llmgw_common.codec import encode
 from llmgw_common.ctl import LeaseRecord
 from llmgw_common.subjects import LEADER_KEY
 
 log = logging.getLogger("llmgw.controlplane.leader")
+# JetStream's "wrong last sequence" error codes (the ones nats-py maps to KeyWrongLastSequenceError).
+WRONG_LAST_CODES = (10071, 10164)
 
 
 class Lease:
@@ -46,6 +56,8 @@ class Lease:
         # What a standby last saw of someone else's lease, and since when (own clock).
         self._seen_rev = 0
         self._seen_at = 0.0
+        # Every read-modify-write of the key (renew, take, release) runs alone: see the module docstring.
+        self._lock = asyncio.Lock()
 
     @property
     def renew_every_s(self) -> float:
@@ -70,10 +82,14 @@ class Lease:
 
     async def step(self) -> bool:
         """Renew when held, else try to take; returns whether this process is leader afterwards."""
+        async with self._lock:
+            return await self._step()
+
+    async def _step(self) -> bool:
         t0 = self.clock()
         if self._renewed_at is not None:
             try:
-                self.revision = await self.kv.update(LEADER_KEY, self._value(), last=self.revision)
+                await self._renew()
                 self._renewed_at = t0
             except KeyWrongLastSequenceError:
                 self._lose("another control plane holds the lease")
@@ -82,6 +98,30 @@ class Lease:
                     self._lose(f"could not renew: {e}")
             return self.held()
         return await self._try_take(t0)
+
+    async def _renew(self) -> None:
+        try:
+            self.revision = await self.kv.update(LEADER_KEY, self._value(), last=self.revision)
+        except KeyWrongLastSequenceError:
+            own = await self._own_revision()
+            if own is None:
+                raise
+            log.info("lease revision %d is our own unseen renewal: renewing from it", own)
+            self.revision = await self.kv.update(LEADER_KEY, self._value(), last=own)
+
+    async def _own_revision(self) -> int | None:
+        """The key's revision when its record is this tenure's own (holder and acquired_at), else None.
+
+        The holder name alone is not enough: hostname-pid repeats across container restarts. Any doubt
+        (absent, unreadable, unreachable) is None: the caller then treats the lease as someone else's.
+        """
+        try:
+            rec, rev = await bus.kv_get(self.kv, LEADER_KEY, LeaseRecord)
+        except (nats.errors.Error, TimeoutError):
+            return None
+        if rec is None or rec.holder != self.holder or rec.acquired_at != self._acquired_at:
+            return None
+        return rev
 
     async def _try_take(self, t0: float) -> bool:
         try:
@@ -121,16 +161,29 @@ class Lease:
 
     async def confirm(self) -> bool:
         """Renew now: proof of holding the lease right before a write (the fence check)."""
-        if self._renewed_at is None:
-            return False
-        return await self.step()
+        async with self._lock:
+            if self._renewed_at is None:
+                return False
+            return await self._step()
 
     async def release(self) -> None:
         """Give the lease up on a clean shutdown so a standby takes over at once."""
-        if self._renewed_at is None:
-            return
-        self._renewed_at = None
-        try:
-            await self.kv.delete(LEADER_KEY, last=self.revision)
-        except (nats.errors.Error, TimeoutError, KeyWrongLastSequenceError) as e:
-            log.debug("lease release failed: %s", e)
+        async with self._lock:
+            if self._renewed_at is None:
+                return
+            self._renewed_at = None
+            try:
+                try:
+                    await self.kv.delete(LEADER_KEY, last=self.revision)
+                except nats.js.errors.APIError as e:
+                    own = await self._own_revision() if _wrong_last(e) else None
+                    if own is None:
+                        raise  # a successor's lease is not ours to delete
+                    await self.kv.delete(LEADER_KEY, last=own)
+            except (nats.errors.Error, TimeoutError) as e:
+                log.debug("lease release failed: %s", e)
+
+
+def _wrong_last(e: nats.js.errors.APIError) -> bool:
+    """A compare-and-set refused: update() raises its own type, delete() a bare API error (nats-py)."""
+    return isinstance(e, KeyWrongLastSequenceError) or e.err_code in WRONG_LAST_CODES
