@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from cp_helpers import eventually
 from nats.js.kv import KeyValue
 
 from llmgw_common import bus
@@ -50,7 +51,7 @@ async def test_lease_renewal_racing_confirm_kept(bus_nc, prefix):
     assert a.fence == rev  # the last write is the one the holder knows of
 
 
-async def test_lease_racing_renewals_yield_to_takeover(bus_nc, prefix):
+async def test_lease_racing_renewals_yield_to_takeover(bus_nc, prefix, caplog):
     kv = await _leader_kv(bus_nc, prefix)
     ca, cb = Clock(), Clock()
     a = Lease(kv, "a", ttl_s=10.0, clock=ca)
@@ -61,6 +62,7 @@ async def test_lease_racing_renewals_yield_to_takeover(bus_nc, prefix):
     assert await b.step()
     assert await asyncio.gather(a.step(), a.confirm()) == [False, False]
     assert not a.held()
+    assert "leadership lost (b holds the lease)" in caplog.messages
     rec, rev = await bus.kv_get(kv, LEADER_KEY, LeaseRecord)
     assert rec is not None and rec.holder == "b" and rev == b.fence  # a wrote nothing over b
 
@@ -124,3 +126,20 @@ async def test_lease_release_spares_successor(bus_nc, prefix):
     await a.release()  # a still thinks it holds the lease: its delete must not remove b's
     rec, rev = await bus.kv_get(kv, LEADER_KEY, LeaseRecord)
     assert rec is not None and rec.holder == "b" and rev == b.fence
+
+
+async def test_lease_lapsed_key_is_named_as_such(bus_nc, prefix, caplog):
+    # A lone control plane that could not renew for a TTL must not blame "another control plane".
+    kv = await bus.ensure_kv(bus_nc.jetstream(), Subjects(prefix).bucket_leader, ttl=1.0)
+    c = Clock()
+    a = Lease(kv, "a", ttl_s=1.0, clock=c)
+    assert await a.step()
+    await eventually(lambda: _gone(kv))  # the bucket's TTL removed the unrenewed key
+    c.t += 2.5
+    assert not await a.step()
+    assert "leadership lost (the lease lapsed (TTL 1s, not renewed for 2.5s))" in caplog.messages
+
+
+async def _gone(kv: KeyValue) -> bool:
+    rec, _ = await bus.kv_get(kv, LEADER_KEY, LeaseRecord)
+    return rec is None

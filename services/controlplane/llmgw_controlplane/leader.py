@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import nats.errors
 import nats.js.errors
@@ -33,6 +34,16 @@ from llmgw_common.subjects import LEADER_KEY
 log = logging.getLogger("llmgw.controlplane.leader")
 # JetStream's "wrong last sequence" error codes (the ones nats-py maps to KeyWrongLastSequenceError).
 WRONG_LAST_CODES = (10071, 10164)
+
+T = TypeVar("T")
+
+
+class LeaseLost(Exception):
+    """The lease went while work that needed it was under way."""
+
+
+class NotOurs(Exception):
+    """The lease key moved, and not by a renewal of ours: says what holds it (or that it lapsed)."""
 
 
 class Lease:
@@ -91,6 +102,8 @@ class Lease:
             try:
                 await self._renew()
                 self._renewed_at = t0
+            except NotOurs as e:
+                self._lose(str(e))
             except KeyWrongLastSequenceError:
                 self._lose("another control plane holds the lease")
             except (nats.errors.Error, TimeoutError) as e:
@@ -104,24 +117,30 @@ class Lease:
             self.revision = await self.kv.update(LEADER_KEY, self._value(), last=self.revision)
         except KeyWrongLastSequenceError:
             own = await self._own_revision()
-            if own is None:
-                raise
             log.info("lease revision %d is our own unseen renewal: renewing from it", own)
             self.revision = await self.kv.update(LEADER_KEY, self._value(), last=own)
 
-    async def _own_revision(self) -> int | None:
-        """The key's revision when its record is this tenure's own (holder and acquired_at), else None.
+    async def _own_revision(self) -> int:
+        """The key's revision when its record is this tenure's own (holder and acquired_at), else NotOurs.
 
         The holder name alone is not enough: hostname-pid repeats across container restarts. Any doubt
-        (absent, unreadable, unreachable) is None: the caller then treats the lease as someone else's.
+        (unreadable, unreachable) is NotOurs too: the lease is then treated as someone else's.
         """
         try:
             rec, rev = await bus.kv_get(self.kv, LEADER_KEY, LeaseRecord)
-        except (nats.errors.Error, TimeoutError):
-            return None
-        if rec is None or rec.holder != self.holder or rec.acquired_at != self._acquired_at:
-            return None
-        return rev
+        except (nats.errors.Error, TimeoutError) as e:
+            raise NotOurs(f"the lease moved and could not be read: {e}") from None
+        if rec is not None and rec.holder == self.holder and rec.acquired_at == self._acquired_at:
+            return rev
+        if rev == 0:
+            # A lone control plane starved for a TTL (a takeover's load, a stalled loop) sees this, not a rival.
+            since = (
+                ""
+                if self._renewed_at is None
+                else f", not renewed for {self.clock() - self._renewed_at:.1f}s"
+            )
+            raise NotOurs(f"the lease lapsed (TTL {self.ttl_s:g}s{since})")
+        raise NotOurs(f"{rec.holder if rec else 'another control plane'} holds the lease")
 
     async def _try_take(self, t0: float) -> bool:
         try:
@@ -166,6 +185,26 @@ class Lease:
                 return False
             return await self._step()
 
+    async def while_renewing(self, aw: Awaitable[T]) -> T:
+        """``aw``'s result, renewing every ``renew_every_s`` meanwhile, as the lease loop would have.
+
+        For a takeover's load, which at thousands of nodes can outlast the TTL: renewing only after it,
+        the holder found its key lapsed, stepped down and took over (and loaded) again, in a loop.
+        Raises LeaseLost, with ``aw`` cancelled, if a renewal fails.
+        """
+        task = asyncio.ensure_future(aw)
+        try:
+            while True:
+                await asyncio.wait({task}, timeout=self.renew_every_s)
+                if task.done():
+                    return task.result()
+                if not await self.step():
+                    raise LeaseLost("the lease was lost while taking over")
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
     async def release(self) -> None:
         """Give the lease up on a clean shutdown so a standby takes over at once."""
         async with self._lock:
@@ -176,10 +215,12 @@ class Lease:
                 try:
                     await self.kv.delete(LEADER_KEY, last=self.revision)
                 except nats.js.errors.APIError as e:
-                    own = await self._own_revision() if _wrong_last(e) else None
-                    if own is None:
-                        raise  # a successor's lease is not ours to delete
-                    await self.kv.delete(LEADER_KEY, last=own)
+                    if not _wrong_last(e):
+                        raise
+                    # Ours at a revision we never learnt: delete that. A successor's: NotOurs, left alone.
+                    await self.kv.delete(LEADER_KEY, last=await self._own_revision())
+            except NotOurs as e:
+                log.debug("lease not released: %s", e)
             except (nats.errors.Error, TimeoutError) as e:
                 log.debug("lease release failed: %s", e)
 
