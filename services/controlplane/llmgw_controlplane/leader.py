@@ -10,7 +10,8 @@ could have taken over, even if it cannot reach NATS to find out.
 A holder must never lose a compare-and-set to itself: the lease loop's renewal and a pass's confirm()
 take turns under one lock (two in flight on one revision: the second failed, and the leader stepped
 down for a TTL), and a renewal that landed unseen (its reply timed out, its task was cancelled) is
-recognised by this tenure's own record and renewed from, not taken for another holder's.
+recognised by this tenure's own record and renewed from, not taken for another holder's. Long work
+between renewals (a takeover's load) runs under while_renewing(), so the key cannot lapse under it.
 """
 
 from __future__ import annotations
