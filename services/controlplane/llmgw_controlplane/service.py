@@ -53,7 +53,7 @@ from llmgw_controlplane.apply import desired_assignments as compute_assignments
 from llmgw_controlplane.console.usage import UsageBook
 from llmgw_controlplane.events import EventDetector, EventPublisher, watch_inputs
 from llmgw_controlplane.idle import IdleMerger
-from llmgw_controlplane.leader import Lease
+from llmgw_controlplane.leader import Lease, LeaseLost
 from llmgw_controlplane.plan import Plan, ReconcileMemo
 from llmgw_controlplane.reconciler import reconcile
 from llmgw_controlplane.routing import routing_content, serving
@@ -265,8 +265,8 @@ class ControlPlane:
             held = await self.lease.step()
             if held and not self.leader:
                 try:
-                    await self._become_leader()
-                except (nats.errors.Error, TimeoutError) as e:
+                    await self.lease.while_renewing(self._become_leader())
+                except (nats.errors.Error, TimeoutError, LeaseLost) as e:
                     log.warning("taking over failed (%s): retrying", e)
                     await self._step_down()
             elif not held and self.leader:
