@@ -22,11 +22,9 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.errors import KeyWrongLastSequenceError
 
 from llmgw_common import bus
 from llmgw_common.catalog import Catalog, CatalogError, load_catalog_file
-from llmgw_common.codec import encode
 from llmgw_common.ctl import DebugStatsReply
 from llmgw_common.messages import (
     Assignment,
@@ -49,6 +47,7 @@ from llmgw_controlplane.api import CtlApi
 from llmgw_controlplane.apply import AssignmentWriter, Fenced, NodeShards, ReplicaStore, RoutingPublisher
 from llmgw_controlplane.apply import desired_assignments as compute_assignments
 from llmgw_controlplane.console.usage import UsageBook
+from llmgw_controlplane.desired import DesiredStore
 from llmgw_controlplane.events import EventDetector, EventPublisher
 from llmgw_controlplane.idle import IdleMerger
 from llmgw_controlplane.leader import Lease
@@ -128,6 +127,7 @@ class ControlPlane:
         )
         buckets = await bus.ensure_all(js, self.subjects, replicas=self.s.kv_replicas)
         self.kv_desired = buckets[self.subjects.bucket_desired]
+        self.desired = DesiredStore(self.kv_desired, self.drops)
         self.assignments = AssignmentWriter(buckets[self.subjects.bucket_assign], self.drops)
         self.records = ReplicaStore(buckets[self.subjects.bucket_replicas], self.drops)
         self.routing = RoutingPublisher(buckets[self.subjects.bucket_routing], self.drops)
@@ -166,12 +166,8 @@ class ControlPlane:
             cat = load_catalog_file(self.s.catalog_file)
         except CatalogError as e:
             raise StartupError(f"catalog {self.s.catalog_file}: {e}") from None
-        try:
-            await self.kv_desired.create(DESIRED_CATALOG, encode(cat))
-        except KeyWrongLastSequenceError:
-            # Another control plane stored one meanwhile: that one is the desired state.
-            stored, _ = await bus.kv_get(self.kv_desired, DESIRED_CATALOG, Catalog, self.drops)
-            cat = stored or cat
+        # If another control plane stored one meanwhile, that one is the desired state.
+        _, cat = await self.desired.change(DESIRED_CATALOG, Catalog, lambda cur: cat if cur is None else cur)
         self.state.set_catalog(cat, 1)
         log.info("catalog from %s: %d model(s)", self.s.catalog_file, len(cat.models))
 
@@ -444,30 +440,28 @@ class ControlPlane:
 
     # ------------------------------------------------------------ desired state (ctl verbs)
 
-    async def apply_catalog(self, catalog: Catalog) -> int:
-        await self.kv_desired.put(DESIRED_CATALOG, encode(catalog))
+    async def apply_catalog(self, catalog: Catalog) -> tuple[Catalog, int]:
+        """Store ``catalog``; returns the one it replaced (as stored, not as this process last saw it)."""
+        old, _ = await self.desired.change(DESIRED_CATALOG, Catalog, lambda _: catalog)
         self.state.set_catalog(catalog, self.state.catalog_version + 1)
         await self.routing.publish_catalog(catalog)
         log.info("catalog v%d applied: %d model(s)", self.state.catalog_version, len(catalog.models))
         self.dirty.set()
-        return self.state.catalog_version
+        return old or Catalog(), self.state.catalog_version
 
-    async def store_marks(self, marks: Marks) -> None:
-        await self.kv_desired.put(DESIRED_MARKS, encode(marks))
+    async def change_marks(self, change: Callable[[Marks | None], Marks]) -> Marks:
+        """Apply ``change`` (pure) to the stored marks, compare-and-set; returns the marks now stored."""
+        _, marks = await self.desired.change(DESIRED_MARKS, Marks, change)
         self.state.marks = marks
         self.dirty.set()
+        return marks
 
     async def read_settings(self) -> ClusterSettings:
         cur, _ = await bus.kv_get(self.kv_desired, DESIRED_SETTINGS, ClusterSettings, self.drops)
         return cur or ClusterSettings()
 
     async def store_settings(self, settings: ClusterSettings) -> None:
-        _, rev = await bus.kv_get(self.kv_desired, DESIRED_SETTINGS, ClusterSettings)
-        data = encode(settings)
-        if rev:
-            await self.kv_desired.update(DESIRED_SETTINGS, data, last=rev)
-        else:
-            await self.kv_desired.create(DESIRED_SETTINGS, data)
+        await self.desired.change(DESIRED_SETTINGS, ClusterSettings, lambda _: settings)
 
     # ------------------------------------------------------------ stats
 
