@@ -44,7 +44,14 @@ from llmgw_common.settings import ControlPlaneSettings
 from llmgw_common.subjects import DESIRED_CATALOG, DESIRED_MARKS, DESIRED_SETTINGS, Subjects
 from llmgw_controlplane.admin import AdminBindError, AdminServer, CtlApiSource, build_admin_app
 from llmgw_controlplane.api import CtlApi
-from llmgw_controlplane.apply import AssignmentWriter, Fenced, NodeShards, ReplicaStore, RoutingPublisher
+from llmgw_controlplane.apply import (
+    AssignmentWriter,
+    Fenced,
+    NodeShards,
+    ReplicaStore,
+    RoutingPublisher,
+    pin_specs,
+)
 from llmgw_controlplane.apply import desired_assignments as compute_assignments
 from llmgw_controlplane.console.usage import UsageBook
 from llmgw_controlplane.desired import DesiredStore
@@ -273,14 +280,14 @@ class ControlPlane:
         for rec in records.values():
             for sp in rec.shards:
                 self.state.know_node(sp.node, now)
-        self.state.set_replicas(records)
+        stored, _ = await bus.kv_get(self.kv_desired, DESIRED_CATALOG, Catalog, self.drops)
+        if stored is not None and stored != self.state.catalog:
+            self.state.set_catalog(stored, self.state.catalog_version + 1)
+        self.state.set_replicas(pin_specs(records, self.state.catalog))
         self._desired_cache = None
         self._synced_generation = -1
         self._routing_key = None
         await self.routing.load()
-        stored, _ = await bus.kv_get(self.kv_desired, DESIRED_CATALOG, Catalog, self.drops)
-        if stored is not None and stored != self.state.catalog:
-            self.state.set_catalog(stored, self.state.catalog_version + 1)
         await self._load_marks()
         await self.routing.publish_catalog(self.state.catalog)
         self.state.catalog_version = max(self.state.catalog_version, self.routing.catalog_version)
@@ -403,6 +410,7 @@ class ControlPlane:
                     shards=tuple(
                         RecordShard(shard=s.shard, node=s.node, gpus=s.gpus, port=s.port) for s in nr.shards
                     ),
+                    spec=nr.spec,
                 )
             )
             log.info("place %s on %s", nr.replica_id, ", ".join(s.node for s in nr.shards))

@@ -12,7 +12,7 @@ from enum import StrEnum
 from types import MappingProxyType
 
 from llmgw_common.catalog import Catalog
-from llmgw_common.messages import ShardState, WeightsEntry
+from llmgw_common.messages import ReplicaSpec, ShardState, WeightsEntry
 
 
 class NodeState(StrEnum):
@@ -73,6 +73,8 @@ class ReplicaView:
     shards: tuple[ShardView, ...]
     draining: bool = False
     draining_since: float | None = None
+    # What it was started with; None: whatever the catalog says (a record from before specs were kept).
+    spec: ReplicaSpec | None = None
 
     @property
     def nodes(self) -> tuple[str, ...]:
