@@ -106,11 +106,17 @@ class CtlApi:
 
     async def replicas(self, req: ReplicasRequest) -> ReplicasReply:
         cp = self.cp
-        return ReplicasReply(replicas=views.replicas_info(cp.state, cp.snapshot(), cp.idle, req.model))
+        snap = cp.snapshot()
+        return ReplicasReply(
+            replicas=views.replicas_info(cp.state, snap, cp.idle, req.model),
+            failed=cp.failures.replicas(snap.now, req.model),
+        )
 
     async def models(self, _: Message) -> ModelsReply:
         cp = self.cp
-        return ModelsReply(models=views.models_info(cp.snapshot(), cp.reasons, cp.unplaceable, cp.backoff))
+        snap = cp.snapshot()
+        models = views.models_info(snap, cp.reasons, cp.unplaceable, cp.backoff)
+        return ModelsReply(models=cp.failures.on_models(models, snap.now))
 
     async def status(self, _: Message) -> StatusReply:
         cp = self.cp

@@ -56,6 +56,7 @@ from llmgw_controlplane.apply import desired_assignments as compute_assignments
 from llmgw_controlplane.console.usage import UsageBook
 from llmgw_controlplane.desired import DesiredStore
 from llmgw_controlplane.events import EventDetector, EventPublisher
+from llmgw_controlplane.failures import FailureBook, failed_replica
 from llmgw_controlplane.idle import IdleMerger
 from llmgw_controlplane.leader import Lease
 from llmgw_controlplane.plan import Plan, ReconcileMemo
@@ -103,6 +104,7 @@ class ControlPlane:
         self.usage = UsageBook()
         self._inventory_asked: dict[str, float] = {}
         self.memo = ReconcileMemo()
+        self.failures = FailureBook()
         self.reasons: dict[str, str] = {}
         self.unplaceable: dict[str, str] = {}
         self.backoff: dict[str, str] = {}
@@ -415,6 +417,10 @@ class ControlPlane:
             )
             log.info("place %s on %s", nr.replica_id, ", ".join(s.node for s in nr.shards))
         for sr in plan.stop:
+            rec = st.replicas.get(sr.replica_id)
+            if sr.failed and rec is not None:
+                # Its errors and log tails go with its record: keep them for `ctl replicas` and `ctl models`.
+                self.failures.add(failed_replica(st, rec, sr.reason, now))
             if st.drop_replica(sr.replica_id) is not None:
                 log.info("stop %s: %s", sr.replica_id, sr.reason)
         for rid in plan.mark_draining:

@@ -28,7 +28,7 @@ from llmgw_common.messages import ClusterSettings
 from llmgw_controlplane.idle import IdleMerger
 from llmgw_controlplane.placement import Explanation, Placement
 from llmgw_controlplane.routing import endpoint_url, serving
-from llmgw_controlplane.snapshot import NodeState, Snapshot
+from llmgw_controlplane.snapshot import NodeState, ReplicaView, Snapshot
 from llmgw_controlplane.state import ClusterState, NodeRecord, ReplicaPhase, replica_phase
 
 
@@ -93,6 +93,25 @@ def nodes_info(state: ClusterState, snap: Snapshot) -> tuple[NodeInfo, ...]:
     return tuple(out)
 
 
+def shard_infos(state: ClusterState, r: ReplicaView) -> tuple[ShardInfo, ...]:
+    """Each shard as last reported, with the error and engine log tail of its status messages."""
+    out = []
+    for s in r.shards:
+        d = state.details.get((r.id, s.shard))
+        out.append(
+            ShardInfo(
+                shard=s.shard,
+                node=s.node,
+                gpus=s.gpus,
+                port=s.port,
+                state=str(s.state) if s.state is not None else None,
+                error=(d.error if d is not None and d.error else s.error),
+                log_tail=d.log_tail if d is not None else (),
+            )
+        )
+    return tuple(out)
+
+
 def replicas_info(
     state: ClusterState, snap: Snapshot, idle: IdleMerger, model: str | None = None
 ) -> tuple[ReplicaInfo, ...]:
@@ -102,20 +121,8 @@ def replicas_info(
             continue
         rec = state.replicas.get(r.id)
         created = rec.created if rec is not None else r.created
-        shards = []
-        for s in r.shards:
-            d = state.details.get((r.id, s.shard))
-            shards.append(
-                ShardInfo(
-                    shard=s.shard,
-                    node=s.node,
-                    gpus=s.gpus,
-                    port=s.port,
-                    state=str(s.state) if s.state is not None else None,
-                    error=(d.error if d is not None and d.error else s.error),
-                    log_tail=d.log_tail if d is not None else (),
-                )
-            )
+        shards = shard_infos(state, r)
+        errors = [f"shard {s.shard} on {s.node}: {s.error}" for s in shards if s.error]
         k = idle.idle_for(r.id, snap.now, created)
         out.append(
             ReplicaInfo(
@@ -123,13 +130,14 @@ def replicas_info(
                 model=r.model,
                 state=replica_phase(r),
                 created=created,
-                shards=tuple(shards),
+                shards=shards,
                 endpoint=endpoint_url(snap, r) if serving(snap, r) else None,
                 draining=r.draining,
                 idle_s=k.json_seconds(),
                 idle_kind=str(k.kind),
                 idle=k.text(),
                 breaker=idle.breaker(r.id),
+                error="; ".join(errors) or None,
             )
         )
     return tuple(out)
