@@ -152,6 +152,8 @@ class ReplicaInfo(Message):
     error: str | None = None
     # When the control plane stopped it as failed; None for a replica that still exists.
     failed_at: float | None = None
+    # Started with an older profile of its model: it is being replaced, one replica at a time.
+    outdated: bool = False
 
 
 class ModelInfo(Message):
@@ -170,6 +172,8 @@ class ModelInfo(Message):
     watched: bool = False
     # Its most recent failed replica (shards, errors, log tails), kept for a while after it was stopped.
     last_failure: ReplicaInfo | None = None
+    # Replicas still running an older profile (a profile change being rolled out).
+    outdated: int = 0
 
 
 class NodesReply(Message):

@@ -166,7 +166,7 @@ def render_replicas(reply: ReplicasReply) -> str:
     rows = []
     for r in reply.replicas:
         nodes = ",".join(dict.fromkeys(s.node for s in r.shards)) or "-"
-        state = r.state + (" (draining)" if r.draining else "")
+        state = r.state + (" (draining)" if r.draining else " (old profile)" if r.outdated else "")
         breaker = "" if r.breaker == "closed" else r.breaker.replace("_", "-")
         rows.append([r.id, r.model, state, nodes, r.endpoint or "-", breaker or "closed", r.idle])
     out = table(["REPLICA", "MODEL", "STATE", "NODES", "ENDPOINT", "BREAKER", "IDLE"], rows)

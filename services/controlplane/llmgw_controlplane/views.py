@@ -138,6 +138,9 @@ def replicas_info(
                 idle=k.text(),
                 breaker=idle.breaker(r.id),
                 error="; ".join(errors) or None,
+                outdated=r.spec is not None
+                and (p := snap.catalog.get(r.model)) is not None
+                and not r.spec.matches(p),
             )
         )
     return tuple(out)
@@ -168,6 +171,12 @@ def models_info(
         reason = None
         if st != "ok":
             reason = unplaceable.get(p.name) or backoff.get(p.name) or reasons.get(p.name)
+        outdated = sum(1 for r in reps if r.spec is not None and not r.spec.matches(p))
+        if outdated and st == "ok":
+            # Serving, but a profile change is still being rolled out (one replica at a time).
+            reason = f"rolling out a profile change: {outdated} replica(s) on the old profile"
+            if p.name in unplaceable or p.name in backoff:
+                reason += f"; replacement held up: {unplaceable.get(p.name) or backoff.get(p.name)}"
         out.append(
             ModelInfo(
                 name=p.name,
@@ -182,6 +191,7 @@ def models_info(
                 state=st,
                 reason=reason,
                 watched=p.watch is not None,
+                outdated=outdated,
             )
         )
     return tuple(out)
