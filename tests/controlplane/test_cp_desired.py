@@ -84,6 +84,41 @@ async def test_concurrent_cordon_drain_and_catalog_apply_keep_every_mark(nats_se
         await run.stop()
 
 
+class FirstFinishesLast(DesiredStore):
+    """The first change's verb is the last to resume after its write (as the scheduler may have it)."""
+
+    def __init__(self, *a, **kw) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*a, **kw)
+        self.calls = 0
+        self.second_done = asyncio.Event()
+
+    async def change(self, key, cls, fn):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        first = self.calls == 1
+        out = await super().change(key, cls, fn)
+        if first:
+            await self.second_done.wait()
+        else:
+            self.second_done.set()
+        return out
+
+
+async def test_verbs_finishing_out_of_order_leave_the_latest_marks_in_force(nats_server, prefix, bus_nc):
+    run = await start_cp(cp_settings(nats_server.url, prefix))
+    beating = await _fleet(bus_nc, prefix, run)
+    run.cp.desired = FirstFinishesLast(run.cp.kv_desired, run.cp.drops)
+    try:
+        await asyncio.gather(
+            CtlClient(bus_nc, prefix).cordon("gpu-0"), CtlClient(bus_nc, prefix).drain("gpu-1")
+        )
+        stored = await _stored_marks(bus_nc, prefix)
+        assert stored.cordoned == ("gpu-0",) and set(stored.draining) == {"gpu-1"}
+        assert run.cp.state.marks == stored  # not the first verb's older value
+    finally:
+        await beating.stop()
+        await run.stop()
+
+
 async def test_a_mark_written_by_another_writer_survives_the_next_verb(nats_server, prefix, bus_nc):
     """A deposed leader's in-flight verb (or any other writer) stored a mark this control plane never read:
     the next verb starts from the stored value, not from this process's memory."""

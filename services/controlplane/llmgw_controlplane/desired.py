@@ -13,7 +13,8 @@ import asyncio
 import logging
 import random
 from collections.abc import Callable
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
@@ -33,6 +34,15 @@ BACKOFF_MAX_S = 0.2
 
 class DesiredConflict(Exception):
     """The key kept changing between our read and our write: nothing was written."""
+
+
+@dataclass(frozen=True, slots=True)
+class Changed(Generic[M]):
+    old: M | None
+    new: M
+    # The key's revision holding ``new``: concurrent changes finish in any order, the revision says
+    # which value is the latest.
+    revision: int
 
 
 class DesiredStore:
@@ -70,8 +80,8 @@ class DesiredStore:
             self.drops.drop(f"{self.kv._name}/{key}", str(err))
             return None, rev
 
-    async def change(self, key: str, cls: type[M], fn: Callable[[M | None], M]) -> tuple[M | None, M]:
-        """Store ``fn(current)``; returns (what it replaced, what is stored now).
+    async def change(self, key: str, cls: type[M], fn: Callable[[M | None], M]) -> Changed[M]:
+        """Store ``fn(current)``; returns what it replaced, what is stored now, and its revision.
 
         ``fn`` must be pure: it runs again on the newer value after a lost race. A result equal to the
         current value writes nothing. Raises :class:`DesiredConflict` after ``attempts`` lost races.
@@ -80,14 +90,14 @@ class DesiredStore:
             current, rev = await self.read(key, cls)
             new = fn(current)
             if current is not None and new == current:
-                return current, current
+                return Changed(current, current, rev)
             try:
                 if rev:
-                    await self.kv.update(key, encode(new), last=rev)
+                    written = await self.kv.update(key, encode(new), last=rev)
                 else:
                     # create() also takes the key over a delete marker; it fails if anyone created it first.
-                    await self.kv.create(key, encode(new))
-                return current, new
+                    written = await self.kv.create(key, encode(new))
+                return Changed(current, new, written)
             except KeyWrongLastSequenceError:
                 self.conflicts += 1
                 delay = min(self.backoff_s * 2**attempt, BACKOFF_MAX_S)

@@ -105,6 +105,7 @@ class ControlPlane:
         self._inventory_asked: dict[str, float] = {}
         self.memo = ReconcileMemo()
         self.failures = FailureBook()
+        self._marks_revision = 0
         self.reasons: dict[str, str] = {}
         self.unplaceable: dict[str, str] = {}
         self.backoff: dict[str, str] = {}
@@ -176,12 +177,14 @@ class ControlPlane:
         except CatalogError as e:
             raise StartupError(f"catalog {self.s.catalog_file}: {e}") from None
         # If another control plane stored one meanwhile, that one is the desired state.
-        _, cat = await self.desired.change(DESIRED_CATALOG, Catalog, lambda cur: cat if cur is None else cur)
+        cat = (
+            await self.desired.change(DESIRED_CATALOG, Catalog, lambda cur: cat if cur is None else cur)
+        ).new
         self.state.set_catalog(cat, 1)
         log.info("catalog from %s: %d model(s)", self.s.catalog_file, len(cat.models))
 
     async def _load_marks(self) -> None:
-        marks, _ = await bus.kv_get(self.kv_desired, DESIRED_MARKS, Marks, self.drops)
+        marks, self._marks_revision = await bus.kv_get(self.kv_desired, DESIRED_MARKS, Marks, self.drops)
         self.state.marks = marks or Marks()
 
     # ------------------------------------------------------------ ingest (cheap: mark dirty only on news)
@@ -456,7 +459,7 @@ class ControlPlane:
 
     async def apply_catalog(self, catalog: Catalog) -> tuple[Catalog, int]:
         """Store ``catalog``; returns the one it replaced (as stored, not as this process last saw it)."""
-        old, _ = await self.desired.change(DESIRED_CATALOG, Catalog, lambda _: catalog)
+        old = (await self.desired.change(DESIRED_CATALOG, Catalog, lambda _: catalog)).old
         self.state.set_catalog(catalog, self.state.catalog_version + 1)
         await self.routing.publish_catalog(catalog)
         log.info("catalog v%d applied: %d model(s)", self.state.catalog_version, len(catalog.models))
@@ -465,10 +468,13 @@ class ControlPlane:
 
     async def change_marks(self, change: Callable[[Marks | None], Marks]) -> Marks:
         """Apply ``change`` (pure) to the stored marks, compare-and-set; returns the marks now stored."""
-        _, marks = await self.desired.change(DESIRED_MARKS, Marks, change)
-        self.state.marks = marks
+        ch = await self.desired.change(DESIRED_MARKS, Marks, change)
+        if ch.revision >= self._marks_revision:
+            # Verbs finish in any order: never step back to a value an overlapping verb has superseded.
+            self._marks_revision = ch.revision
+            self.state.marks = ch.new
         self.dirty.set()
-        return marks
+        return ch.new
 
     async def read_settings(self) -> ClusterSettings:
         cur, _ = await bus.kv_get(self.kv_desired, DESIRED_SETTINGS, ClusterSettings, self.drops)
