@@ -66,13 +66,20 @@ async def test_profile_change_under_traffic_rolls_one_at_a_time_and_drops_nothin
     traffic = MixedTraffic(c.router_url(), key, clients=4, max_tokens=40)
     new_spec = ReplicaSpec.of(parse_catalog(CHANGED).models[0])
     most = 0
+    # The fewest endpoints routers were told they may send new requests to (not flagged draining):
+    # an old replica keeps taking requests until its replacement serves (#8), so never below 2.
+    fewest_routed: int | None = None
     watching = True
 
     async def count_records() -> None:
-        nonlocal most
+        nonlocal most, fewest_routed
         while watching:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 most = max(most, len(await view.records()))
+                routing = await view.endpoints()
+                if routing is not None:
+                    routed = sum(1 for e in routing.endpoints.get("chat", ()) if not e.draining)
+                    fewest_routed = routed if fewest_routed is None else min(fewest_routed, routed)
             await asyncio.sleep(0.1)
 
     watcher = asyncio.create_task(count_records())
@@ -102,13 +109,15 @@ async def test_profile_change_under_traffic_rolls_one_at_a_time_and_drops_nothin
         during = traffic.between(t_apply, t_apply + took, "started during the change")
         recs = await view.records()
         report = (
-            f"profile change: both replicas replaced in {took:.1f}s, at most {most} records at once\n"
+            f"profile change: both replicas replaced in {took:.1f}s, at most {most} records at once, "
+            f"at least {fewest_routed} endpoints routed\n"
             f"  {every.line()}\n  {during.line()}\n  first failures: {[r.why for r in every.failed][:3]}"
         )
         print(report)
         assert not every.failed, report
         assert during.ok > 10, report
         assert most == 3, report  # one surge at a time, and there was one
+        assert fewest_routed == 2, report  # never one replica short while a replacement starts
         # Replaced, not restarted in place: new replicas, started with the new profile.
         assert len(recs) == 2 and not old_ids & set(recs), recs
         assert all(r.spec == new_spec for r in recs.values()), recs
