@@ -143,6 +143,10 @@ def test_replicas_idle_unknown_is_dash_and_negative(cp: CP) -> None:
     r = _ctl(cp, "replicas", "-o", "json")
     (rep,) = [x for x in json.loads(r.output)["replicas"] if x["model"] == "small"]
     assert rep["idle_s"] < 0 and rep["idle_kind"] == "unknown" and rep["idle"] == "-"
+    assert rep["error"] is None and rep["failed_at"] is None and not rep["outdated"]
+    assert json.loads(r.output)["failed"] == []
+    r = _ctl(cp, "replicas", "--failed")
+    assert r.exit_code == 0 and "no failed replica kept" in r.output, r.output
 
 
 def test_models_and_status_name_what_is_short(cp: CP) -> None:

@@ -8,12 +8,12 @@ import pytest
 from cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
 
 from llmgw_common import bus
-from llmgw_common.catalog import parse_catalog
-from llmgw_common.codec import encode
+from llmgw_common.catalog import Catalog, parse_catalog
+from llmgw_common.codec import decode, encode
 from llmgw_common.ctl import CtlClient, CtlUnavailable, LeaseRecord
-from llmgw_common.messages import Assignment, ReplicaRecord, ShardAssignment, ShardPlacement
+from llmgw_common.messages import Assignment, ReplicaRecord, ReplicaSpec, ShardAssignment, ShardPlacement
 from llmgw_common.subjects import LEADER_KEY, Subjects
-from llmgw_controlplane.apply import AssignmentWriter, Fenced, ReplicaStore, desired_assignments
+from llmgw_controlplane.apply import AssignmentWriter, Fenced, ReplicaStore, desired_assignments, pin_specs
 from llmgw_controlplane.leader import Lease
 
 
@@ -135,6 +135,28 @@ def test_multi_node_assignment_names_the_leader_address():
     assert (sa.shard, sa.shards, sa.leader, sa.engine) == (1, 2, "10.0.0.1:20001", "sim")
     # A replica whose model left the catalog gets no assignment lines: it is torn down.
     assert desired_assignments({"r": rec}, parse_catalog("models: []"), {}) == {}
+
+
+def test_a_running_replica_keeps_the_spec_it_was_started_with():
+    """A profile change never rewrites a running replica's assignment (the reconciler rolls it instead);
+    a record without a spec is pinned to the catalog of the day, which is what its assignment held."""
+    old = parse_catalog(
+        "models: [{name: m, engine: sim, args: [--len, '4096'], options: {slots: 4, x: [1, 2.5]}}]"
+    )
+    new = parse_catalog("models: [{name: m, engine: sim, args: [--len, '8192'], options: {slots: 8}}]")
+    bare = ReplicaRecord(
+        id="r", model="m", created=0.0, shards=(ShardPlacement(shard=0, node="a", port=20001),)
+    )
+    (rec,) = pin_specs({"r": bare}, old).values()
+    assert rec.spec == ReplicaSpec.of(old.models[0])
+    before = desired_assignments({"r": rec}, old, {})
+    assert before["a"][0].args == ("--len", "4096")
+    assert desired_assignments({"r": rec}, new, {}) == before
+    assert pin_specs({"r": rec}, new) == {"r": rec}  # a pinned record stays pinned
+    # Read back from the bucket (a restart), the spec still matches its unchanged profile: no roll.
+    back = decode(encode(rec), ReplicaRecord)
+    assert back.spec is not None and back.spec.matches(decode(encode(old), Catalog).models[0])
+    assert not back.spec.matches(new.models[0])
 
 
 async def test_deposed_leader_writes_nothing(nats_server, prefix, bus_nc):

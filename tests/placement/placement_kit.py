@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
 from llmgw_common.catalog import Catalog, ModelProfile
 from llmgw_common.messages import ShardState, WeightsEntry
+from llmgw_controlplane.plan import Plan
 from llmgw_controlplane.snapshot import GpuView, NodeState, NodeView, ReplicaView, ShardView, Snapshot
 
 H100 = "H100-80GB"
@@ -77,16 +79,48 @@ def snap(
     )
 
 
+def apply(s: Snapshot, plan: Plan, *, state: ShardState | None = None, now: float | None = None) -> Snapshot:
+    """What the service would do: records added for placements, removed for stops, draining marked."""
+    stopped = {x.replica_id for x in plan.stop}
+    marked = set(plan.mark_draining)
+    reps = [
+        replace(r, draining=True, draining_since=s.now) if r.id in marked else r
+        for r in s.replicas
+        if r.id not in stopped
+    ]
+    for nr in plan.place:
+        shards = tuple(
+            replace(
+                replica("x", "x", [(sh.node, sh.gpus)], state=state).shards[0], shard=sh.shard, port=sh.port
+            )
+            for sh in nr.shards
+        )
+        reps.append(ReplicaView(nr.replica_id, nr.model, s.now, shards, spec=nr.spec))
+    return replace(s, replicas=tuple(reps), now=s.now if now is None else now)
+
+
+def set_state(s: Snapshot, rid: str, state: ShardState, error: str | None = None) -> Snapshot:
+    reps = tuple(
+        replace(r, shards=tuple(replace(sh, state=state, error=error) for sh in r.shards))
+        if r.id == rid
+        else r
+        for r in s.replicas
+    )
+    return replace(s, replicas=reps)
+
+
 __all__ = [
     "A100",
     "H100",
     "NodeState",
     "ShardState",
+    "apply",
     "gpus",
     "local",
     "node",
     "profile",
     "replica",
+    "set_state",
     "shared",
     "snap",
 ]

@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from placement_kit import NodeState, ShardState, node, profile, replica, snap
+from placement_kit import NodeState, ShardState, apply, node, profile, replica, set_state, snap
 
 from llmgw_common.catalog import Catalog
-from llmgw_controlplane.plan import Plan
 from llmgw_controlplane.ports import PortsExhausted, allocate_port, ports_by_address
 from llmgw_controlplane.reconciler import (
     ReplicaState,
@@ -17,37 +16,6 @@ from llmgw_controlplane.reconciler import (
     reconcile,
     replica_status,
 )
-from llmgw_controlplane.snapshot import ReplicaView, Snapshot
-
-
-def apply(s: Snapshot, plan: Plan, *, state: ShardState | None = None, now: float | None = None) -> Snapshot:
-    """What the service would do: records added for placements, removed for stops, draining marked."""
-    stopped = {x.replica_id for x in plan.stop}
-    marked = set(plan.mark_draining)
-    reps = [
-        replace(r, draining=True, draining_since=s.now) if r.id in marked else r
-        for r in s.replicas
-        if r.id not in stopped
-    ]
-    for nr in plan.place:
-        shards = tuple(
-            replace(
-                replica("x", "x", [(sh.node, sh.gpus)], state=state).shards[0], shard=sh.shard, port=sh.port
-            )
-            for sh in nr.shards
-        )
-        reps.append(ReplicaView(nr.replica_id, nr.model, s.now, shards))
-    return replace(s, replicas=tuple(reps), now=s.now if now is None else now)
-
-
-def set_state(s: Snapshot, rid: str, state: ShardState, error: str | None = None) -> Snapshot:
-    reps = tuple(
-        replace(r, shards=tuple(replace(sh, state=state, error=error) for sh in r.shards))
-        if r.id == rid
-        else r
-        for r in s.replicas
-    )
-    return replace(s, replicas=reps)
 
 
 def test_places_missing_replicas_on_distinct_nodes_with_unique_ports() -> None:

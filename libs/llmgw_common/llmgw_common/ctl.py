@@ -161,6 +161,12 @@ class ReplicaInfo(Message):
     idle: str = "-"
     # The routers' circuit breaker for it: closed, half_open or open (the worst across routers).
     breaker: str = "closed"
+    # Why it failed (every failed shard's error, or the startup timeout); None while it has not.
+    error: str | None = None
+    # When the control plane stopped it as failed; None for a replica that still exists.
+    failed_at: float | None = None
+    # Started with an older profile of its model: it is being replaced, one replica at a time.
+    outdated: bool = False
 
 
 class ModelInfo(Message):
@@ -177,6 +183,10 @@ class ModelInfo(Message):
     state: str = "down"
     reason: str | None = None
     watched: bool = False
+    # Its most recent failed replica (shards, errors, log tails), kept for a while after it was stopped.
+    last_failure: ReplicaInfo | None = None
+    # Replicas still running an older profile (a profile change being rolled out).
+    outdated: int = 0
 
 
 class NodesReply(Message):
@@ -185,6 +195,8 @@ class NodesReply(Message):
 
 class ReplicasReply(Message):
     replicas: tuple[ReplicaInfo, ...] = ()
+    # Replicas stopped because they failed, newest first, kept for a bounded time and number.
+    failed: tuple[ReplicaInfo, ...] = ()
 
 
 class ModelsReply(Message):

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmgw_common.catalog import Catalog
+from llmgw_common.catalog import Catalog, ModelProfile
 from llmgw_common.names import NodeName
 
 
@@ -219,11 +219,56 @@ class ShardPlacement(Message):
     port: int
 
 
+# What of a profile a running replica depends on: changing any of these replaces its replicas (one at a
+# time); changing anything else (replicas, admission limits, watch) leaves them running.
+SPEC_FIELDS = (
+    "engine",
+    "args",
+    "env",
+    "startup_timeout_s",
+    "options",
+    "gpu_class",
+    "gpus_per_node",
+    "nodes",
+    "min_memory_gb",
+    "node_selector",
+)
+
+
+class ReplicaSpec(Message):
+    """The part of its model's profile a replica was placed and started with; its assignment is built
+    from this, not from the current catalog, so a catalog change never restarts a running replica."""
+
+    engine: str
+    weights: str
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = Field(default_factory=dict)
+    startup_timeout_s: float = 600.0
+    options: dict[str, Any] = Field(default_factory=dict)
+    gpu_class: str | None = None
+    gpus_per_node: int | None = None
+    nodes: int = 1
+    min_memory_gb: float | None = None
+    node_selector: dict[str, str] = Field(default_factory=dict)
+
+    @classmethod
+    def of(cls, profile: ModelProfile) -> ReplicaSpec:
+        return cls(weights=profile.weights_name, **{f: getattr(profile, f) for f in SPEC_FIELDS})
+
+    def matches(self, profile: ModelProfile) -> bool:
+        """Whether a replica started with this spec is what ``profile`` asks for (no object built)."""
+        if self.weights != profile.weights_name:
+            return False
+        return all(getattr(self, f) == getattr(profile, f) for f in SPEC_FIELDS)
+
+
 class ReplicaRecord(Message):
     id: str
     model: str
     created: float
     shards: tuple[ShardPlacement, ...]
+    # None: a record from before specs were kept; the control plane pins it to the catalog when it leads.
+    spec: ReplicaSpec | None = None
     # True once a drain replaced it: routers stop sending new requests when its replacement serves.
     draining: bool = False
     draining_since: float | None = None

@@ -16,6 +16,7 @@ from typing import Annotated, ParamSpec, TypeVar
 
 import typer
 
+from llmgw_cli.ctl_failures import failed_note, models_failures, render_failed
 from llmgw_cli.ctl_notes import nodes_legend
 from llmgw_common.ctl import (
     CatalogApplyReply,
@@ -190,7 +191,7 @@ def render_replicas(reply: ReplicasReply) -> str:
     rows = []
     for r in reply.replicas:
         nodes = ",".join(dict.fromkeys(s.node for s in r.shards)) or "-"
-        state = r.state + (" (draining)" if r.draining else "")
+        state = r.state + (" (draining)" if r.draining else " (old profile)" if r.outdated else "")
         breaker = "" if r.breaker == "closed" else r.breaker.replace("_", "-")
         rows.append([r.id, r.model, state, nodes, r.endpoint or "-", breaker or "closed", r.idle])
     out = table(["REPLICA", "MODEL", "STATE", "NODES", "ENDPOINT", "BREAKER", "IDLE"], rows)
@@ -374,6 +375,9 @@ def nodes(
 @ctl_app.command("replicas")
 def replicas(
     model: Annotated[str | None, typer.Option("--model", help="Only this model")] = None,
+    failed: Annotated[
+        bool, typer.Option("--failed", help="Recently failed replicas: shards, errors, log tails")
+    ] = False,
     nats_urls: NatsOpt = None,
     prefix: PrefixOpt = None,
     config: ConfigOpt = None,
@@ -383,7 +387,12 @@ def replicas(
     """Replicas: state, nodes, endpoint, idle ("-": unknown); failed shards' errors and log tails."""
     _check_output(output)
     r = _call(nats_urls, prefix, config, timeout, lambda c: c.replicas(model))
-    _json(r) if output == "json" else typer.echo(render_replicas(r))
+    if output == "json":
+        _json(r)
+    elif failed:
+        typer.echo(render_failed(r, time.time()))
+    else:
+        typer.echo(render_replicas(r) + failed_note(r, time.time()))
 
 
 @ctl_app.command("models")
@@ -397,7 +406,7 @@ def models(
     """Catalog models: ready/desired replicas and, when not all ready, why."""
     _check_output(output)
     r = _call(nats_urls, prefix, config, timeout, lambda c: c.models())
-    _json(r) if output == "json" else typer.echo(render_models(r))
+    _json(r) if output == "json" else typer.echo(render_models(r) + models_failures(r, time.time()))
 
 
 @ctl_app.command("status")

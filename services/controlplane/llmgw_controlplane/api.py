@@ -42,7 +42,8 @@ from llmgw_common.ctl import (
     endpoint_name,
 )
 from llmgw_common.messages import Marks, Message
-from llmgw_controlplane import views
+from llmgw_controlplane import desired, views
+from llmgw_controlplane.desired import DesiredConflict
 from llmgw_controlplane.placement import explain
 
 if TYPE_CHECKING:
@@ -105,11 +106,17 @@ class CtlApi:
 
     async def replicas(self, req: ReplicasRequest) -> ReplicasReply:
         cp = self.cp
-        return ReplicasReply(replicas=views.replicas_info(cp.state, cp.snapshot(), cp.idle, req.model))
+        snap = cp.snapshot()
+        return ReplicasReply(
+            replicas=views.replicas_info(cp.state, snap, cp.idle, req.model),
+            failed=cp.failures.replicas(snap.now, req.model),
+        )
 
     async def models(self, _: Message) -> ModelsReply:
         cp = self.cp
-        return ModelsReply(models=views.models_info(cp.snapshot(), cp.reasons, cp.unplaceable, cp.backoff))
+        snap = cp.snapshot()
+        models = views.models_info(snap, cp.reasons, cp.unplaceable, cp.backoff)
+        return ModelsReply(models=cp.failures.on_models(models, snap.now))
 
     async def status(self, _: Message) -> StatusReply:
         cp = self.cp
@@ -156,9 +163,9 @@ class CtlApi:
 
     async def catalog_apply(self, req: CatalogRequest) -> CatalogApplyReply:
         new = self._parse(req.yaml)
-        diff = views.catalog_diff(self.cp.state.catalog, new)
-        version = await self.cp.apply_catalog(new)
-        return CatalogApplyReply(version=version, diff=diff)
+        old, version = await self.cp.apply_catalog(new)
+        # Against what the write replaced: another writer may have stored a catalog since we last read one.
+        return CatalogApplyReply(version=version, diff=views.catalog_diff(old, new))
 
     async def catalog_show(self, _: Message) -> CatalogShowReply:
         st = self.cp.state
@@ -174,30 +181,22 @@ class CtlApi:
 
     async def cordon(self, req: NodeRequest) -> MarksReply:
         self._known(req.node)
-        m = self.cp.state.marks
-        cordoned = tuple(sorted({*m.cordoned, req.node}))
-        return await self._marks(req.node, Marks(cordoned=cordoned, draining=dict(m.draining)))
+        return await self._marks(req.node, desired.cordon(req.node))
 
     async def uncordon(self, req: NodeRequest) -> MarksReply:
         self._known(req.node)
-        m = self.cp.state.marks
-        draining = {k: v for k, v in m.draining.items() if k != req.node}
-        return await self._marks(
-            req.node, Marks(cordoned=tuple(n for n in m.cordoned if n != req.node), draining=draining)
-        )
+        return await self._marks(req.node, desired.uncordon(req.node))
 
     async def drain(self, req: DrainRequest) -> MarksReply:
         self._known(req.node)
         grace = self.cp.s.drain_grace_s if req.grace_s is None else req.grace_s
         if grace < 0:
             raise _err(400, f"drain grace must not be negative (got {grace:g}s)")
-        m = self.cp.state.marks
-        draining = {**m.draining, req.node: self.cp.clock() + grace}
-        return await self._marks(req.node, Marks(cordoned=m.cordoned, draining=draining))
+        return await self._marks(req.node, desired.drain(req.node, self.cp.clock() + grace))
 
-    async def _marks(self, node: str, marks: Marks) -> MarksReply:
-        await self.cp.store_marks(marks)
-        return MarksReply(node=node, marks=marks)
+    async def _marks(self, node: str, change: Callable[[Marks | None], Marks]) -> MarksReply:
+        # Verbs run concurrently (one handler per endpoint): the change applies to the stored marks.
+        return MarksReply(node=node, marks=await self.cp.change_marks(change))
 
     # ------------------------------------------------------------ settings
 
@@ -224,6 +223,8 @@ def _wrap(
             one_line = " ".join(e.description.split())
             await req.respond_error(e.code, one_line, data=e.description.encode())
             return
+        except DesiredConflict as e:
+            raise _err(409, f"{verb}: {e}") from None
         except (nats.errors.Error, TimeoutError) as e:
             raise _err(
                 503, f"{verb}: the control plane could not reach NATS storage ({e}); try again"

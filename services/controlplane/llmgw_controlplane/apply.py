@@ -24,6 +24,7 @@ from llmgw_common.messages import (
     Assignment,
     Endpoint,
     ReplicaRecord,
+    ReplicaSpec,
     RoutingCatalog,
     RoutingEndpoints,
     ShardAssignment,
@@ -42,10 +43,15 @@ class Fenced(Exception):
 def shard_assignments(
     rec: ReplicaRecord, catalog: Catalog, addresses: Mapping[str, str]
 ) -> list[ShardAssignment]:
-    """The assignment lines of one replica; none when its model left the catalog (it is being torn down)."""
+    """The assignment lines of one replica; none when its model left the catalog (it is being torn down).
+
+    Built from the spec the replica was started with: a profile change rolls replicas one at a time
+    (the reconciler replaces them), it never rewrites a running replica's assignment.
+    """
     profile = catalog.get(rec.model)
     if profile is None:
         return []
+    spec = rec.spec or ReplicaSpec.of(profile)
     shards = sorted(rec.shards, key=lambda s: s.shard)
     leader = None
     if len(shards) > 1:
@@ -57,15 +63,15 @@ def shard_assignments(
             shard=s.shard,
             shards=len(shards),
             model=rec.model,
-            engine=profile.engine,
-            weights=profile.weights_name,
+            engine=spec.engine,
+            weights=spec.weights,
             gpus=s.gpus,
             port=s.port,
             leader=leader,
-            args=profile.args,
-            env=dict(profile.env),
-            startup_timeout_s=profile.startup_timeout_s,
-            options=dict(profile.options),
+            args=spec.args,
+            env=dict(spec.env),
+            startup_timeout_s=spec.startup_timeout_s,
+            options=dict(spec.options),
         )
         for s in shards
     ]
@@ -82,6 +88,17 @@ def desired_assignments(
         for a in shard_assignments(rec, catalog, addresses):
             out.setdefault(by_shard[a.shard].node, []).append(a)
     return {n: tuple(v) for n, v in out.items()}
+
+
+def pin_specs(records: Mapping[str, ReplicaRecord], catalog: Catalog) -> dict[str, ReplicaRecord]:
+    """Records without a spec (older control planes, or adopted from assignments) get their model's
+    current one: what their assignments were built from, so pinning them restarts nothing."""
+    out = dict(records)
+    for rid, rec in records.items():
+        profile = catalog.get(rec.model)
+        if rec.spec is None and profile is not None:
+            out[rid] = rec.model_copy(update={"spec": ReplicaSpec.of(profile)})
+    return out
 
 
 class AssignmentWriter:

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from llmgw_common.messages import ReplicaSpec
 from llmgw_controlplane.placement import Unplaceable
 
 
@@ -30,6 +31,8 @@ class NewReplica:
     shards: tuple[ShardPlacement, ...]
     # Why these nodes (from placement), in the user's terms.
     reasons: tuple[str, ...] = ()
+    # The profile it is placed for; its assignment keeps it however the catalog changes later.
+    spec: ReplicaSpec | None = None
 
     @property
     def leader(self) -> str | None:

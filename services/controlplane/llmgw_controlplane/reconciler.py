@@ -4,9 +4,12 @@ Pure and synchronous: time comes in as ``snap.now``, memory as a :class:`Reconci
 hands back. Pipeline of one pass:
 
 1. classify every replica: its model left the catalog (#10), a shard's node is lost, it failed (counted
-   once towards its model's crash-loop backoff), a shard stopped, it is draining (#8), or it is active;
-2. per catalog model: stop drained replicas once enough replacements serve (or the deadline passed),
-   stop the surplus, and place what is missing, unless the model is backing off;
+   once towards its model's crash-loop backoff), a shard stopped, it is draining (#8), or it is active
+   (and then current, or outdated: started with a spec its model's profile no longer has);
+2. per catalog model: roll one outdated replica at a time by draining it (its replacement gets the new
+   spec; a roll has no deadline: the old one serves until the new one does), stop drained replicas once
+   enough replacements serve (or the deadline passed), stop the surplus (outdated first), and place what
+   is missing, unless the model is backing off;
 3. placements go through one :class:`Fleet`, so a pass never double-books a GPU, and through one
    per-address port table, so it never double-books a port.
 
@@ -16,6 +19,7 @@ some model is below its count.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -24,7 +28,7 @@ from types import MappingProxyType
 
 from llmgw_common.backoff import backoff_delay
 from llmgw_common.catalog import ModelProfile
-from llmgw_common.messages import ShardState
+from llmgw_common.messages import ReplicaSpec, ShardState
 from llmgw_controlplane.placement import Fleet, Placement, Unplaceable, place_in
 from llmgw_controlplane.plan import (
     Backoff,
@@ -108,6 +112,8 @@ class _Active:
     replica: ReplicaView
     ready: bool
     reachable: bool
+    # Started with a spec that its model's profile no longer has: to be rolled.
+    outdated: bool = False
 
 
 @dataclass(slots=True)
@@ -115,6 +121,8 @@ class _Draining:
     replica: ReplicaView
     ready: bool
     deadline: float
+    # Drained because its profile changed (not its node): stopped only once a replacement serves.
+    rolling: bool = False
 
 
 class _Pass:
@@ -232,7 +240,9 @@ def reconcile(
             which = ", ".join(sorted(set(lost)))
             p.stop.append(StopReplica(r.id, r.model, f"node {which} lost", node_lost=True))
             continue
-        st = replica_status(r, now, profile.startup_timeout_s)
+        spec = r.spec
+        outdated = spec is not None and not spec.matches(profile)
+        st = replica_status(r, now, profile.startup_timeout_s if spec is None else spec.startup_timeout_s)
         if st.state is ReplicaState.FAILED:
             p.stop.append(StopReplica(r.id, r.model, "failed: " + "; ".join(st.errors), failed=True))
             if r.id not in p.counted:
@@ -248,12 +258,16 @@ def reconcile(
         if r.draining or on_draining:
             if not r.draining:
                 p.mark.append(r.id)
-            if drain_deadline is None:
+            rolling = outdated and not on_draining
+            if rolling:
+                # A roll waits for its replacement however long: giving up would only lose capacity.
+                drain_deadline = math.inf
+            elif drain_deadline is None:
                 since = r.draining_since if r.draining_since is not None else now
                 drain_deadline = since + drain_grace_s
-            draining.setdefault(r.model, []).append(_Draining(r, ready, drain_deadline))
+            draining.setdefault(r.model, []).append(_Draining(r, ready, drain_deadline, rolling))
             continue
-        active.setdefault(r.model, []).append(_Active(r, ready, reachable))
+        active.setdefault(r.model, []).append(_Active(r, ready, reachable, outdated))
 
     # A replica placed after the last failure is serving: the crash loop is over.
     for model, created in newest_ready.items():
@@ -288,6 +302,19 @@ def _reconcile_model(
     now = p.snap.now
     name = profile.name
     desired = profile.replicas
+
+    # Roll (a profile change): one outdated replica at a time is drained, so one replacement is surged
+    # and the drain below stops the old one only once the new one serves. Not while anything of this
+    # model drains already (the previous step of the roll, or a node drain), nor while there is surplus.
+    if placing and not draining and len(active) <= desired:
+        outdated = [a for a in active if a.outdated]
+        if outdated:
+            # Not ready first (stopping it costs nothing), then the oldest.
+            go = min(outdated, key=lambda a: (a.ready, a.replica.created, a.replica.id))
+            active = [a for a in active if a is not go]
+            draining = [_Draining(go.replica, go.ready, math.inf, rolling=True)]
+            p.mark.append(go.replica.id)
+
     serving = sum(1 for a in active if a.ready)
 
     # Drain (#8): keep draining replicas that still serve while replacements are not ready yet.
@@ -300,12 +327,16 @@ def _reconcile_model(
                 p.stop.append(StopReplica(d.replica.id, name, "draining and not serving"))
             elif keep > 0:
                 keep -= 1
+            elif d.rolling:
+                p.stop.append(StopReplica(d.replica.id, name, "rolled: its replacement serves"))
             else:
                 p.stop.append(StopReplica(d.replica.id, name, "drained: a replacement serves"))
 
     if len(active) > desired:
-        # Stop what serves least: not ready first, then on an unreachable node, then the newest.
-        victims = sorted(active, key=lambda a: (a.ready, a.reachable, -a.replica.created, a.replica.id))
+        # Stop what serves least: not ready first, then on an unreachable node, then outdated, then the newest.
+        victims = sorted(
+            active, key=lambda a: (a.ready, a.reachable, not a.outdated, -a.replica.created, a.replica.id)
+        )
         for a in victims[: len(active) - desired]:
             p.stop.append(
                 StopReplica(a.replica.id, name, f"surplus: {len(active)} replicas, {desired} wanted")
@@ -333,7 +364,7 @@ def _reconcile_model(
             and m.unplaceable_nodes == len(p.snap.nodes)
         )
         placed = place_in(profile, fleet, detail=not fresh)
-        res = _with_ports(p, placed) if isinstance(placed, Placement) else placed
+        res = _with_ports(p, placed, profile) if isinstance(placed, Placement) else placed
         if isinstance(res, Unplaceable):
             m = p.models.get(name) or ModelMemo()
             if fresh and m.unplaceable is not None:
@@ -353,7 +384,7 @@ def _reconcile_model(
         p.set_model(name, replace(m, unplaceable_since=None, unplaceable=None, unplaceable_checked=None))
 
 
-def _with_ports(p: _Pass, placement: Placement) -> NewReplica | Unplaceable:
+def _with_ports(p: _Pass, placement: Placement, profile: ModelProfile) -> NewReplica | Unplaceable:
     rid = p.mint_id(placement.model)
     table = p.ports()
     shards: list[ShardPlacement] = []
@@ -374,7 +405,7 @@ def _with_ports(p: _Pass, placement: Placement) -> NewReplica | Unplaceable:
         in_use.add(port)
         taken.append((in_use, port))
         shards.append(ShardPlacement(i, s.node, addr, s.gpus, port))
-    return NewReplica(placement.model, rid, tuple(shards), placement.reasons)
+    return NewReplica(placement.model, rid, tuple(shards), placement.reasons, ReplicaSpec.of(profile))
 
 
 def _finish(p: _Pass, catalog: dict[str, ModelProfile]) -> Plan:

@@ -60,6 +60,23 @@ def _not_ready_summary(snap: Snapshot, reps: tuple[ReplicaView, ...]) -> str:
     return "no ready replica: " + ", ".join(parts)
 
 
+def _flag_replaced(eps: list[tuple[ReplicaView, Endpoint]], wanted: int) -> tuple[Endpoint, ...]:
+    """Flag ``draining`` only the draining replicas that enough replacements already stand in for (#8).
+
+    A draining replica keeps taking new requests while its model has fewer non-draining replicas serving
+    than it wants: flagging it as soon as it is marked would serve the model one replica short for the
+    whole of every roll or drain step. The ones kept are the oldest, as the reconciler keeps them (it
+    stops the others). A model is never left with only flagged endpoints: that would refuse every request
+    while the stop is still on its way.
+    """
+    undrained = sum(1 for r, _ in eps if not r.draining)
+    keep = max(wanted - undrained, 1 if undrained == 0 else 0)
+    kept = {r.id for r in sorted((r for r, _ in eps if r.draining), key=lambda r: (r.created, r.id))[:keep]}
+    return tuple(
+        e.model_copy(update={"draining": True}) if r.draining and r.id not in kept else e for r, e in eps
+    )
+
+
 def routing_content(
     snap: Snapshot, reasons: Mapping[str, str]
 ) -> tuple[dict[str, tuple[Endpoint, ...]], dict[str, str]]:
@@ -83,14 +100,10 @@ def routing_content(
             if url is None:
                 continue
             eps.append(
-                Endpoint(replica_id=r.id, model=r.model, url=url, node=r.shards[0].node, draining=r.draining)
+                (r, Endpoint(replica_id=r.id, model=r.model, url=url, node=r.shards[0].node, draining=False))
             )
         if eps:
-            if all(e.draining for e in eps):
-                # Nothing replaces them yet: draining replicas keep taking requests until a replacement
-                # serves (#8); flagging them now would refuse every request of the model meanwhile.
-                eps = [e.model_copy(update={"draining": False}) for e in eps]
-            endpoints[profile.name] = tuple(eps)
+            endpoints[profile.name] = _flag_replaced(eps, profile.replicas)
             continue
         if profile.replicas == 0:
             unavailable[profile.name] = "the catalog asks for 0 replicas of this model"

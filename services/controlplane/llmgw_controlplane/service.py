@@ -22,12 +22,10 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.errors import KeyWrongLastSequenceError
 
 from llmgw_common import bus
 from llmgw_common.catalog import Catalog, CatalogError, load_catalog_file
 from llmgw_common.clockcheck import Doubts
-from llmgw_common.codec import encode
 from llmgw_common.ctl import DebugStatsReply
 from llmgw_common.messages import (
     Assignment,
@@ -48,10 +46,19 @@ from llmgw_common.settings import ControlPlaneSettings
 from llmgw_common.subjects import DESIRED_CATALOG, DESIRED_MARKS, DESIRED_SETTINGS, Subjects
 from llmgw_controlplane.admin import AdminBindError, AdminServer, CtlApiSource, build_admin_app
 from llmgw_controlplane.api import CtlApi
-from llmgw_controlplane.apply import AssignmentWriter, Fenced, NodeShards, ReplicaStore, RoutingPublisher
+from llmgw_controlplane.apply import (
+    AssignmentWriter,
+    Fenced,
+    NodeShards,
+    ReplicaStore,
+    RoutingPublisher,
+    pin_specs,
+)
 from llmgw_controlplane.apply import desired_assignments as compute_assignments
 from llmgw_controlplane.console.usage import UsageBook
+from llmgw_controlplane.desired import DesiredStore
 from llmgw_controlplane.events import EventDetector, EventPublisher, watch_inputs
+from llmgw_controlplane.failures import FailureBook, failed_replica
 from llmgw_controlplane.idle import IdleMerger
 from llmgw_controlplane.leader import Lease, LeaseLost
 from llmgw_controlplane.plan import Plan, ReconcileMemo
@@ -106,6 +113,8 @@ class ControlPlane:
         self.usage = UsageBook(doubts=self.doubts)
         self._inventory_asked: dict[str, float] = {}
         self.memo = ReconcileMemo()
+        self.failures = FailureBook()
+        self._marks_revision = 0
         self.reasons: dict[str, str] = {}
         self.unplaceable: dict[str, str] = {}
         self.backoff: dict[str, str] = {}
@@ -138,6 +147,7 @@ class ControlPlane:
         )
         buckets = await bus.ensure_all(js, self.subjects, replicas=self.s.kv_replicas)
         self.kv_desired = buckets[self.subjects.bucket_desired]
+        self.desired = DesiredStore(self.kv_desired, self.drops)
         self.assignments = AssignmentWriter(buckets[self.subjects.bucket_assign], self.drops)
         self.records = ReplicaStore(buckets[self.subjects.bucket_replicas], self.drops)
         self.routing = RoutingPublisher(buckets[self.subjects.bucket_routing], self.drops)
@@ -176,17 +186,15 @@ class ControlPlane:
             cat = load_catalog_file(self.s.catalog_file)
         except CatalogError as e:
             raise StartupError(f"catalog {self.s.catalog_file}: {e}") from None
-        try:
-            await self.kv_desired.create(DESIRED_CATALOG, encode(cat))
-        except KeyWrongLastSequenceError:
-            # Another control plane stored one meanwhile: that one is the desired state.
-            stored, _ = await bus.kv_get(self.kv_desired, DESIRED_CATALOG, Catalog, self.drops)
-            cat = stored or cat
+        # If another control plane stored one meanwhile, that one is the desired state.
+        cat = (
+            await self.desired.change(DESIRED_CATALOG, Catalog, lambda cur: cat if cur is None else cur)
+        ).new
         self.state.set_catalog(cat, 1)
         log.info("catalog from %s: %d model(s)", self.s.catalog_file, len(cat.models))
 
     async def _load_marks(self) -> None:
-        marks, _ = await bus.kv_get(self.kv_desired, DESIRED_MARKS, Marks, self.drops)
+        marks, self._marks_revision = await bus.kv_get(self.kv_desired, DESIRED_MARKS, Marks, self.drops)
         self.state.marks = marks or Marks()
 
     # ------------------------------------------------------------ ingest (cheap: mark dirty only on news)
@@ -287,14 +295,14 @@ class ControlPlane:
         for rec in records.values():
             for sp in rec.shards:
                 self.state.know_node(sp.node, now)
-        self.state.set_replicas(records)
+        stored, _ = await bus.kv_get(self.kv_desired, DESIRED_CATALOG, Catalog, self.drops)
+        if stored is not None and stored != self.state.catalog:
+            self.state.set_catalog(stored, self.state.catalog_version + 1)
+        self.state.set_replicas(pin_specs(records, self.state.catalog))
         self._desired_cache = None
         self._synced_generation = -1
         self._routing_key = None
         await self.routing.load()
-        stored, _ = await bus.kv_get(self.kv_desired, DESIRED_CATALOG, Catalog, self.drops)
-        if stored is not None and stored != self.state.catalog:
-            self.state.set_catalog(stored, self.state.catalog_version + 1)
         await self._load_marks()
         await self.routing.publish_catalog(self.state.catalog)
         self.state.catalog_version = max(self.state.catalog_version, self.routing.catalog_version)
@@ -431,10 +439,15 @@ class ControlPlane:
                     shards=tuple(
                         RecordShard(shard=s.shard, node=s.node, gpus=s.gpus, port=s.port) for s in nr.shards
                     ),
+                    spec=nr.spec,
                 )
             )
             log.info("place %s on %s", nr.replica_id, ", ".join(s.node for s in nr.shards))
         for sr in plan.stop:
+            rec = st.replicas.get(sr.replica_id)
+            if sr.failed and rec is not None:
+                # Its errors and log tails go with its record: keep them for `ctl replicas` and `ctl models`.
+                self.failures.add(failed_replica(st, rec, sr.reason, now))
             if st.drop_replica(sr.replica_id) is not None:
                 log.info("stop %s: %s", sr.replica_id, sr.reason)
         for rid in plan.mark_draining:
@@ -468,30 +481,31 @@ class ControlPlane:
 
     # ------------------------------------------------------------ desired state (ctl verbs)
 
-    async def apply_catalog(self, catalog: Catalog) -> int:
-        await self.kv_desired.put(DESIRED_CATALOG, encode(catalog))
+    async def apply_catalog(self, catalog: Catalog) -> tuple[Catalog, int]:
+        """Store ``catalog``; returns the one it replaced (as stored, not as this process last saw it)."""
+        old = (await self.desired.change(DESIRED_CATALOG, Catalog, lambda _: catalog)).old
         self.state.set_catalog(catalog, self.state.catalog_version + 1)
         await self.routing.publish_catalog(catalog)
         log.info("catalog v%d applied: %d model(s)", self.state.catalog_version, len(catalog.models))
         self.dirty.set()
-        return self.state.catalog_version
+        return old or Catalog(), self.state.catalog_version
 
-    async def store_marks(self, marks: Marks) -> None:
-        await self.kv_desired.put(DESIRED_MARKS, encode(marks))
-        self.state.marks = marks
+    async def change_marks(self, change: Callable[[Marks | None], Marks]) -> Marks:
+        """Apply ``change`` (pure) to the stored marks, compare-and-set; returns the marks now stored."""
+        ch = await self.desired.change(DESIRED_MARKS, Marks, change)
+        if ch.revision >= self._marks_revision:
+            # Verbs finish in any order: never step back to a value an overlapping verb has superseded.
+            self._marks_revision = ch.revision
+            self.state.marks = ch.new
         self.dirty.set()
+        return ch.new
 
     async def read_settings(self) -> ClusterSettings:
         cur, _ = await bus.kv_get(self.kv_desired, DESIRED_SETTINGS, ClusterSettings, self.drops)
         return cur or ClusterSettings()
 
     async def store_settings(self, settings: ClusterSettings) -> None:
-        _, rev = await bus.kv_get(self.kv_desired, DESIRED_SETTINGS, ClusterSettings)
-        data = encode(settings)
-        if rev:
-            await self.kv_desired.update(DESIRED_SETTINGS, data, last=rev)
-        else:
-            await self.kv_desired.create(DESIRED_SETTINGS, data)
+        await self.desired.change(DESIRED_SETTINGS, ClusterSettings, lambda _: settings)
 
     # ------------------------------------------------------------ stats
 

@@ -12,7 +12,7 @@ from enum import StrEnum
 from types import MappingProxyType
 
 from llmgw_common.catalog import Catalog
-from llmgw_common.messages import ShardState, WeightsEntry
+from llmgw_common.messages import ReplicaSpec, ShardState, WeightsEntry
 
 
 class NodeState(StrEnum):
@@ -76,6 +76,8 @@ class ReplicaView:
     # The startup timeout counts from here when it is later than ``created`` (its node's agent restarted
     # while it was ready: the new agent re-adopts and checks the engine before it says ready again).
     startup_from: float = 0.0
+    # What it was started with; None: whatever the catalog says (a record from before specs were kept).
+    spec: ReplicaSpec | None = None
 
     @property
     def nodes(self) -> tuple[str, ...]:

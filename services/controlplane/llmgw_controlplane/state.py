@@ -470,6 +470,7 @@ class ClusterState:
             shards=tuple(shards),
             draining=rec.draining,
             draining_since=rec.draining_since,
+            spec=rec.spec,
         )
 
     def snapshot(self, now: float) -> Snapshot:

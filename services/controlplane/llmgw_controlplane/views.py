@@ -28,7 +28,7 @@ from llmgw_common.messages import ClusterSettings
 from llmgw_controlplane.idle import IdleMerger
 from llmgw_controlplane.placement import Explanation, Placement
 from llmgw_controlplane.routing import endpoint_url, serving
-from llmgw_controlplane.snapshot import GpuView, NodeState, NodeView, Snapshot
+from llmgw_controlplane.snapshot import GpuView, NodeState, NodeView, ReplicaView, Snapshot
 from llmgw_controlplane.state import ClusterState, NodeRecord, ReplicaPhase, replica_phase
 
 USED, FREE, HELD, UNHEALTHY = "used", "free", "held", "unhealthy"
@@ -119,6 +119,25 @@ def nodes_info(state: ClusterState, snap: Snapshot) -> tuple[NodeInfo, ...]:
     return tuple(out)
 
 
+def shard_infos(state: ClusterState, r: ReplicaView) -> tuple[ShardInfo, ...]:
+    """Each shard as last reported, with the error and engine log tail of its status messages."""
+    out = []
+    for s in r.shards:
+        d = state.details.get((r.id, s.shard))
+        out.append(
+            ShardInfo(
+                shard=s.shard,
+                node=s.node,
+                gpus=s.gpus,
+                port=s.port,
+                state=str(s.state) if s.state is not None else None,
+                error=(d.error if d is not None and d.error else s.error),
+                log_tail=d.log_tail if d is not None else (),
+            )
+        )
+    return tuple(out)
+
+
 def replicas_info(
     state: ClusterState, snap: Snapshot, idle: IdleMerger, model: str | None = None
 ) -> tuple[ReplicaInfo, ...]:
@@ -128,20 +147,8 @@ def replicas_info(
             continue
         rec = state.replicas.get(r.id)
         created = rec.created if rec is not None else r.created
-        shards = []
-        for s in r.shards:
-            d = state.details.get((r.id, s.shard))
-            shards.append(
-                ShardInfo(
-                    shard=s.shard,
-                    node=s.node,
-                    gpus=s.gpus,
-                    port=s.port,
-                    state=str(s.state) if s.state is not None else None,
-                    error=(d.error if d is not None and d.error else s.error),
-                    log_tail=d.log_tail if d is not None else (),
-                )
-            )
+        shards = shard_infos(state, r)
+        errors = [f"shard {s.shard} on {s.node}: {s.error}" for s in shards if s.error]
         k = idle.idle_for(r.id, snap.now, created)
         out.append(
             ReplicaInfo(
@@ -149,13 +156,17 @@ def replicas_info(
                 model=r.model,
                 state=replica_phase(r),
                 created=created,
-                shards=tuple(shards),
+                shards=shards,
                 endpoint=endpoint_url(snap, r) if serving(snap, r) else None,
                 draining=r.draining,
                 idle_s=k.json_seconds(),
                 idle_kind=str(k.kind),
                 idle=k.text(),
                 breaker=idle.breaker(r.id),
+                error="; ".join(errors) or None,
+                outdated=r.spec is not None
+                and (p := snap.catalog.get(r.model)) is not None
+                and not r.spec.matches(p),
             )
         )
     return tuple(out)
@@ -186,6 +197,12 @@ def models_info(
         reason = None
         if st != "ok":
             reason = unplaceable.get(p.name) or backoff.get(p.name) or reasons.get(p.name)
+        outdated = sum(1 for r in reps if r.spec is not None and not r.spec.matches(p))
+        if outdated and st == "ok":
+            # Serving, but a profile change is still being rolled out (one replica at a time).
+            reason = f"rolling out a profile change: {outdated} replica(s) on the old profile"
+            if p.name in unplaceable or p.name in backoff:
+                reason += f"; replacement held up: {unplaceable.get(p.name) or backoff.get(p.name)}"
         out.append(
             ModelInfo(
                 name=p.name,
@@ -200,6 +217,7 @@ def models_info(
                 state=st,
                 reason=reason,
                 watched=p.watch is not None,
+                outdated=outdated,
             )
         )
     return tuple(out)
