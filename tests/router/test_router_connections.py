@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 
 import aiohttp
@@ -184,3 +185,33 @@ def test_the_cap_fits_the_descriptor_limit() -> None:
     assert cap_for_fd_limit(8192, 20000) == 8192
     assert cap_for_fd_limit(50, 100) == 18
     assert cap_for_fd_limit(50, 10) == 1
+
+
+async def test_a_client_that_stops_reading_its_stream_is_closed_after_the_write_timeout(
+    engines, routers, static_file
+) -> None:
+    # The router's writes to such a client wait for room (aiohttp's drain) with no deadline of their
+    # own: the handler, its upstream connection and the engine's answer would be held for as long as
+    # the client keeps the connection open. A long answer, a client that reads nothing, small buffers.
+    eng = await engines("m1")
+    r = await routers(static_file({"m1": [eng.url]}, auth=False), write_timeout_s=0.5)
+    stream = json.dumps(
+        {"model": "m1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 50000, "stream": True}
+    ).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", r.port))
+    sock.setblocking(False)
+    _reader, writer = await asyncio.open_connection(sock=sock)
+    writer.write(_request(stream))
+    await writer.drain()
+    assert await poll(lambda: r.ctx.in_flight == 1)
+    # Nothing read: the router closes the connection once its writes have waited write_timeout_s.
+    assert await poll(lambda: r.connections.write_timed_out == 1 and r.ctx.in_flight == 0, 10.0)
+    assert await poll(lambda: router_sockets(r.port) == 0 and r.connections.count == 0)
+    assert r.ctx.gates["m1"].active == 0 and r.ctx.metrics.requests_count("m1", 499) == 1
+    assert 'llmgw_router_connections_closed_total{reason="write_timeout"} 1.0' in (
+        r.ctx.metrics.exposition().decode()
+    )
+    writer.close()
+    assert await _served(r.port) == 200

@@ -197,6 +197,11 @@ class RouterSettings(BusSettings):
     idle_timeout_s: float = Field(
         default=75.0, gt=0, description="Close a client's keep-alive connection idle for this long"
     )
+    write_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Close a client's connection when it has read nothing of its answer for this long",
+    )
     max_connections: int = Field(
         default=8192,
         gt=0,

@@ -19,6 +19,20 @@ class AdmissionRefused(Exception):
         self.retry_after = retry_after
 
 
+class _Expired(Exception):
+    """A queued request's wait ran out (set on its future by the gate's timer)."""
+
+
+def _expire(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_exception(_Expired())
+
+
+def _admitted(fut: asyncio.Future[None]) -> bool:
+    """Whether the gate handed this waiter a slot (rather than its timer or a cancel ending the wait)."""
+    return fut.done() and not fut.cancelled() and fut.exception() is None
+
+
 class Gate:
     __slots__ = ("active", "limit", "max_queue", "model", "queue_timeout_s", "waiters")
 
@@ -55,26 +69,27 @@ class Gate:
                 f"queue of {self.max_queue} is full",
                 retry_after=1,
             )
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
         self.waiters.append(fut)
+        # Our own timer on the future, not asyncio.wait_for: on Python 3.11 wait_for returns normally
+        # when the task is cancelled in the instant the slot is handed over, swallowing the cancel, so
+        # a request whose client has gone would run to its end holding the slot.
+        timer = loop.call_later(self.queue_timeout_s, _expire, fut)
         try:
-            await asyncio.wait_for(asyncio.shield(fut), self.queue_timeout_s)
-        except TimeoutError:
-            if fut.done() and not fut.cancelled():
-                return  # admitted in the same instant the wait expired: keep the slot
-            fut.cancel()
+            await fut
+        except _Expired:
             raise AdmissionRefused(
                 f"model {self.model!r} is at its limit of {self.limit} concurrent requests; "
                 f"waited {self.queue_timeout_s:g}s in the queue",
                 retry_after=max(1, int(self.queue_timeout_s)),
             ) from None
         except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
+            if _admitted(fut):
                 self.leave()  # the slot was handed to us as we were cancelled: pass it on
-            else:
-                fut.cancel()
             raise
         finally:
+            timer.cancel()
             try:
                 self.waiters.remove(fut)
             except ValueError:

@@ -11,6 +11,10 @@ headers begin and end) and passes everything on unchanged:
 
 - **header deadline**: from the connection's start, and from the first byte of each later request,
   until its headers are complete. A sweep (a few times per timeout) closes connections past it.
+- **write deadline**: a connection whose writes have waited for room (the transport paused writing:
+  the client reads nothing) for ``write_timeout_s`` is closed, which ends its handler, its upstream
+  request and the engine's work. aiohttp's drain has no deadline, and one per write would cost on
+  every chunk of every stream; the pause and resume callbacks cost nothing until a client stalls.
 - **cap**: at ``max_connections``, a new connection takes the place of the connection idle the longest
   (no request, half a request's headers, or a kept-alive connection between requests); when every held
   connection is busy with a request, the new one gets a 503 and is closed. Descriptors stay bounded by
@@ -86,13 +90,15 @@ def fit_to_fd_limit(max_connections: int) -> int:
 class ConnectionGuard:
     """The router's client connections: the count, the cap, the header deadlines."""
 
-    def __init__(self, max_connections: int, header_timeout_s: float) -> None:
+    def __init__(self, max_connections: int, header_timeout_s: float, write_timeout_s: float = 60.0) -> None:
         self.max_connections = max_connections
         self.header_timeout_s = header_timeout_s
+        self.write_timeout_s = write_timeout_s
         self._held: set[_Guarded] = set()
         self.evicted = 0
         self.refused = 0
         self.timed_out = 0
+        self.write_timed_out = 0
         self._logged = float("-inf")
 
     @property
@@ -139,17 +145,26 @@ class ConnectionGuard:
             )
 
     def sweep(self, now: float) -> None:
-        """Close connections whose request headers are late."""
+        """Close connections whose request headers are late, or whose client has stopped reading."""
         late = [c for c in self._held if c.deadline is not None and now >= c.deadline]
         for c in late:
             self.timed_out += 1
             self._forget(c)
             c.close()
+        stuck = [
+            c
+            for c in self._held
+            if c.write_paused_at is not None and now - c.write_paused_at >= self.write_timeout_s
+        ]
+        for c in stuck:
+            self.write_timed_out += 1
+            self._forget(c)
+            c.abort()
 
     async def run(self) -> None:
         """Sweep a few times per header timeout, so a deadline is kept within a quarter of it."""
         loop = asyncio.get_running_loop()
-        every = min(1.0, self.header_timeout_s / 4)
+        every = min(1.0, self.header_timeout_s / 4, self.write_timeout_s / 4)
         while True:
             await asyncio.sleep(every)
             self.sweep(loop.time())
@@ -168,11 +183,13 @@ class ConnectionMetrics(Collector):
         yield held
         closed = CounterMetricFamily(
             "llmgw_router_connections_closed",
-            "Client connections the router closed or refused: header_timeout, evicted (idle, to make "
-            "room at max_connections), refused (max_connections, all busy)",
+            "Client connections the router closed or refused: header_timeout, write_timeout (the "
+            "client read nothing), evicted (idle, to make room at max_connections), refused "
+            "(max_connections, all busy)",
             labels=["reason"],
         )
         closed.add_metric(["header_timeout"], g.timed_out)
+        closed.add_metric(["write_timeout"], g.write_timed_out)
         closed.add_metric(["evicted"], g.evicted)
         closed.add_metric(["refused"], g.refused)
         yield closed
@@ -181,7 +198,17 @@ class ConnectionMetrics(Collector):
 class _Guarded(asyncio.Protocol):
     """aiohttp's protocol behind a byte-level watch of where requests' headers begin and end."""
 
-    __slots__ = ("admitted", "deadline", "guard", "inner", "loop", "parser", "since", "transport")
+    __slots__ = (
+        "admitted",
+        "deadline",
+        "guard",
+        "inner",
+        "loop",
+        "parser",
+        "since",
+        "transport",
+        "write_paused_at",
+    )
 
     def __init__(self, guard: ConnectionGuard, inner: asyncio.Protocol) -> None:
         self.guard = guard
@@ -193,6 +220,8 @@ class _Guarded(asyncio.Protocol):
         # Headers must be complete by this loop time (None: not waiting for headers).
         self.deadline: float | None = None
         self.since = 0.0
+        # Loop time the transport paused writing (its buffer full: the client is not reading), or None.
+        self.write_paused_at: float | None = None
 
     # ------------------------------------------------------------ asyncio.Protocol
 
@@ -230,9 +259,11 @@ class _Guarded(asyncio.Protocol):
             self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
+        self.write_paused_at = self.loop.time()
         self.inner.pause_writing()
 
     def resume_writing(self) -> None:
+        self.write_paused_at = None
         self.inner.resume_writing()
 
     # ------------------------------------------------------------ httptools callbacks
@@ -262,6 +293,11 @@ class _Guarded(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+    def abort(self) -> None:
+        """Close without flushing: close() would wait for a client that reads nothing, for ever."""
+        if self.transport is not None:
+            self.transport.abort()
 
 
 class GuardedSite(web.BaseSite):

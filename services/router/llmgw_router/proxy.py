@@ -198,6 +198,10 @@ async def _stream(
     except UpstreamError as e:
         raise _Retryable(f"{ep.replica_id}: stream ended before its first byte: {e}") from None
     ctx.metrics.first_byte(model, time.perf_counter() - t0)
+    if verdict:
+        # The engine answers: say so now, not when the stream ends. A half-open breaker lets one probe
+        # through at a time, so a long stream as the probe would keep the endpoint shut for its length.
+        ep.breaker.success()
     resp = web.StreamResponse(status=status, headers=_response_headers(up))
     tail = b""
     try:

@@ -81,7 +81,7 @@ class Router:
         self._followers: list[bus.KvFollower] = []
         self.synced = asyncio.Event()
         self.connections = ConnectionGuard(
-            fit_to_fd_limit(settings.max_connections), settings.header_timeout_s
+            fit_to_fd_limit(settings.max_connections), settings.header_timeout_s, settings.write_timeout_s
         )
         self.ctx.metrics.registry.register(ConnectionMetrics(self.connections))
         # A failing tick is logged and counted, never the tick's end: the router goes on serving.
