@@ -98,7 +98,9 @@ class Catalog(_Strict):
         return tuple(m.name for m in self.models)
 
 
-def _semantic_problems(p: ModelProfile) -> list[str]:
+def identity_problems(p: ModelProfile) -> list[str]:
+    """A model's name and engine, checked the same wherever a model is declared (catalog, static file):
+    names travel in clients' request bodies, subjects and metric labels."""
     where = f"model {p.name!r}"
     out: list[str] = []
     try:
@@ -107,6 +109,13 @@ def _semantic_problems(p: ModelProfile) -> list[str]:
         out.append(f"{where}: {e}")
     if p.engine not in ENGINES:
         out.append(f"{where}: unknown engine {p.engine!r} (known: {', '.join(ENGINES)})")
+    return out
+
+
+def _semantic_problems(p: ModelProfile) -> list[str]:
+    where = f"model {p.name!r}"
+    out = identity_problems(p)
+    if p.engine not in ENGINES:
         return out
     if p.gpu_class is None and p.engine not in CPU_ENGINES:
         out.append(f"{where}: engine {p.engine} needs a GPU: set gpu_class")

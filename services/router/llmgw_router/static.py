@@ -24,9 +24,8 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
-from llmgw_common.catalog import ENGINES, Catalog, ModelProfile
+from llmgw_common.catalog import Catalog, ModelProfile, identity_problems
 from llmgw_common.messages import ApiKeyRecord, Endpoint, RoutingEndpoints
-from llmgw_common.names import check_model_name
 from llmgw_common.validation import describe, validate_named
 from llmgw_common.yamlsafe import load_yaml
 
@@ -104,14 +103,7 @@ def _is_http_url(u: Any) -> bool:
 
 def _model_checks(m: StaticModel) -> list[str]:
     where = f"model {m.name!r}"
-    out = []
-    # Model names travel in clients' request bodies and metrics labels: the catalog's rule.
-    try:
-        check_model_name(m.name)
-    except ValueError as e:
-        out.append(f"{where}: {e}")
-    if m.engine not in ENGINES:
-        out.append(f"{where}: unknown engine {m.engine!r} (known: {', '.join(ENGINES)})")
+    out = identity_problems(m)
     seen: set[str] = set()
     for u in m.endpoints:
         if u in seen:
