@@ -173,8 +173,10 @@ def test_status_keeps_error_and_log_tail_and_fails_the_replica():
     )
     view = st.snapshot(3.0).replicas[0]
     assert replica_phase(view) == "failed"
-    assert st.details[("r1", 1)].error == "CUDA out of memory"
-    assert st.details[("r1", 1)].log_tail == ("loading", "OOM")
+    detail = st.detail("b", ("r1", 1))
+    assert detail is not None and detail.error == "CUDA out of memory"
+    assert detail.log_tail == ("loading", "OOM")
+    assert st.detail("a", ("r1", 1)) is None  # node a said nothing of it
 
 
 def test_nodes_known_only_from_records_are_judged_from_our_start():

@@ -34,7 +34,6 @@ from llmgw_common.messages import (
     Heartbeat,
     IdleReport,
     Inventory,
-    LoadReport,
     Marks,
     ReplicaRecord,
     ShardStatus,
@@ -164,7 +163,6 @@ class ControlPlane:
                 self.nc, sub.all_nodes("inventory"), Inventory, self._on_inventory, self.drops
             ),
             await bus.subscribe(self.nc, sub.all_nodes("status"), ShardStatus, self._on_status, self.drops),
-            await bus.subscribe(self.nc, sub.all_nodes("load"), LoadReport, self._on_load, self.drops),
             await bus.subscribe(self.nc, sub.all_idle(), IdleReport, self._on_idle, self.drops),
             await bus.subscribe(self.nc, sub.all_usage(), UsageReport, self._on_usage, self.drops),
         ]
@@ -228,10 +226,6 @@ class ControlPlane:
     def _on_status(self, st: ShardStatus, msg: Msg) -> None:
         if self._from_its_subject(msg, st.node) and self.state.on_status(st, self.clock()):
             self.dirty.set()
-
-    def _on_load(self, rep: LoadReport, msg: Msg) -> None:
-        if self._from_its_subject(msg, rep.node):
-            self.state.on_load(rep)
 
     def _on_usage(self, rep: UsageReport, msg: Msg) -> None:
         self.usage.add(rep, self.clock())
@@ -368,6 +362,7 @@ class ControlPlane:
                 "node %s forgotten: lost for over %gs with no replica on it", name, self.s.node_forget_s
             )
         self.idle.prune(now)
+        self.state.prune_reports()
         if not self.leader:
             return
         assert self.lease is not None

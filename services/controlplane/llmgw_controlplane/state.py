@@ -32,9 +32,7 @@ from llmgw_common.clockcheck import Doubts, distrust, order_time
 from llmgw_common.messages import (
     Heartbeat,
     Inventory,
-    LoadReport,
     Marks,
-    ReplicaLoad,
     ReplicaRecord,
     ShardReport,
     ShardState,
@@ -84,6 +82,9 @@ class NodeRecord:
     heard: bool = False
     # What the node last reported, per (replica id, shard).
     shards: dict[ShardKey, ShardReport] = field(default_factory=dict)
+    # The error and log tail its status messages gave, per (replica id, shard). Kept per node: a node's
+    # reports describe its own shards only, never the same replica id's shard on another node.
+    details: dict[ShardKey, ShardDetail] = field(default_factory=dict)
     last_sent_at: float = 0.0
     restarts: int = 0
     # Health the last time the state was judged: a transition is an event and a reason to reconcile.
@@ -124,8 +125,6 @@ class ClusterState:
         self.catalog_version = 0
         self._marks = Marks()
         self.marks_rev = 0
-        self.details: dict[ShardKey, ShardDetail] = {}
-        self.loads: dict[str, ReplicaLoad] = {}
         self.heartbeats = 0
         # Replicas older than this count as created now for the startup timeout: before it, nobody
         # here could have seen them become ready (e.g. replicas adopted after a restart).
@@ -290,9 +289,9 @@ class ClusterState:
         changed = heard
         key = (st.replica_id, st.shard)
         if st.state is ShardState.FAILED or st.error or st.log_tail:
-            self.details[key] = ShardDetail(st.error, tuple(st.log_tail))
+            rec.details[key] = ShardDetail(st.error, tuple(st.log_tail))
         elif st.state is ShardState.READY:
-            self.details.pop(key, None)
+            rec.details.pop(key, None)
         if st.sent_at < rec.last_sent_at:
             return changed  # older than the heartbeat that already told us the state
         old = rec.shards.get(key)
@@ -309,11 +308,6 @@ class ClusterState:
             )
             changed = True
         return changed
-
-    def on_load(self, rep: LoadReport) -> None:
-        for r in rep.replicas:
-            if r.shard == 0:
-                self.loads[r.replica_id] = r
 
     def excuse_silence(self, now: float) -> None:
         """The control plane itself was cut off from the bus: nobody's silence so far is the node's.
@@ -360,6 +354,28 @@ class ClusterState:
             del self.nodes[name]
         return gone
 
+    def detail(self, node: str, key: ShardKey) -> ShardDetail | None:
+        """What ``node``'s status messages said of its shard ``key`` beyond its state, if anything."""
+        rec = self.nodes.get(node)
+        return rec.details.get(key) if rec is not None else None
+
+    def prune_reports(self) -> None:
+        """Forget what reports said of replicas that neither a record nor any node's latest report names.
+
+        A node names replica ids freely (a late status of a replica already stopped, or invented ones):
+        what its statuses and restarts left (log tails, restart times) would otherwise stay for ever.
+        """
+        if not self.readopted and not any(rec.details for rec in self.nodes.values()):
+            return
+        placed = {(sp.node, rid, sp.shard) for rid, r in self.replicas.items() for sp in r.shards}
+        reported = set(self.replicas)
+        for name, rec in self.nodes.items():
+            reported.update(rid for rid, _ in rec.shards)
+            for key in [k for k in rec.details if k not in rec.shards and (name, *k) not in placed]:
+                del rec.details[key]
+        for rid in [r for r in self.readopted if r not in reported]:
+            del self.readopted[rid]
+
     # ------------------------------------------------------------ records
 
     def set_replicas(self, records: dict[str, ReplicaRecord]) -> None:
@@ -383,10 +399,11 @@ class ClusterState:
         if rec is not None:
             self.generation += 1
             self._dirty_replicas.add(replica_id)
-            self.loads.pop(replica_id, None)
             self.readopted.pop(replica_id, None)
             for s in rec.shards:
-                self.details.pop((replica_id, s.shard), None)
+                node = self.nodes.get(s.node)
+                if node is not None:
+                    node.details.pop((replica_id, s.shard), None)
         return rec
 
     def set_catalog(self, catalog: Catalog, version: int) -> None:

@@ -123,7 +123,7 @@ def shard_infos(state: ClusterState, r: ReplicaView) -> tuple[ShardInfo, ...]:
     """Each shard as last reported, with the error and engine log tail of its status messages."""
     out = []
     for s in r.shards:
-        d = state.details.get((r.id, s.shard))
+        d = state.detail(s.node, (r.id, s.shard))
         out.append(
             ShardInfo(
                 shard=s.shard,
