@@ -287,6 +287,21 @@ def test_an_agent_restart_keeps_the_ready_replica_routed_throughout():
     assert routed(2.2) == ["r1"]
 
 
+def test_another_nodes_restart_does_not_postpone_a_replicas_startup_timeout():
+    """n2 claims n1's replica as its own ready shard and restarts: r1 (stuck starting on n1) still fails."""
+    st = _state()
+    _ready_replica(st, timeout_s=600.0)
+    st.on_heartbeat(_hb(boot="b1", seq=2, sent_at=2.0), 2.0)  # n1: r1's engine is no longer ready
+    claimed = ShardReport(replica_id="r1", shard=0, model="m", state=ShardState.READY, port=1)
+    st.on_inventory(_inv(node="n2", boot="x1"), 2.0)
+    for seq, t in enumerate((500.0, 599.0), 1):
+        st.on_heartbeat(_hb(node="n2", boot=f"x{seq}", seq=1, sent_at=t, shards=(claimed,)), t)
+        st.on_inventory(_inv(node="n2", boot=f"x{seq + 1}"), t + 0.5)  # a restart, proven
+        st.on_heartbeat(_hb(seq=2 + seq, sent_at=t), t)  # n1 alive, r1 still not ready
+    st.on_heartbeat(_hb(seq=10, sent_at=601.0), 601.0)
+    assert replica_status(st.snapshot(601.0).replicas[0], 601.0, 600.0).state is ReplicaState.FAILED
+
+
 def test_a_readopted_replica_that_never_reports_ready_again_still_fails_in_time():
     st = _state()
     _ready_replica(st, timeout_s=600.0)

@@ -129,9 +129,10 @@ class ClusterState:
         # Replicas older than this count as created now for the startup timeout: before it, nobody
         # here could have seen them become ready (e.g. replicas adopted after a restart).
         self.observed_from = 0.0
-        # Replica -> when an agent restart voided a shard of it that was ready: its startup timeout
-        # counts from then (the new agent re-adopts the engine and checks it before saying ready).
-        self.readopted: dict[str, float] = {}
+        # (node, replica) -> when that node's agent restarted while it reported a shard of the replica
+        # ready: its startup timeout counts from then (the new agent re-adopts the engine and checks it
+        # before saying ready). Keyed by node: a node's restart says nothing of another node's shards.
+        self.readopted: dict[tuple[str, str], float] = {}
         # Bumped whenever replica records or the catalog change: cached assignments are rebuilt.
         self.generation = 0
         # Snapshot caches: views are rebuilt only for what changed, so a steady pass costs little.
@@ -192,7 +193,7 @@ class ClusterState:
             rec.restarts += 1
         for (rid, _), rep in rec.shards.items():
             if rep.state is ShardState.READY:
-                self.readopted[rid] = now
+                self.readopted[(rec.name, rid)] = now
         rec.boot_id = boot_id
         rec.seq, rec.seq_jump, rec.last_sent_at = -1, None, float("-inf")
         # A restarted agent reports afresh, but what the old boot said stands until it does (its first
@@ -368,13 +369,13 @@ class ClusterState:
         if not self.readopted and not any(rec.details for rec in self.nodes.values()):
             return
         placed = {(sp.node, rid, sp.shard) for rid, r in self.replicas.items() for sp in r.shards}
-        reported = set(self.replicas)
+        reported: set[tuple[str, str]] = {(node, rid) for node, rid, _ in placed}
         for name, rec in self.nodes.items():
-            reported.update(rid for rid, _ in rec.shards)
+            reported.update((name, rid) for rid, _ in rec.shards)
             for key in [k for k in rec.details if k not in rec.shards and (name, *k) not in placed]:
                 del rec.details[key]
-        for rid in [r for r in self.readopted if r not in reported]:
-            del self.readopted[rid]
+        for gone in [k for k in self.readopted if k not in reported]:
+            del self.readopted[gone]
 
     # ------------------------------------------------------------ records
 
@@ -399,8 +400,8 @@ class ClusterState:
         if rec is not None:
             self.generation += 1
             self._dirty_replicas.add(replica_id)
-            self.readopted.pop(replica_id, None)
             for s in rec.shards:
+                self.readopted.pop((s.node, replica_id), None)
                 node = self.nodes.get(s.node)
                 if node is not None:
                     node.details.pop((replica_id, s.shard), None)
@@ -483,7 +484,7 @@ class ClusterState:
             id=rec.id,
             model=rec.model,
             created=max(rec.created, self.observed_from),
-            startup_from=self.readopted.get(rec.id, 0.0),
+            startup_from=max((self.readopted.get((sp.node, rec.id), 0.0) for sp in rec.shards), default=0.0),
             shards=tuple(shards),
             draining=rec.draining,
             draining_since=rec.draining_since,
