@@ -95,6 +95,15 @@ class EventDetector:
                 out.append(_event(NODE_RECOVERED, t.node, now, f"node {t.node} reports again"))
         return out
 
+    def new_tenure(self) -> None:
+        """Leading (again): forget what was judged of models in an earlier tenure. Meanwhile another
+        leader watched them and said what there was to say; when a model last had a ready replica, or
+        since when it was unplaceable, is known again only from this tenure's own passes."""
+        self._last_ready.clear()
+        self._down_since.clear()
+        self._unplaceable_since.clear()
+        self._failing_said.clear()
+
     def forget_node(self, node: str) -> None:
         """The node left the table: if it ever reports again it is a new node, not a recovery."""
         self.lost.discard(node)

@@ -296,6 +296,7 @@ class ControlPlane:
         self._desired_cache = None
         self._synced_generation = -1
         self._routing_key = None
+        self.detector.new_tenure()
         await self.routing.load()
         await self._load_marks()
         await self.routing.publish_catalog(self.state.catalog)
