@@ -101,7 +101,7 @@ def test_drain_deadline_stops_the_old_replica_even_without_replacement() -> None
 
 def test_drain_grace_applies_when_the_node_has_no_deadline() -> None:
     s = snap(
-        [node("a")],
+        [node("a", draining=True)],
         [replica("old", "m", [("a", (0,))], draining=True, draining_since=0.0)],
         models=[profile()],
         now=599.0,
@@ -110,6 +110,18 @@ def test_drain_grace_applies_when_the_node_has_no_deadline() -> None:
     assert [x.reason for x in reconcile(replace(s, now=600.0), drain_grace_s=600.0).stop] == [
         "drain deadline passed"
     ]
+
+
+def test_a_lifted_drain_never_times_out_a_replica_with_nowhere_to_go() -> None:
+    """Uncordon lifts the node's drain: its marked replica is replaced when room comes, never just stopped."""
+    s = snap(
+        [node("a")],
+        [replica("old", "m", [("a", (0,))], draining=True, draining_since=0.0)],
+        models=[profile()],
+        now=86400.0,
+    )
+    plan = reconcile(s, drain_grace_s=600.0)
+    assert not any(x.replica_id == "old" for x in plan.stop)
 
 
 def test_draining_replica_that_does_not_serve_is_stopped_at_once() -> None:

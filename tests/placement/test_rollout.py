@@ -131,3 +131,35 @@ def test_scale_down_during_a_change_stops_old_replicas_first() -> None:
     plan = reconcile(replace(s, catalog=Catalog(models=(NEW.model_copy(update={"replicas": 2}),))))
     assert sorted(x.replica_id for x in plan.stop) == ["old1", "old2"]  # surplus: the outdated go first
     assert not plan.place
+
+
+def test_reverting_a_failed_profile_change_keeps_the_old_replicas_serving() -> None:
+    """The replacement crash-loops; a day later the operator reverts the profile. The replica the roll had
+    marked matches the profile again, but its mark stays: it must keep serving until a replacement does
+    (by the drain grace counted from the mark, it would have been stopped at once, leaving none)."""
+    s = rolled(n=1)
+    s = replace(s, catalog=Catalog(models=(NEW.model_copy(update={"replicas": 1}),)))
+    p1 = reconcile(s, drain_grace_s=600.0)
+    assert p1.mark_draining == ("old0",)
+    new_id = p1.place[0].replica_id
+    s = apply(s, p1, state=ShardState.STARTING, now=s.now + 1)
+    s = set_state(s, new_id, ShardState.FAILED, "CUDA out of memory")
+    p2 = reconcile(s, p1.memo, drain_grace_s=600.0)
+    s = apply(s, p2, now=s.now + 86400)
+    assert [r.id for r in s.replicas] == ["old0"] and s.replicas[0].draining
+
+    s = replace(s, catalog=Catalog(models=(OLD.model_copy(update={"replicas": 1}),)))
+    p3 = reconcile(s, p2.memo, drain_grace_s=600.0)
+    assert not p3.stop, p3.stop
+    s = apply(s, p3, state=ShardState.STARTING, now=s.now + 1)
+    assert serving(s) == 1
+    memo = p3.memo
+    for _ in range(3):  # the replacement starts: the old one serves meanwhile
+        s = replace(s, now=s.now + 100)
+        plan = reconcile(s, memo, drain_grace_s=600.0)
+        assert not plan.stop and not plan.place, (plan.stop, plan.place)
+        memo = plan.memo
+    s = set_state(s, next(r.id for r in s.replicas if r.id != "old0"), ShardState.READY)
+    plan = reconcile(s, memo, drain_grace_s=600.0)
+    assert [x.replica_id for x in plan.stop] == ["old0"]
+    assert serving(apply(s, plan)) == 1

@@ -259,8 +259,10 @@ def reconcile(
             if not r.draining:
                 p.mark.append(r.id)
             rolling = outdated and not on_draining
-            if rolling:
-                # A roll waits for its replacement however long: giving up would only lose capacity.
+            if not on_draining:
+                # Marked by a roll, or by a node drain since lifted: nobody needs it gone by a time, so it
+                # waits for its replacement however long (giving up would only lose capacity). This holds
+                # when a roll is reverted too: the marked replica is current again, but its mark stays.
                 drain_deadline = math.inf
             elif drain_deadline is None:
                 since = r.draining_since if r.draining_since is not None else now
