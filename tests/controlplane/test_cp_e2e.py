@@ -158,7 +158,7 @@ async def test_garbage_on_every_subject_is_dropped_with_one_line_each(nats_serve
                 subj.heartbeat("gpu-0"),
                 subj.inventory("gpu-0"),
                 subj.status("gpu-0"),
-                subj.load("gpu-0"),
+                # (load reports are the routers' alone: the control plane does not listen to them)
                 subj.idle("r1"),
                 subj.usage("r1"),
             ]
