@@ -42,3 +42,22 @@ def test_configuration_reference_is_current() -> None:
     assert doc.read_text() == settings_doc.render(), (
         "docs/configuration.md is stale: python -m llmgw_common.settings_doc > docs/configuration.md"
     )
+
+
+def test_the_default_router_id_is_one_subject_token_on_a_dotted_hostname(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A router named after ``gpu1.example.com`` published its reports on ``...router.r-gpu1.example.com-<pid>
+    .idle``, which the control plane's ``router.*.idle`` never matches: its idle and usage were lost."""
+    from llmgw_common.names import check_token
+    from llmgw_common.subjects import Subjects
+
+    monkeypatch.setattr("socket.gethostname", lambda: "gpu1.example.com")
+    rid = RouterSettings().router_id
+    assert check_token(rid) == rid and "gpu1-example-com" in rid
+    assert len(Subjects("llmgw").idle(rid).split(".")) == len(Subjects("llmgw").all_idle().split("."))
+
+
+def test_a_router_id_that_is_not_a_subject_token_is_refused() -> None:
+    with pytest.raises(ValueError, match="router_id"):
+        RouterSettings(router_id="edge.1")

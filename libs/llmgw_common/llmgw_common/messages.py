@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmgw_common.catalog import Catalog, ModelProfile
-from llmgw_common.names import NodeName
+from llmgw_common.names import NodeName, RouterId
 
 
 class Message(BaseModel):
@@ -189,7 +189,7 @@ class RoutingCatalog(Message):
 
 
 class IdleReport(Message):
-    router: str
+    router: RouterId
     # The router's start: a replica it never routed to is idle for at least (now - since).
     since: float
     sent_at: float
@@ -202,7 +202,7 @@ class IdleReport(Message):
 class UsageReport(Message):
     """Tokens counted by one router since it started, per key id and model."""
 
-    router: str
+    router: RouterId
     since: float
     sent_at: float
     # key id -> model -> [requests, prompt tokens, completion tokens]

@@ -32,7 +32,8 @@ _SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 def check_token(value: str, what: str = "name") -> str:
     """A single NATS subject token: no dots, spaces, wildcards or control characters. ValueError otherwise."""
     if not _TOKEN.fullmatch(value):
-        raise ValueError(f"{what} {visible(repr(value))} may contain only letters, digits, '-' and '_'")
+        shown = value if len(value) <= 80 else f"{value[:80]}... ({len(value)} characters)"
+        raise ValueError(f"{what} {visible(repr(shown))} may contain only letters, digits, '-' and '_'")
     return value
 
 
@@ -53,6 +54,20 @@ def _node_name(value: str) -> str:
 # The node a message says it comes from: a message whose node is not a token is refused at decode,
 # so it is dropped with one log line before any table, log or webhook could show it.
 NodeName = Annotated[str, AfterValidator(_node_name)]
+
+
+def _router_id(value: str) -> str:
+    return check_token(value, "router id")
+
+
+# The router a report says it comes from: a token, like the subject that carries it.
+RouterId = Annotated[str, AfterValidator(_router_id)]
+
+
+def as_token(text: str) -> str:
+    """``text`` with every character a subject token may not hold written as ``-`` (e.g. a hostname's
+    dots: ``gpu1.example.com`` -> ``gpu1-example-com``)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", text) or "-"
 
 
 def is_invisible(ch: str) -> bool:

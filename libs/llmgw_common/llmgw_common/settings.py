@@ -27,6 +27,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from llmgw_common.names import as_token, check_token
 from llmgw_common.yamlsafe import load_yaml
 
 S = TypeVar("S", bound="BusSettings")
@@ -166,7 +167,8 @@ class ControlPlaneSettings(BusSettings):
 
 
 class RouterSettings(BusSettings):
-    router_id: str = Field(default_factory=lambda: f"r-{socket.gethostname()}-{os.getpid()}")
+    # One subject token (its reports go to <prefix>.router.<id>.idle): a hostname's dots become dashes.
+    router_id: str = Field(default_factory=lambda: f"r-{as_token(socket.gethostname())}-{os.getpid()}")
     host: str = Field(default="127.0.0.1", description="OpenAI listener address")
     port: int = Field(default=8080, description="OpenAI listener port")
     admin_host: str = Field(default="127.0.0.1", description="Admin listener (metrics)")
@@ -175,6 +177,11 @@ class RouterSettings(BusSettings):
     auth_exempt: Annotated[list[str], NoDecode] = Field(
         default=["/", "/health", "/healthz"], description="Paths served without a key"
     )
+
+    @field_validator("router_id")
+    @classmethod
+    def _router_id_token(cls, v: str) -> str:
+        return check_token(v, "router_id")
 
     @field_validator("auth_exempt", mode="before")
     @classmethod

@@ -197,10 +197,12 @@ class ControlPlane:
 
     # ------------------------------------------------------------ ingest (cheap: mark dirty only on news)
 
-    def _from_its_subject(self, msg: Msg, node: str) -> bool:
+    def _from_its_subject(self, msg: Msg, sender: str, what: str = "node") -> bool:
+        """Whether the node or router a message names is the one its subject names (``<prefix>.<kind>s
+        .<sender>.<verb>``): permissions are per subject, so that one is the sender's."""
         parts = msg.subject.split(".")
-        if len(parts) < 2 or parts[-2] != node:
-            self.drops.drop(msg.subject, f"claims node {node!r}, not the subject's")
+        if len(parts) < 2 or parts[-2] != sender:
+            self.drops.drop(msg.subject, f"claims {what} {sender!r}, not the subject's")
             return False
         return True
 
@@ -228,10 +230,12 @@ class ControlPlane:
             self.dirty.set()
 
     def _on_usage(self, rep: UsageReport, msg: Msg) -> None:
-        self.usage.add(rep, self.clock())
+        if self._from_its_subject(msg, rep.router, "router"):
+            self.usage.add(rep, self.clock())
 
     def _on_idle(self, rep: IdleReport, msg: Msg) -> None:
-        self.idle.add(rep, self.clock())
+        if self._from_its_subject(msg, rep.router, "router"):
+            self.idle.add(rep, self.clock())
 
     # ------------------------------------------------------------ run
 
