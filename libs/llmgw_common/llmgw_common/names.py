@@ -64,6 +64,15 @@ def _router_id(value: str) -> str:
 RouterId = Annotated[str, AfterValidator(_router_id)]
 
 
+def clipped(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters, saying how long it was (an error a sender chose
+    the length of, on its way into tables, replies and stored values that have a size limit)."""
+    if len(text) <= limit:
+        return text
+    tail = f"... ({len(text)} characters)"
+    return text[: max(0, limit - len(tail))] + tail
+
+
 def as_token(text: str) -> str:
     """``text`` with every character a subject token may not hold written as ``-`` (e.g. a hostname's
     dots: ``gpu1.example.com`` -> ``gpu1-example-com``)."""

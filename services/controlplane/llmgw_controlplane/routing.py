@@ -9,8 +9,12 @@ from collections import Counter
 from collections.abc import Mapping
 
 from llmgw_common.messages import Endpoint, ShardState
+from llmgw_common.names import clipped
 from llmgw_controlplane.snapshot import NodeState, ReplicaView, Snapshot
 from llmgw_controlplane.state import ReplicaPhase, replica_phase
+
+# The most of one model's "why not" that routers (and events) are given.
+REASON_CHARS = 2000
 
 
 def endpoint_url(snap: Snapshot, r: ReplicaView) -> str | None:
@@ -113,4 +117,5 @@ def routing_content(
             unavailable[profile.name] = "no replica placed yet"
         else:
             unavailable[profile.name] = _not_ready_summary(snap, reps)
-    return endpoints, unavailable
+    # Every model's text goes into one KV value (and into events): each is bounded.
+    return endpoints, {m: clipped(text, REASON_CHARS) for m, text in unavailable.items()}

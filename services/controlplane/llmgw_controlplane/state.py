@@ -38,10 +38,22 @@ from llmgw_common.messages import (
     ShardState,
     ShardStatus,
 )
+from llmgw_common.names import clipped
 from llmgw_controlplane.seqcheck import seq_believed
 from llmgw_controlplane.snapshot import GpuView, NodeState, NodeView, ReplicaView, ShardView, Snapshot
 
 ShardKey = tuple[str, int]
+
+# A shard's error as a node reports it is kept to this many characters: it reaches crash-loop reasons,
+# the routing table (one KV value for every model) and events, which a node must not be able to make
+# larger than the server's max_payload (every routing write then failed, for every model).
+ERROR_CHARS = 1000
+
+
+def _short_error(rep: ShardReport) -> ShardReport:
+    if rep.error is None or len(rep.error) <= ERROR_CHARS:
+        return rep
+    return rep.model_copy(update={"error": clipped(rep.error, ERROR_CHARS)})
 
 
 def node_health(last_seen: float, now: float, interval_s: float, missed: int, lost_s: float) -> NodeState:
@@ -249,7 +261,7 @@ class ClusterState:
             rec.rev += 1
             self.generation += 1  # multi-node leaders' addresses are in assignments
             changed = True
-        shards = {(s.replica_id, s.shard): s for s in hb.shards}
+        shards = {(s.replica_id, s.shard): _short_error(s) for s in hb.shards}
         now_states, before = _states(shards), _states(rec.shards)
         if now_states != before:
             changed = True
@@ -289,8 +301,9 @@ class ClusterState:
             return False
         changed = heard
         key = (st.replica_id, st.shard)
-        if st.state is ShardState.FAILED or st.error or st.log_tail:
-            rec.details[key] = ShardDetail(st.error, tuple(st.log_tail))
+        error = clipped(st.error, ERROR_CHARS) if st.error is not None else None
+        if st.state is ShardState.FAILED or error or st.log_tail:
+            rec.details[key] = ShardDetail(error, tuple(st.log_tail))
         elif st.state is ShardState.READY:
             rec.details.pop(key, None)
         if st.sent_at < rec.last_sent_at:
@@ -304,7 +317,7 @@ class ClusterState:
                 model=st.model,
                 state=st.state,
                 port=st.port,
-                error=st.error,
+                error=error,
                 since=st.sent_at,
             )
             changed = True
