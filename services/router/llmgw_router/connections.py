@@ -291,8 +291,16 @@ class _Guarded(asyncio.Protocol):
         return getattr(inner, "_request_in_progress", True) is False and not getattr(inner, "_messages", True)
 
     def close(self) -> None:
+        """Close; abort if response bytes are still waiting to be sent.
+
+        A graceful close waits for those bytes to leave, for ever if the client reads nothing (it
+        pipelined a stream and half of its next request, then stopped reading); the guard has stopped
+        counting the connection by then, so its descriptor would be held outside the cap for good.
+        """
         if self.transport is not None:
             self.transport.close()
+            if self.transport.get_write_buffer_size() > 0:
+                self.transport.abort()
 
     def abort(self) -> None:
         """Close without flushing: close() would wait for a client that reads nothing, for ever."""
