@@ -46,7 +46,9 @@ async def test_the_router_runs_and_serves_through_a_nats_outage(tmp_path, engine
     prefix = "outage"
     try:
         nc = await nats.connect(srv.url)
-        await _publish_routing(nc, prefix, {"m1": [Endpoint(replica_id="r1", model="m1", url=eng.url, node="n")]})
+        await _publish_routing(
+            nc, prefix, {"m1": [Endpoint(replica_id="r1", model="m1", url=eng.url, node="n")]}
+        )
         await nc.close()
         r = await routers(nats_urls=[srv.url], prefix=prefix, auth=False, tick_s=0.1)
         await asyncio.wait_for(r.synced.wait(), 10)
