@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -236,6 +237,11 @@ async def kv_keys(kv: KeyValue) -> list[str]:
 # How often a follower re-reads while it has no working watch, or a value its callback refused.
 UNWATCHED_RESYNC_S = 2.0
 
+# The keys nats.py reads and writes (its VALID_KEY_RE). The server stores and lists others too, made by
+# a raw publish on $KV.<bucket>.<key>, but nats.py refuses to get them (InvalidKeyError): only a forger
+# makes one, and a follower must pass over it, not stop its full read there (a service could not start).
+_KV_KEY = re.compile(r"[-/_=.a-zA-Z0-9]+")
+
 
 class KvFollower:
     """Follows keys of a bucket: a watch for speed plus a periodic full read for truth.
@@ -268,6 +274,8 @@ class KvFollower:
         # Key -> revision whose callback raised and is still to be retried; and every raise counted.
         self.failed: dict[str, int] = {}
         self.errors = 0
+        # Keys that are not KV keys, each logged once.
+        self.forged: set[str] = set()
         self._failure = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.synced = asyncio.Event()
@@ -295,7 +303,19 @@ class KvFollower:
         """The watch and resync loops: a service treats either ending as its own death."""
         return list(self._tasks)
 
+    def _readable(self, key: str) -> bool:
+        if _KV_KEY.fullmatch(key):
+            return True
+        if key not in self.forged:
+            self.forged.add(key)
+            log.warning(
+                "%s: ignoring key %s: not a KV key (made by a raw publish?)", self.name, visible(repr(key))
+            )
+        return False
+
     async def _emit(self, key: str, value: bytes | None, rev: int) -> None:
+        if not self._readable(key):
+            return
         if value is None:
             if key not in self.revisions:
                 self.failed.pop(key, None)  # never accepted, now gone: nothing left to retry
@@ -331,6 +351,8 @@ class KvFollower:
             keys = await kv_keys(self.kv)
         present = set()
         for k in keys:
+            if not self._readable(k):
+                continue
             try:
                 e = await self.kv.get(k)
             except NotFoundError:  # absent or deleted

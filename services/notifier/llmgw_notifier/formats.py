@@ -181,6 +181,16 @@ def slack_text(events: Sequence[Event]) -> str:
     return "\n".join(lines)
 
 
+def header_text(text: str) -> str:
+    """``text`` fit for an HTTP header: printable ASCII, the rest written out (``\\xe9``, ``\\r``).
+
+    Ids and kinds come from the bus: one the HTTP client refused (not ASCII) made the delivery worker
+    die on it again after every restart, and no later event reached that webhook. The body keeps the
+    text as it is.
+    """
+    return visible(text).encode("ascii", "backslashreplace").decode("ascii")
+
+
 def render(events: Sequence[Event], hook: Webhook) -> Rendered:
     """The request body and headers for ``hook``; ``events`` share one kind (a group or one event)."""
     if not events:
@@ -195,8 +205,8 @@ def render(events: Sequence[Event], hook: Webhook) -> Rendered:
     headers = {
         "Content-Type": "application/json",
         "User-Agent": "llmgw-notifier",
-        EVENT_ID_HEADER: rid,
-        EVENT_KIND_HEADER: events[0].kind,
+        EVENT_ID_HEADER: header_text(rid),
+        EVENT_KIND_HEADER: header_text(events[0].kind),
     }
     if hook.secret:
         headers[SIGNATURE_HEADER] = sign(body, hook.secret)

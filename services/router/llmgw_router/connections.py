@@ -48,6 +48,8 @@ _REFUSED = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
     b"Connection: close\r\nContent-Length: " + str(len(_REFUSED_BODY)).encode() + b"\r\n\r\n" + _REFUSED_BODY
 )
+# Headers that say where a request's body ends.
+_FRAMING = frozenset((b"content-length", b"transfer-encoding"))
 # Log the cap being reached at most this often (a flood must not become a log flood).
 _LOG_EVERY_S = 60.0
 
@@ -201,6 +203,7 @@ class _Guarded(asyncio.Protocol):
     __slots__ = (
         "admitted",
         "deadline",
+        "framing",
         "guard",
         "inner",
         "loop",
@@ -220,6 +223,8 @@ class _Guarded(asyncio.Protocol):
         # Headers must be complete by this loop time (None: not waiting for headers).
         self.deadline: float | None = None
         self.since = 0.0
+        # The request's Content-Length and Transfer-Encoding header lines (to read on past an Upgrade).
+        self.framing: list[bytes] = []
         # Loop time the transport paused writing (its buffer full: the client is not reading), or None.
         self.write_paused_at: float | None = None
 
@@ -239,15 +244,26 @@ class _Guarded(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if not self.admitted:
             return
-        if self.parser is not None:
+        self._watch(data)
+        self.inner.data_received(data)
+
+    def _watch(self, data: bytes) -> None:
+        while self.parser is not None:
             try:
                 self.parser.feed_data(data)
-            except httptools.HttpParserUpgrade:
-                self.parser, self.deadline = None, None  # not HTTP/1.1 requests any more: not ours to time
+                return
+            except httptools.HttpParserUpgrade as e:
+                # httptools stops at any Upgrade header (or CONNECT), taking what follows the headers for
+                # the new protocol. aiohttp switches for few of them and reads on otherwise: the body, then
+                # more HTTP/1.1 requests (curl --http2 asks for h2c on every http:// request). Watch on
+                # from where httptools stopped, with a parser told this request's body framing: bytes that
+                # are not HTTP end the watch (below), and HTTP requests keep their header deadline.
+                rest = data[e.args[0] :] if e.args and isinstance(e.args[0], int) else b""
+                self.parser = httptools.HttpRequestParser(self)
+                data = b"POST / HTTP/1.1\r\n" + b"".join(self.framing) + b"\r\n" + rest
             except httptools.HttpParserError:
                 # aiohttp answers a malformed request (400) and closes; stop watching.
                 self.parser, self.deadline = None, None
-        self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
         return self.inner.eof_received() if self.admitted else None
@@ -269,9 +285,14 @@ class _Guarded(asyncio.Protocol):
     # ------------------------------------------------------------ httptools callbacks
 
     def on_message_begin(self) -> None:
+        self.framing.clear()
         if self.deadline is None:
             self.since = self.loop.time()
             self.deadline = self.since + self.guard.header_timeout_s
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() in _FRAMING:
+            self.framing.append(name + b": " + value + b"\r\n")
 
     def on_headers_complete(self) -> None:
         self.deadline = None
@@ -291,8 +312,16 @@ class _Guarded(asyncio.Protocol):
         return getattr(inner, "_request_in_progress", True) is False and not getattr(inner, "_messages", True)
 
     def close(self) -> None:
+        """Close; abort if response bytes are still waiting to be sent.
+
+        A graceful close waits for those bytes to leave, for ever if the client reads nothing (it
+        pipelined a stream and half of its next request, then stopped reading); the guard has stopped
+        counting the connection by then, so its descriptor would be held outside the cap for good.
+        """
         if self.transport is not None:
             self.transport.close()
+            if self.transport.get_write_buffer_size() > 0:
+                self.transport.abort()
 
     def abort(self) -> None:
         """Close without flushing: close() would wait for a client that reads nothing, for ever."""
