@@ -90,8 +90,11 @@ def start_engine(*extra: str, model: str = "bench") -> tuple[subprocess.Popen[by
     return proc, line.split("listening on ", 1)[1].split()[0]
 
 
-def start_router(static: Path, port: int) -> subprocess.Popen[bytes]:
+def start_router(static: Path, port: int, pythonpath: str | None = None) -> subprocess.Popen[bytes]:
+    """``pythonpath``: run another tree's router (bench/router_ab.py compares two revisions)."""
     env = dict(os.environ, LLMGW_LOG_LEVEL="WARNING")
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
     return subprocess.Popen(
         [
             sys.executable,
