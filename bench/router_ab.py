@@ -32,6 +32,7 @@ def export_tree(rev: str, into: Path) -> str:
     """The source of ``rev`` in ``into`` (git archive: no work tree touched); its PYTHONPATH."""
     repo = Path(__file__).resolve().parent.parent
     archive = subprocess.run(["git", "-C", str(repo), "archive", rev], check=True, capture_output=True)
+    into.mkdir(parents=True, exist_ok=True)
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
     return ":".join(str(into / p) for p in PACKAGES)
 
