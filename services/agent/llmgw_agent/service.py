@@ -39,6 +39,7 @@ from llmgw_common.messages import (
     ShardState,
     ShardStatus,
 )
+from llmgw_common.runtime import until_stopped
 from llmgw_common.settings import AgentSettings
 from llmgw_common.subjects import Subjects, check_token
 
@@ -79,6 +80,9 @@ class Agent:
         self.nc = nc
         self.collect = collect
         self.clock = clock
+        # Set by run(): the assignment watch and the agent's loops, each meant to live as long as it.
+        self.follower: KvFollower | None = None
+        self.tasks: list[asyncio.Task[Any]] = []
         self.boot_id = boot_id or uuid.uuid4().hex
         self.subjects = Subjects(s.prefix)
         self.drops = DropLog(log)
@@ -271,8 +275,8 @@ class Agent:
         self.adoptable = {r.key: r for r in self.supervisor.load_state()}
         js = self.nc.jetstream()
         kv = await ensure_kv(js, self.subjects.bucket_assign, replicas=self.s.kv_replicas)
-        follower = KvFollower(kv, self.on_assignment, key=self.s.node, name="assign")
-        tasks: list[asyncio.Task[Any]] = []
+        follower = self.follower = KvFollower(kv, self.on_assignment, key=self.s.node, name="assign")
+        tasks = self.tasks
 
         async def on_inventory_request(_: Msg) -> None:
             self._inventory_asked = True
@@ -288,18 +292,13 @@ class Agent:
             # control plane replaces the old boot's reports with it, and a replica it does not say is
             # ready leaves the routers' endpoints.
             await self.converge(adopt_only=True)
-            tasks = [
+            tasks += [
                 asyncio.create_task(self._tick_loop(), name="agent-tick"),
                 asyncio.create_task(self._converge_loop(), name="agent-converge"),
             ]
-            stopped = asyncio.create_task(stop.wait(), name="agent-stop")
-            tasks.append(stopped)
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for t in done:
-                if t is not stopped:
-                    # A loop that ends is a bug: stop cleanly (engines too) and let the error show.
-                    log.error("agent task %s ended; shutting down", t.get_name())
-                    t.result()
+            # A loop that ends, the assignment watch's included, is a bug whatever the way: stop cleanly
+            # (engines too) and exit 70, rather than heartbeat on while deaf to new assignments.
+            await until_stopped(stop, [*tasks, *follower.tasks])
         finally:
             for t in tasks:
                 t.cancel()

@@ -1,0 +1,60 @@
+"""An agent whose assignment watch dies must not run on deaf: it ends (exit 70 from run_service).
+
+Before, only the tick and converge loops were watched: a KvFollower loop that ended left the agent
+heartbeating while it would never again hear a new assignment, and a loop that returned without an
+error let the agent exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from nats.aio.client import Client as NATS
+
+from llmgw_agent.service import Agent
+from llmgw_common.messages import Inventory
+from llmgw_common.natsserver import NatsServer
+from llmgw_common.runtime import TaskDied
+from llmgw_common.settings import AgentSettings
+
+
+def _collect(s: AgentSettings, boot_id: str, now: float) -> Inventory:
+    return Inventory(node=s.node, boot_id=boot_id, sent_at=now)
+
+
+@pytest.mark.parametrize("which", ["assign-watch", "assign-resync", "agent-tick"])
+async def test_a_loop_that_ends_ends_the_run(
+    nats_server: NatsServer, nc: NATS, prefix: str, tmp_path, which: str
+) -> None:
+    s = AgentSettings(
+        node="n1",
+        nats_urls=[nats_server.url],
+        prefix=prefix,
+        state_dir=str(tmp_path),
+        heartbeat_interval_s=0.2,
+        load_interval_s=0.2,
+    )
+    agent = Agent(s, nc, collect=_collect)
+    stop = asyncio.Event()
+    run = asyncio.create_task(agent.run(stop))
+    try:
+
+        async def loops() -> list[asyncio.Task[object]]:
+            while agent.follower is None or not agent.follower.tasks or not agent.tasks:
+                await asyncio.sleep(0.02)
+            return [*agent.tasks, *agent.follower.tasks]
+
+        running = await asyncio.wait_for(loops(), 10)
+        names = sorted(t.get_name() for t in running)
+        victim = next((t for t in running if t.get_name() == which), None)
+        assert victim is not None, names
+        victim.cancel()
+        with pytest.raises(TaskDied) as died:
+            await asyncio.wait_for(run, 10)
+        assert died.value.task_name == which
+    finally:
+        stop.set()
+        if not run.done():
+            run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
