@@ -126,3 +126,22 @@ def test_any_structure_parses_or_raises_catalog_error(models: list) -> None:
         parse_catalog({"models": models})
     except CatalogError as e:
         assert e.problems
+
+
+@pytest.mark.parametrize(
+    ("field", "fragment"),
+    [
+        ("options: {tokens_per_s: .nan}", "options.tokens_per_s: not a finite number (nan)"),
+        ("options: {timing: {ttft_ms: [1, .inf]}}", "options.timing.ttft_ms[1]: not a finite number (inf)"),
+        ("startup_timeout_s: .inf", "startup_timeout_s"),
+        ("queue_timeout_s: .nan", "queue_timeout_s"),
+        ("min_memory_gb: .inf", "min_memory_gb"),
+    ],
+)
+def test_non_finite_numbers_are_refused(field: str, fragment: str) -> None:
+    """NaN never equals itself: a replica's spec with one would never match its profile again, so the
+    model would roll at every control-plane restart; and an infinite timeout is no timeout."""
+    text = f"models:\n  - name: m\n    engine: sim\n    {field}\n"
+    with pytest.raises(CatalogError) as e:
+        parse_catalog(text)
+    assert fragment in str(e.value), str(e.value)

@@ -7,6 +7,8 @@ a file in one round rather than one error at a time.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from typing import Any
 
 import yaml
@@ -33,7 +35,9 @@ class CatalogError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No NaN or infinity: NaN never equals itself (a replica's spec would never match its profile again,
+    # rolling the model at every restart) and an infinite timeout is no timeout.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class WatchSpec(_Strict):
@@ -112,9 +116,22 @@ def identity_problems(p: ModelProfile) -> list[str]:
     return out
 
 
+def _non_finite(value: Any, path: str) -> Iterator[str]:
+    """Where in a free-form value (engine options) a float is NaN or infinite."""
+    if isinstance(value, float) and not math.isfinite(value):
+        yield f"{path}: not a finite number ({value})"
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _non_finite(v, f"{path}.{k}")
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            yield from _non_finite(v, f"{path}[{i}]")
+
+
 def _semantic_problems(p: ModelProfile) -> list[str]:
     where = f"model {p.name!r}"
     out = identity_problems(p)
+    out += [f"{where}: {problem}" for problem in _non_finite(p.options, "options")]
     if p.engine not in ENGINES:
         return out
     if p.gpu_class is None and p.engine not in CPU_ENGINES:
