@@ -143,3 +143,43 @@ def test_usage_book_drops_forged_future_reports_and_keeps_counting(caplog) -> No
     book.add(_rep("r1", 50, {"k": {"m": (3, 30, 15)}}), now=14)
     book.add(_rep("r1", 15, {"k": {"m": (4, 40, 20)}}), now=15)
     assert book.view().rows == (UsageRow("k", "m", 4, 40, 20),)
+
+
+def _wide(router: str, sent_at: float, entries: int) -> UsageReport:
+    return _rep(router, sent_at, {f"k{i}": {"m": (1, 1, 1)} for i in range(entries)})
+
+
+def test_usage_book_refuses_a_report_with_too_many_entries_and_says_so_once_a_minute(caplog) -> None:
+    import logging
+
+    from llmgw_common.clockcheck import Doubts
+
+    doubts = Doubts(logging.getLogger("llmgw.controlplane"), every_s=60.0)
+    book = UsageBook(max_report_entries=3, doubts=doubts)
+    book.add(_wide("r1", 10, 3), now=10)  # at the cap: kept
+    with caplog.at_level(logging.WARNING, logger="llmgw.controlplane"):
+        book.add(_wide("r1", 11, 4), now=11)
+        book.add(_wide("r1", 40, 4), now=40)
+        lines = [r.getMessage() for r in caplog.records if "not believed from router r1" in r.getMessage()]
+        assert len(lines) == 1 and "4 key/model entries" in lines[0], lines
+        book.add(_wide("r1", 72, 4), now=72)  # a minute after the first line: said again
+        lines = [r.getMessage() for r in caplog.records if "not believed from router r1" in r.getMessage()]
+        assert len(lines) == 2
+    assert doubts.count == 3
+    v = book.view()
+    assert v.routers == 1 and v.updated_at == 10 and len(v.rows) == 3  # the kept report stands
+
+
+def test_usage_book_forgets_the_longest_silent_routers_past_its_entry_cap() -> None:
+    book = UsageBook(max_entries=4)
+    book.add(_wide("old", 1, 2), now=1)
+    book.add(_wide("mid", 2, 2), now=2)
+    assert book.view().routers == 2
+    book.add(_wide("new", 3, 1), now=3)  # 5 entries kept would be over the cap: "old" goes
+    v = book.view()
+    assert v.routers == 2 and v.since == 0 and v.rows[0] == UsageRow("k0", "m", 2, 2, 2)
+    book.add(_wide("mid", 4, 3), now=4)  # a router's own bigger report replaces its old one: 4, fits
+    assert book.view().routers == 2
+    book.add(_wide("new", 5, 2), now=5)  # 5 again: "mid" is now the longest silent, it goes
+    v = book.view()
+    assert v.routers == 1 and len(v.rows) == 2

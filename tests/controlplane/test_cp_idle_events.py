@@ -189,3 +189,30 @@ def test_a_report_claiming_a_time_slightly_ahead_outranks_genuine_ones_only_brie
     # An older report, delayed, still never replaces a newer one.
     m.add(_rep("a", since=0.0, sent_at=99.0, r1=2.0), received_at=100.7)
     assert m.last_used("r1") == 100.2
+
+
+def test_an_idle_report_naming_too_many_replicas_is_refused_and_said_once_a_minute(caplog) -> None:
+    import logging
+
+    from llmgw_common.clockcheck import Doubts
+
+    doubts = Doubts(logging.getLogger("llmgw.controlplane"), every_s=60.0)
+    m = IdleMerger(stale_s=600.0, doubts=doubts, max_report_entries=3)
+    m.add(_rep("a", since=0.0, sent_at=100.0, r1=90.0, r2=91.0, r3=92.0), received_at=100.0)  # at the cap
+    wide = IdleReport(
+        router="a",
+        since=0.0,
+        sent_at=101.0,
+        last_used={"r1": 100.5, "r2": 100.5},
+        breakers={"r3": "open", "r4": "open"},
+    )
+    with caplog.at_level(logging.WARNING, logger="llmgw.controlplane"):
+        m.add(wide, received_at=101.0)
+        m.add(wide.model_copy(update={"sent_at": 130.0}), received_at=130.0)
+        lines = [r.getMessage() for r in caplog.records if "not believed from router a" in r.getMessage()]
+        assert len(lines) == 1 and "4 replicas" in lines[0], lines
+        m.add(wide.model_copy(update={"sent_at": 162.0}), received_at=162.0)
+        lines = [r.getMessage() for r in caplog.records if "not believed from router a" in r.getMessage()]
+        assert len(lines) == 2
+    assert doubts.count == 3
+    assert m.last_used("r1") == 90.0 and m.breaker("r3") == "closed"  # the kept report stands

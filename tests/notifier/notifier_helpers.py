@@ -36,6 +36,21 @@ async def wait_until(pred: Callable[[], bool], timeout: float = 10.0, what: str 
         await asyncio.sleep(0.02)
 
 
+class FakeTime:
+    """A clock and a sleep that only move when slept on: retry schedules without waiting."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, d: float) -> None:
+        self.sleeps.append(d)
+        self.now += d
+
+
 @dataclass
 class Received:
     headers: dict[str, str]

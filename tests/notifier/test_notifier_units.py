@@ -8,6 +8,7 @@ import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from notifier_helpers import FakeTime
 
 from llmgw_common.catalog import WatchSpec
 from llmgw_common.messages import Event, Webhook
@@ -88,19 +89,6 @@ def test_backoff_doubles_to_the_cap_with_jitter_in_the_upper_half() -> None:
     assert backoff_delay(4, 1.0, 60.0, 1.0) == 8.0
     assert backoff_delay(30, 1.0, 60.0, 1.0) == 60.0
     assert backoff_delay(30, 1.0, 60.0, 0.0) == 30.0
-
-
-class FakeTime:
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.sleeps: list[float] = []
-
-    def clock(self) -> float:
-        return self.now
-
-    async def sleep(self, d: float) -> None:
-        self.sleeps.append(d)
-        self.now += d
 
 
 async def test_post_gives_up_after_retry_for_and_honours_retry_after() -> None:

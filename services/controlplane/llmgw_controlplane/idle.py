@@ -17,6 +17,8 @@ too). For one replica:
 A report's times are the router's claims: one that is not a finite time or lies in the future by our
 clock is dropped with one log line (:mod:`llmgw_common.clockcheck`), and a kept report outranks the
 router's later ones only by the time it arrived, so a forged ``sent_at`` cannot freeze a router's view.
+A report naming more than ``max_report_entries`` replicas is refused likewise: a forger with the router
+role could otherwise have ~1 MiB reports (~40,000 replicas, ~7 MB decoded) kept under invented ids.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from enum import StrEnum
 from llmgw_common.clockcheck import Doubts, distrust, distrust_all, order_time
 from llmgw_common.durations import format_duration
 from llmgw_common.messages import IdleReport
+
+# Replicas one report may name (last uses and breakers together); a cluster has far fewer.
+MAX_REPORT_ENTRIES = 10_000
 
 
 class IdleKind(StrEnum):
@@ -79,8 +84,11 @@ class _RouterView:
 class IdleMerger:
     """Routers' idle reports, merged. Pure: time comes in as arguments."""
 
-    def __init__(self, stale_s: float, doubts: Doubts | None = None) -> None:
+    def __init__(
+        self, stale_s: float, doubts: Doubts | None = None, max_report_entries: int = MAX_REPORT_ENTRIES
+    ) -> None:
         self.stale_s = stale_s
+        self.max_report_entries = max_report_entries
         self.doubts = doubts or Doubts(logging.getLogger("llmgw.controlplane"))
         self._routers: dict[str, _RouterView] = {}
         # The latest last report (our clock) of a router that is gone: what it did after is not known.
@@ -89,6 +97,9 @@ class IdleMerger:
     def add(self, report: IdleReport, received_at: float) -> None:
         why = distrust(report.sent_at, received_at) or distrust(report.since, received_at, "since")
         why = why or distrust_all(report.last_used, received_at, "last use of")
+        n = len(report.last_used) + len(report.breakers)
+        if why is None and n > self.max_report_entries:
+            why = f"{n} replicas named (at most {self.max_report_entries} kept per report)"
         if why is not None:
             self.doubts.refuse(f"router {report.router}", "idle report", why, received_at)
             return

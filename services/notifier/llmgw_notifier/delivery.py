@@ -13,8 +13,9 @@ so only a dead notifier's events come back (after ``ack_wait_s``); after a resta
 until those have come back, so order survives a crash too.
 
 A message that no retry delivered within ``retry_for_s`` is logged as an error, counted, and
-terminated (``term``): blocking a target forever would hold back every later alert. The event stays
-in the stream (bounded age) for anyone who wants to replay it.
+terminated (``term``): blocking a target forever would hold back every later alert. An event no
+message can be made of (``render`` fails) is terminated at once, likewise. The event stays in the
+stream (bounded age) for anyone who wants to replay it.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from llmgw_common.messages import Event, Webhook
 from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import Subjects
 from llmgw_notifier.formats import Rendered, render, shown_url
-from llmgw_notifier.grouping import Held, plan_groups
+from llmgw_notifier.grouping import Group, Held, plan_groups
 from llmgw_notifier.outages import KINDS as MERGED_KINDS
 from llmgw_notifier.outages import OutageLedger
 
@@ -70,6 +71,7 @@ class NotifierStats:
     filtered_events: int = 0
     merged_events: int = 0  # model.* events acknowledged unsent: another source had said it
     undecodable_events: int = 0
+    unrenderable_events: int = 0  # terminated unsent: no message could be made of them
     events_emitted: int = 0
     up: bool = False  # settings and catalog read, workers started
     per_target: dict[str, int] = field(default_factory=dict)
@@ -130,7 +132,10 @@ async def post_until_taken(
         wait_hint: float | None = None
         try:
             resp = await client.post(url, content=msg.body, headers=msg.headers, timeout=s.http_timeout_s)
-        except httpx.HTTPError as e:
+        except Exception as e:
+            # Besides httpx.HTTPError, httpx raises plain errors (UnicodeError, InvalidURL) for a URL it
+            # cannot encode: a failed attempt too. Escaping, it killed the worker, and the restarted one
+            # met the same event first again, forever.
             error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             error = error.replace(url, shown_url(url))  # the URL may be a credential (Slack)
         else:
@@ -346,44 +351,74 @@ class TargetWorker:
         held = [h for h in self.held.values() if gate is None or gate.admits(h.seq, now)]
         plan = plan_groups(held, now, self.s.group_window_s)
         for group in plan.ready:
-            rendered = render(group.events, self.hook)
-            outcome = await post_until_taken(self.http, self.hook.url, rendered, self.s, stats=self.stats)
-            seqs = group.seqs
-            if outcome.ok:
-                for seq in seqs:
-                    await self.msgs[seq].ack()
-                self.stats.delivered_events += len(seqs)
-                self.stats.delivered_messages += 1
-                self.stats.per_target[self.target_id] = self.stats.per_target.get(self.target_id, 0) + 1
-            else:
-                log.error(
-                    "GAVE UP delivering %s (%d event(s): %s) to %s after %d attempts over %.0fs: %s; "
-                    "it stays in stream %s until it ages out",
-                    rendered.id,
-                    len(seqs),
-                    ", ".join(e.id for e in group.events[:10]),
-                    shown_url(self.hook.url),
-                    outcome.attempts,
-                    self.s.retry_for_s,
-                    outcome.last_error,
-                    self.subjects.events_stream,
-                )
-                for seq in seqs:
-                    await self.msgs[seq].term()
-                self.stats.gave_up_events += len(seqs)
-            # The acks must reach the server before the next message goes out: a crash then repeats
-            # only the message in flight. A failed flush leaves them buffered for the reconnect.
-            with contextlib.suppress(nats.errors.Error, TimeoutError):
-                await self.nc.flush(timeout=5)
-            for seq in seqs:
-                self.held.pop(seq, None)
-                self.msgs.pop(seq, None)
-                self._mark_done(seq)
+            for part, rendered in self._rendered(group):
+                if rendered is None:
+                    for seq in part.seqs:
+                        await self.msgs[seq].term()
+                    self.stats.unrenderable_events += len(part.seqs)
+                else:
+                    await self._deliver(part, rendered)
+                # The acks must reach the server before the next message goes out: a crash then repeats
+                # only the message in flight. A failed flush leaves them buffered for the reconnect.
+                with contextlib.suppress(nats.errors.Error, TimeoutError):
+                    await self.nc.flush(timeout=5)
+                for seq in part.seqs:
+                    self.held.pop(seq, None)
+                    self.msgs.pop(seq, None)
+                    self._mark_done(seq)
         if gate is not None and len(held) < len(self.held):
             # Some are held back by the gate: look again soon.
             nxt = min(gate.deadline, now + 0.5)
             return nxt if plan.wake_at is None else min(plan.wake_at, nxt)
         return plan.wake_at
+
+    def _rendered(self, group: Group) -> list[tuple[Group, Rendered | None]]:
+        """``group`` as one message; if it cannot be rendered, each of its events alone, and None for
+        each that cannot be either (a forged time the clock cannot show, say). Such an event is a
+        permanent failure: retrying renders it no better, and held first in line it would block every
+        later event to this target."""
+        try:
+            return [(group, render(group.events, self.hook))]
+        except Exception as e:
+            if len(group.items) == 1:
+                log.error(
+                    "event %r cannot be rendered for %s (%s: %s); terminated, it stays in stream %s "
+                    "until it ages out",
+                    group.events[0].id,
+                    shown_url(self.hook.url),
+                    type(e).__name__,
+                    e,
+                    self.subjects.events_stream,
+                )
+                return [(group, None)]
+        return [part for h in group.items for part in self._rendered(Group(group.kind, (h,)))]
+
+    async def _deliver(self, group: Group, rendered: Rendered) -> None:
+        """POST one message until taken or given up; ack (or terminate) its events accordingly."""
+        outcome = await post_until_taken(self.http, self.hook.url, rendered, self.s, stats=self.stats)
+        seqs = group.seqs
+        if outcome.ok:
+            for seq in seqs:
+                await self.msgs[seq].ack()
+            self.stats.delivered_events += len(seqs)
+            self.stats.delivered_messages += 1
+            self.stats.per_target[self.target_id] = self.stats.per_target.get(self.target_id, 0) + 1
+            return
+        log.error(
+            "GAVE UP delivering %s (%d event(s): %s) to %s after %d attempts over %.0fs: %s; "
+            "it stays in stream %s until it ages out",
+            rendered.id,
+            len(seqs),
+            ", ".join(e.id for e in group.events[:10]),
+            shown_url(self.hook.url),
+            outcome.attempts,
+            self.s.retry_for_s,
+            outcome.last_error,
+            self.subjects.events_stream,
+        )
+        for seq in seqs:
+            await self.msgs[seq].term()
+        self.stats.gave_up_events += len(seqs)
 
     def _mark_done(self, seq: int) -> None:
         self._done.add(seq)
