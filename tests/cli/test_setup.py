@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 
 import nats
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -116,3 +117,21 @@ def test_setup_auth_without_nodes_warns_that_no_agent_can_connect(tmp_path) -> N
     assert "agent-" not in auth.read_text()
     r = runner.invoke(app, [*args, "--nodes", "gpu-a1"])
     assert "warning: no --nodes" not in r.output
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("hooks.slack.com/services/T/B/X", "needs http:// or https://"),
+        ("ftp://example.com/hook", "needs http:// or https://"),
+        ("http:///hook", "has no host"),
+        ("http://[::1/hook", "is not a URL"),
+        ("http://example.com:99999/hook", "is not a URL"),
+    ],
+)
+def test_setup_refuses_a_webhook_that_is_not_an_http_url(url: str, problem: str) -> None:
+    """Refused before anything is written: a URL no client can post to would be kept, every event given
+    up on it, while `ctl status` no longer warns that nobody is told."""
+    r = runner.invoke(app, ["setup", "--no-input", "--nats", "nats://127.0.0.1:1", "--webhook", url])
+    assert r.exit_code == 1, r.output
+    assert problem in r.output and "did not answer" not in r.output, r.output

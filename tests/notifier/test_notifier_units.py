@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import httpx
 import pytest
@@ -353,3 +354,23 @@ def test_delivered_downs_and_recoveries_alternate(steps: list[tuple[str, str]]) 
             assert "previous_down" in e.details  # a second down only when a source lost track
         last = e.kind
     assert (outage is not None) == (last == DOWN)
+
+
+def test_a_webhook_url_no_client_can_post_to_is_skipped_and_the_others_kept(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A URL written straight into the settings key (setup refuses it) must not crash-loop its worker:
+    ``shown_url`` raised on it in every log line and the consumer's config."""
+    from llmgw_common.messages import ClusterSettings
+    from llmgw_notifier.targets import webhooks_by_target
+
+    bad = "http://[::1/services/SECRET"
+    shown = shown_url(bad)
+    assert "SECRET" not in shown and shown.startswith("http://")
+    ok = Webhook(url="http://127.0.0.1:9/ok")
+    cs = ClusterSettings(webhooks=(Webhook(url=bad), Webhook(url="hooks.example.com/x"), ok))
+    with caplog.at_level(logging.WARNING):
+        kept = webhooks_by_target(cs)
+    assert list(kept.values()) == [ok]
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skipped) == 2 and not any("SECRET" in m for m in skipped), skipped

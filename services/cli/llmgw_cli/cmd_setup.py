@@ -29,6 +29,7 @@ from llmgw_common.messages import ClusterSettings, Webhook
 from llmgw_common.natsauth import all_roles, authorization_config, role_credentials
 from llmgw_common.settings import BusSettings
 from llmgw_common.subjects import DESIRED_SETTINGS, Subjects
+from llmgw_common.urls import http_url_problem
 from llmgw_notifier.formats import shown_url
 
 EMPTY_WEBHOOK_MEANS = (
@@ -125,6 +126,8 @@ def register(app: typer.Typer) -> None:
             )
             if webhook:
                 webhook_format = typer.prompt("Format (slack or json)", default=webhook_format)
+        if webhook and (problem := http_url_problem(webhook)) is not None:
+            _fail(f"the webhook URL {problem}")  # not echoed: a Slack URL is a credential
         if webhook_format not in ("slack", "json"):
             _fail(f"webhook format {webhook_format!r} is neither slack nor json")
         try:

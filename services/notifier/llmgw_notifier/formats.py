@@ -83,8 +83,11 @@ def group_id(events: Sequence[Event]) -> str:
 def shown_url(url: str) -> str:
     """A webhook URL fit for logs: scheme and host only, plus a short hash to tell targets apart.
     A Slack incoming-webhook URL is itself a credential: its path must never reach a log."""
-    parts = urlsplit(url)
     tag = hashlib.sha256(url.encode()).hexdigest()[:8]
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # a URL that does not parse must still be loggable (it came from the bus)
+        return f"{url.partition(':')[0][:10]}://?/… [{tag}]"
     return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}/… [{tag}]"
 
 

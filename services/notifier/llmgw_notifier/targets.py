@@ -27,6 +27,7 @@ from llmgw_common.codec import DecodeError, decode
 from llmgw_common.messages import ClusterSettings, Webhook
 from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import DESIRED_SETTINGS, Subjects
+from llmgw_common.urls import http_url_problem
 from llmgw_notifier.delivery import NotifierStats, TargetWorker, consumer_name
 from llmgw_notifier.formats import FORMATS, shown_url
 from llmgw_notifier.outages import OutageLedger
@@ -45,6 +46,10 @@ def webhooks_by_target(cs: ClusterSettings) -> dict[str, Webhook]:
     """The targets of ``cs``, first entry winning when a URL is listed twice."""
     out: dict[str, Webhook] = {}
     for hook in cs.webhooks:
+        if (problem := http_url_problem(hook.url)) is not None:
+            # `llmgw setup` refuses these; one written straight into the bus is skipped, the rest kept.
+            log.warning("webhook %s skipped: the URL %s", shown_url(hook.url), problem)
+            continue
         tid = target_id(hook.url)
         if tid in out:
             log.warning(

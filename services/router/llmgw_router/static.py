@@ -19,13 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
 from llmgw_common.catalog import Catalog, ModelProfile, identity_problems
 from llmgw_common.messages import ApiKeyRecord, Endpoint, RoutingEndpoints
+from llmgw_common.urls import http_url_problem
 from llmgw_common.validation import describe, validate_named
 from llmgw_common.yamlsafe import load_yaml
 
@@ -91,14 +91,7 @@ class StaticKey(BaseModel):
 
 
 def _is_http_url(u: Any) -> bool:
-    if not isinstance(u, str):
-        return False
-    try:
-        p = urlsplit(u)
-        p.port  # noqa: B018 - raises ValueError on a port that is not a number
-    except ValueError:
-        return False
-    return p.scheme in ("http", "https") and bool(p.hostname)
+    return isinstance(u, str) and http_url_problem(u) is None
 
 
 def _model_checks(m: StaticModel) -> list[str]:
