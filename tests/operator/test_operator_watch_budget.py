@@ -91,9 +91,11 @@ async def test_killed_engine_alerts_after_the_budget_not_after_node_lost(cluster
         down, recovered = evs
         after = down.time - t_kill
         print(f"engine {pid} killed; model.down {after:.2f}s later (budget {BUDGET_S}s, tick {TICK_S}s)")
-        # The control plane last saw a ready replica at or after the kill, so not before the budget;
-        # then within a tick (plus the agent noticing the exit and the status message's trip).
-        assert BUDGET_S <= after <= BUDGET_S + TICK_S + 1.5, after
+        # The budget counts from the control plane's last pass that saw the replica ready, which may be
+        # up to one tick before the kill (the kill lands between passes): not before budget - tick;
+        # then within a tick (plus the agent noticing the exit and the status message's trip). Before
+        # the budget existed, model.down came 0.01 s after the kill.
+        assert BUDGET_S - TICK_S <= after <= BUDGET_S + TICK_S + 1.5, after
         assert recovered.time > down.time
     finally:
         await view.close()
