@@ -9,13 +9,14 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from llmgw_common import bus
 from llmgw_common.codec import decode
 from llmgw_common.ctl import CtlClient, CtlError, DebugStatsReply, LeaseRecord
-from llmgw_common.messages import ApiKeyRecord, Heartbeat, ReplicaRecord, RoutingEndpoints, ShardState
+from llmgw_common.messages import ApiKeyRecord, Event, Heartbeat, ReplicaRecord, RoutingEndpoints, ShardState
 from llmgw_common.settings import BusSettings
 from llmgw_common.subjects import LEADER_KEY, ROUTING_ENDPOINTS, Subjects
 
@@ -115,6 +116,25 @@ class BusView:
     async def lease(self) -> tuple[LeaseRecord | None, int]:
         kv = await self.nc.jetstream().key_value(self.subjects.bucket_leader)
         return await bus.kv_get(kv, LEADER_KEY, LeaseRecord)
+
+    async def model_events(self, model: str) -> list[Event]:
+        """The ``model.*`` events about ``model`` in the events stream, in order (none before it exists)."""
+        js = self.nc.jetstream()
+        try:
+            info = await js.stream_info(self.subjects.events_stream)
+        except nats.js.errors.NotFoundError:
+            return []
+        out: list[Event] = []
+        for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1):
+            try:
+                raw = await js.get_msg(self.subjects.events_stream, seq)
+            except nats.js.errors.NotFoundError:
+                continue
+            assert raw.data is not None
+            ev = decode(raw.data, Event)
+            if ev.subject == model and ev.kind.startswith("model."):
+                out.append(ev)
+        return out
 
     async def stats(self) -> DebugStatsReply | None:
         """The active control plane's stats, or None when none answers."""

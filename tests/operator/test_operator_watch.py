@@ -24,7 +24,6 @@ from chaos_bus import BusView, poll
 from chaos_harness import AGGRESSIVE, ChaosCluster, mint_key, wait_endpoints
 from chaos_traffic import wait_serving
 
-from llmgw_common.codec import decode
 from llmgw_common.messages import ClusterSettings, Event, Webhook
 from llmgw_notifier.delivery import consumer_name
 from llmgw_notifier.targets import target_id
@@ -129,7 +128,7 @@ async def test_killed_engine_of_watched_model_alerts_once_down_once_recovered(
     try:
         await wait_serving(c.router_url(), key, "judge")
         # Probes failed while the first replica started: a model that was never up is not down.
-        assert await _model_events(view, "judge") == [], "an alert while the first replica started"
+        assert await view.model_events("judge") == [], "an alert while the first replica started"
         await view.ctl.settings_set(ClusterSettings(webhooks=(Webhook(url=receiver.url, format="json"),)))
         await poll("the notifier delivering to the receiver", lambda: _consumer_idle(view, consumer), 20)
         assert receiver.kinds("judge") == [], receiver.got
@@ -170,26 +169,9 @@ async def test_killed_engine_of_watched_model_alerts_once_down_once_recovered(
         await view.close()
 
 
-async def _model_events(view: BusView, model: str) -> list[Event]:
-    """The ``model.*`` events about ``model`` in the events stream, in order."""
-    js = view.nc.jetstream()
-    info = await js.stream_info(view.subjects.events_stream)
-    out: list[Event] = []
-    for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1):
-        try:
-            raw = await js.get_msg(view.subjects.events_stream, seq)
-        except nats.js.errors.NotFoundError:
-            continue
-        assert raw.data is not None
-        ev = decode(raw.data, Event)
-        if ev.subject == model and ev.kind.startswith("model."):
-            out.append(ev)
-    return out
-
-
 async def _settled(view: BusView, model: str) -> list[Event] | None:
     """The model's events once every source that said down has said recovered (None before)."""
-    evs = await _model_events(view, model)
+    evs = await view.model_events(model)
     open_sources: set[str] = set()
     for e in evs:
         src = e.details.get("source", "controlplane")

@@ -14,12 +14,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import nats.js.errors
 import pytest
 from chaos_bus import BusView, poll
 from chaos_harness import AGGRESSIVE, ChaosCluster, wait_endpoints
 
-from llmgw_common.codec import decode
 from llmgw_common.messages import Event
 
 pytestmark = [pytest.mark.xdist_group("operator"), pytest.mark.e2e, pytest.mark.slow]
@@ -54,36 +52,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosCluster]:
         c.close()
 
 
-async def _model_events(view: BusView, model: str) -> list[Event]:
-    js = view.nc.jetstream()
-    try:
-        info = await js.stream_info(view.subjects.events_stream)
-    except nats.js.errors.NotFoundError:
-        return []
-    out: list[Event] = []
-    for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1):
-        try:
-            raw = await js.get_msg(view.subjects.events_stream, seq)
-        except nats.js.errors.NotFoundError:
-            continue
-        assert raw.data is not None
-        ev = decode(raw.data, Event)
-        if ev.subject == model and ev.kind.startswith("model."):
-            out.append(ev)
-    return out
-
-
 async def test_killed_engine_alerts_after_the_budget_not_after_node_lost(cluster: ChaosCluster) -> None:
     view = await BusView.connect(cluster.nats_url, cluster.prefix)
     try:
-        assert await _model_events(view, "judge") == []
+        assert await view.model_events("judge") == []
         pids, _ = await poll("judge's engine pid", lambda: _pids(view), 15)
         (pid,) = pids
         t_kill = time.time()
         os.killpg(pid, signal.SIGKILL)
 
         async def down_and_up() -> list[Event] | None:
-            evs = await _model_events(view, "judge")
+            evs = await view.model_events("judge")
             return evs if any(e.kind == "model.recovered" for e in evs) else None
 
         evs, _ = await poll("model.down then model.recovered in the stream", down_and_up, 60)
@@ -115,13 +94,13 @@ async def test_silent_node_alerts_after_unreachable_plus_budget_not_after_node_l
             return eps is not None and bool(eps.endpoints.get("judge"))
 
         await poll("judge serving before the freeze", serving, 60)
-        seen = len(await _model_events(view, "judge"))
+        seen = len(await view.model_events("judge"))
         t_stop = time.time()
         os.kill(agent.pid, signal.SIGSTOP)
         try:
 
             async def down() -> Event | None:
-                evs = (await _model_events(view, "judge"))[seen:]
+                evs = (await view.model_events("judge"))[seen:]
                 return evs[0] if evs else None
 
             ev, _ = await poll("model.down after the freeze", down, 30)
@@ -137,7 +116,7 @@ async def test_silent_node_alerts_after_unreachable_plus_budget_not_after_node_l
         assert BUDGET_S <= after <= unreachable_s + BUDGET_S + TICK_S + 1.0, after
 
         async def recovered() -> bool:
-            return [e.kind for e in (await _model_events(view, "judge"))[seen:]] == [
+            return [e.kind for e in (await view.model_events("judge"))[seen:]] == [
                 "model.down",
                 "model.recovered",
             ]
