@@ -23,7 +23,7 @@ STATE_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.O
 class Breaker:
     __slots__ = (
         "_cooldown",
-        "_opened_at",
+        "_open_until",
         "_probing",
         "base_cooldown_s",
         "failures",
@@ -39,7 +39,9 @@ class Breaker:
         self.state = BreakerState.CLOSED
         self.failures = 0
         self._cooldown = cooldown_s
-        self._opened_at = 0.0
+        # The moment the cool-down ends, kept as one sum: comparing ``now - opened_at >= cooldown`` can
+        # come out 3.9999999999 for a 4 s cool-down and refuse a probe that is due.
+        self._open_until = 0.0
         self._probing = False
 
     def allows(self, now: float) -> bool:
@@ -47,7 +49,7 @@ class Breaker:
         if self.state is BreakerState.CLOSED:
             return True
         if self.state is BreakerState.OPEN:
-            return now - self._opened_at >= self._cooldown
+            return now >= self._open_until
         return not self._probing
 
     def acquire(self, now: float) -> bool:
@@ -55,7 +57,7 @@ class Breaker:
         if self.state is BreakerState.CLOSED:
             return True
         if self.state is BreakerState.OPEN:
-            if now - self._opened_at < self._cooldown:
+            if now < self._open_until:
                 return False
             self.state = BreakerState.HALF_OPEN
             self._probing = False
@@ -86,5 +88,5 @@ class Breaker:
 
     def _open(self, now: float) -> None:
         self.state = BreakerState.OPEN
-        self._opened_at = now
+        self._open_until = now + self._cooldown
         self._probing = False
