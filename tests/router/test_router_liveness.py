@@ -122,8 +122,16 @@ _OPS = st.lists(st.tuples(st.integers(0, 3), st.floats(0, 5)), max_size=60)
 # Found by CI: re-opened at 28.952432500452733 with a 4 s cool-down, ``(t + 4) - t`` is 3.9999999999999964
 # and the due probe was refused.
 @example(
-    [(0, 0.0), (0, 1.2517200077360755), (2, 5.0), (2, 5.0), (0, 4.48054080546897), (2, 5.0),
-     (0, 4.047774521845719), (2, 4.172397165401972)]
+    [
+        (0, 0.0),
+        (0, 1.2517200077360755),
+        (2, 5.0),
+        (2, 5.0),
+        (0, 4.48054080546897),
+        (2, 5.0),
+        (0, 4.047774521845719),
+        (2, 4.172397165401972),
+    ]
 )
 def test_breaker_never_locks_once_nothing_is_in_flight(ops):
     # Every permission forward() takes ends in exactly one of success/failure/abandon (its finally).
