@@ -181,6 +181,14 @@ class RoutingEndpoints(Message):
     endpoints: dict[str, tuple[Endpoint, ...]] = Field(default_factory=dict)
     # For catalog models without a ready endpoint: why, in the user's terms (the 503 reason).
     unavailable: dict[str, str] = Field(default_factory=dict)
+    # Models without a ready endpoint for which a replica is on its way (starting, replacing a failed or
+    # drained one, waking): routers hold such requests up to the model's ``queue_timeout_s`` instead of
+    # refusing them. Model -> what is coming, in the user's terms. A model absent here and from
+    # ``endpoints`` has nothing coming: refuse at once with its ``unavailable`` reason.
+    coming: dict[str, str] = Field(default_factory=dict)
+    # Models scaled to zero (catalog ``min_replicas: 0``, idle past ``idle_after``): a request for one
+    # is held while the router asks the control plane to wake it (:class:`WakeRequest`).
+    cold: tuple[str, ...] = ()
 
 
 class RoutingCatalog(Message):
@@ -197,6 +205,26 @@ class IdleReport(Message):
     # Replicas whose circuit breaker in this router is not closed: replica id -> "open" | "half_open".
     # Absent: closed (or never used). For `ctl replicas`.
     breakers: dict[str, str] = Field(default_factory=dict)
+
+
+class WakeState(StrEnum):
+    SERVING = "serving"  # a ready replica exists already (the asker's view was stale)
+    WAKING = "waking"  # a replica is placed or starting; watch the routing endpoints for it
+    REFUSED = "refused"  # no replica can come now: ``reason`` says why, in the user's terms
+
+
+class WakeRequest(Message):
+    """Router -> control plane (request/reply on ``Subjects.wake``): a request is held for a cold model."""
+
+    model: str
+    router: RouterId
+    sent_at: float
+
+
+class WakeReply(Message):
+    model: str
+    state: WakeState
+    reason: str = ""
 
 
 class UsageReport(Message):

@@ -9,7 +9,7 @@ What each role may do:
 - ``controlplane`` and ``admin`` (ctl, keys, setup): everything. Only they can write ``assign``,
   ``desired``, ``replicas``, ``keys``, ``routing``.
 - ``agent-<node>``: publish its own ``node.<node>.*`` subjects; read only its own assignment key.
-- ``router``: publish its idle and usage reports; read ``routing`` and ``keys``; hear load reports.
+- ``router``: publish its idle and usage reports and wake requests; read ``routing`` and ``keys``; hear load reports.
 - ``notifier``: consume the events stream and publish model events; read ``routing`` and ``desired``.
 
 JetStream reads go through the ``$JS.API`` subjects, so a role that may read a bucket is granted the
@@ -92,6 +92,7 @@ def router_role(subjects: Subjects, password: str) -> Role:
         publish=(
             f"{subjects.prefix}.router.*.idle",
             f"{subjects.prefix}.router.*.usage",
+            f"{subjects.prefix}.router.*.wake",
             *_kv_read(subjects.bucket_routing),
             *_kv_read(subjects.bucket_keys),
             *_stream_info(subjects),

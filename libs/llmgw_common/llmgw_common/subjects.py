@@ -49,6 +49,14 @@ class Subjects:
     def all_idle(self) -> str:
         return f"{self.prefix}.router.*.idle"
 
+    def wake(self, router: str) -> str:
+        """Router -> control plane, request/reply: wake a model scaled to zero (WakeRequest/WakeReply).
+        Only the leading control plane answers; a router re-asks while it holds requests."""
+        return f"{self.prefix}.router.{router}.wake"
+
+    def all_wake(self) -> str:
+        return f"{self.prefix}.router.*.wake"
+
     def usage(self, router: str) -> str:
         return f"{self.prefix}.router.{router}.usage"
 
