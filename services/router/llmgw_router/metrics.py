@@ -18,12 +18,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
+from prometheus_client.utils import floatToGoString as _untyped_go_float
 
 from llmgw_router.admission import Gate
 from llmgw_router.breaker import STATE_VALUE
 from llmgw_router.endpoints import Pool
 
+# Prometheus' spelling of a bucket bound ("0.005", "1.0"); its helper carries no annotations.
+_go_float: Callable[[float], str] = _untyped_go_float
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -96,7 +98,7 @@ def _histogram_family(
 ) -> Iterator[Metric]:
     hist = Metric(name, doc, "histogram")
     created = Metric(name + "_created", doc, "gauge")
-    bounds = [floatToGoString(b) for b in buckets] + ["+Inf"]
+    bounds = [_go_float(b) for b in buckets] + ["+Inf"]
     for value, h in list(children.items()):
         acc = 0
         for bound, n in zip(bounds, h.counts, strict=True):
