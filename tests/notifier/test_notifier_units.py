@@ -11,10 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from notifier_helpers import FakeTime
 
+from llmgw_common.backoff import jittered_delay
 from llmgw_common.catalog import WatchSpec
 from llmgw_common.messages import Event, Webhook
 from llmgw_common.settings import NotifierSettings
-from llmgw_notifier.delivery import StartGate, backoff_delay, post_until_taken, retry_after_s, wants
+from llmgw_notifier.delivery import StartGate, post_until_taken, retry_after_s, wants
 from llmgw_notifier.formats import group_id, render, shown_url, sign, slack_text, verify
 from llmgw_notifier.grouping import Held, plan_groups
 from llmgw_notifier.outages import Outage, Verdict, fold
@@ -85,11 +86,11 @@ def test_grouping_loses_nothing_and_keeps_order_within_a_kind(raw: list[tuple[st
 
 
 def test_backoff_doubles_to_the_cap_with_jitter_in_the_upper_half() -> None:
-    assert backoff_delay(1, 1.0, 60.0, 0.0) == 0.5
-    assert backoff_delay(1, 1.0, 60.0, 0.999) == pytest.approx(0.9995)
-    assert backoff_delay(4, 1.0, 60.0, 1.0) == 8.0
-    assert backoff_delay(30, 1.0, 60.0, 1.0) == 60.0
-    assert backoff_delay(30, 1.0, 60.0, 0.0) == 30.0
+    assert jittered_delay(1, 1.0, 60.0, 0.0) == 0.5
+    assert jittered_delay(1, 1.0, 60.0, 0.999) == pytest.approx(0.9995)
+    assert jittered_delay(4, 1.0, 60.0, 1.0) == 8.0
+    assert jittered_delay(30, 1.0, 60.0, 1.0) == 60.0
+    assert jittered_delay(30, 1.0, 60.0, 0.0) == 30.0
 
 
 async def test_post_gives_up_after_retry_for_and_honours_retry_after() -> None:

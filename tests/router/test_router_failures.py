@@ -89,7 +89,7 @@ async def test_breaker_half_open_probe_closes_it(engines, routers, static_file):
     eng = await engines("m1", startup_s=0.5)
     r = await routers(static_file({"m1": [eng.url]}, auth=False))
     ep = next(iter(r.ctx.pool.by_key.values()))
-    ep.breaker.base_cooldown_s = ep.breaker._cooldown = 0.3
+    ep.breaker.base_cooldown_s = 0.3
     url = f"http://127.0.0.1:{r.port}/v1/completions"
     async with aiohttp.ClientSession() as s:
         async with s.post(url, json={"model": "m1", "prompt": "a"}) as resp:

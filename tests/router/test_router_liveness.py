@@ -167,7 +167,7 @@ async def test_every_endpoint_excluded_answers_at_once(engines, routers, static_
     eng = await engines("m1")
     r = await routers(static_file({"m1": [eng.url]}, auth=False))
     ep = next(iter(r.ctx.pool.by_key.values()))
-    ep.breaker.base_cooldown_s = ep.breaker._cooldown = 3600.0
+    ep.breaker.base_cooldown_s = 3600.0
     for _ in range(ep.breaker.threshold):
         ep.breaker.failure(r.ctx.clock())
     async with aiohttp.ClientSession() as s:
@@ -188,7 +188,7 @@ async def test_a_long_stream_as_half_open_probe_does_not_hold_the_endpoint_shut(
     eng = await engines("m1", startup_s=0.5, ttft_ms=5, tokens_per_s=20)
     r = await routers(static_file({"m1": [eng.url]}, auth=False))
     ep = next(iter(r.ctx.pool.by_key.values()))
-    ep.breaker.base_cooldown_s = ep.breaker._cooldown = 0.3
+    ep.breaker.base_cooldown_s = 0.3
     url = f"http://127.0.0.1:{r.port}/v1/completions"
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
         async with s.post(url, json={"model": "m1", "prompt": "a"}) as resp:

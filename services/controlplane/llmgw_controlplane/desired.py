@@ -20,6 +20,7 @@ from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
+from llmgw_common.backoff import jittered_delay
 from llmgw_common.bus import DropLog
 from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.messages import Marks
@@ -100,8 +101,9 @@ class DesiredStore:
                 return Changed(current, new, written)
             except KeyWrongLastSequenceError:
                 self.conflicts += 1
-                delay = min(self.backoff_s * 2**attempt, BACKOFF_MAX_S)
-                await asyncio.sleep(delay * (0.5 + self.rng.random()))
+                await asyncio.sleep(
+                    jittered_delay(attempt + 1, self.backoff_s, BACKOFF_MAX_S, self.rng.random())
+                )
         raise DesiredConflict(
             f"{key} in {self.kv._name} changed under every one of {self.attempts} attempts "
             "(other writers are busy); nothing was changed, try again"

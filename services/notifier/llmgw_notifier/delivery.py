@@ -88,13 +88,6 @@ def wants(hook: Webhook, kind: str) -> bool:
     return any(fnmatchcase(kind, pattern) for pattern in hook.events)
 
 
-def backoff_delay(attempt: int, base: float, cap: float, rand: float) -> float:
-    """Delay before retry ``attempt`` (1-based): doubling from ``base`` up to ``cap``, then jittered
-    into its upper half with ``rand`` in [0, 1), so many notifiers do not retry in step."""
-    ceiling = backoff.backoff_delay(attempt, base, cap)
-    return ceiling * (0.5 + 0.5 * rand)
-
-
 def retry_after_s(resp: httpx.Response) -> float | None:
     """A receiver's ``Retry-After`` in seconds (Slack sends it with 429); None when absent or a date."""
     value = resp.headers.get("retry-after")
@@ -148,7 +141,7 @@ async def post_until_taken(
         now = clock()
         if now >= deadline:
             return Outcome(False, attempt, error)
-        delay = backoff_delay(attempt, s.retry_base_s, s.retry_max_s, rng())
+        delay = backoff.jittered_delay(attempt, s.retry_base_s, s.retry_max_s, rng())
         if wait_hint is not None:
             delay = max(delay, wait_hint)
         delay = min(delay, deadline - now)

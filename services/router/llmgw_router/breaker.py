@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from llmgw_common.backoff import backoff_delay
+
 
 class BreakerState(StrEnum):
     CLOSED = "closed"
@@ -22,7 +24,7 @@ STATE_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.O
 
 class Breaker:
     __slots__ = (
-        "_cooldown",
+        "_failed_probes",
         "_open_until",
         "_probing",
         "base_cooldown_s",
@@ -38,7 +40,8 @@ class Breaker:
         self.max_cooldown_s = max_cooldown_s
         self.state = BreakerState.CLOSED
         self.failures = 0
-        self._cooldown = cooldown_s
+        # Probes that failed since the breaker last closed: each doubles the next cool-down.
+        self._failed_probes = 0
         # The moment the cool-down ends, kept as one sum: comparing ``now - opened_at >= cooldown`` can
         # come out 3.9999999999 for a 4 s cool-down and refuse a probe that is due.
         self._open_until = 0.0
@@ -70,14 +73,14 @@ class Breaker:
         self.failures = 0
         if self.state is not BreakerState.CLOSED:
             self.state = BreakerState.CLOSED
-            self._cooldown = self.base_cooldown_s
+            self._failed_probes = 0
             self._probing = False
 
     def failure(self, now: float) -> None:
         self.failures += 1
         if self.state is BreakerState.HALF_OPEN:
             # The probe failed: back off longer before the next one.
-            self._cooldown = min(self._cooldown * 2, self.max_cooldown_s)
+            self._failed_probes += 1
             self._open(now)
         elif self.state is BreakerState.CLOSED and self.failures >= self.threshold:
             self._open(now)
@@ -88,5 +91,6 @@ class Breaker:
 
     def _open(self, now: float) -> None:
         self.state = BreakerState.OPEN
-        self._open_until = now + self._cooldown
+        cooldown = backoff_delay(self._failed_probes + 1, self.base_cooldown_s, self.max_cooldown_s)
+        self._open_until = now + cooldown
         self._probing = False
