@@ -84,19 +84,20 @@ def _place_multi(
 ) -> Placement | Unplaceable:
     cls = profile.gpu_class
     need = profile.gpus
-    ranker = Ranker(fleet, profile)
+    key = Ranker(fleet, profile).key
     nodes = fleet.snap.nodes
+    eligible = fleet.static_set(profile, exclude)
     by_fabric: dict[str, list[tuple[ScoreKey, str]]] = {}
-    for name in ok:
-        fabric = nodes[name].fabric
-        if fabric is None:
+    # Nodes with room for a shard, from the packing index (free GPUs of the class, or for CPU shards run):
+    # it already knows each node's free count, and skips the nodes without room wholesale.
+    for pack, names in fleet.pack_index(cls).items():
+        if cls is not None and pack < need:
             continue
-        free: int | None = None
-        if cls is not None:
-            free = len(fleet.free(name, cls))
-            if free < need:
-                continue
-        by_fabric.setdefault(fabric, []).append((ranker.key(name, fabric, free), name))
+        free = pack if cls is not None else None
+        for name in names:
+            fabric = nodes[name].fabric
+            if fabric is not None and name in eligible:
+                by_fabric.setdefault(fabric, []).append((key(name, fabric, free), name))
     best: tuple[tuple[int, int, int, int, str], list[str]] | None = None
     for fabric, cands in by_fabric.items():
         if len(cands) < profile.nodes:
