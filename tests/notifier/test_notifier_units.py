@@ -14,8 +14,9 @@ from notifier_helpers import FakeTime
 from llmgw_common.catalog import WatchSpec
 from llmgw_common.messages import Event, Webhook
 from llmgw_common.settings import NotifierSettings
+from llmgw_common.urls import shown_url
 from llmgw_notifier.delivery import StartGate, backoff_delay, post_until_taken, retry_after_s, wants
-from llmgw_notifier.formats import group_id, render, shown_url, sign, slack_text, verify
+from llmgw_notifier.formats import group_id, render, sign, slack_text, verify
 from llmgw_notifier.grouping import Held, plan_groups
 from llmgw_notifier.outages import Outage, Verdict, fold
 from llmgw_notifier.probes import DOWN, RECOVERED, ProbeState, event_id, observe, probe_event
