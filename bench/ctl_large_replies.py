@@ -24,7 +24,7 @@ from llmgw_common.codec import encode
 from llmgw_common.ctl import CtlClient, CtlUnavailable
 from llmgw_common.natsserver import NatsServer, ensure_on_path
 from llmgw_common.subjects import Subjects
-from llmgw_controlplane.synthetic import synthetic_inventories
+from llmgw_sim.synthetic import synthetic_inventories
 
 PREFIX = "bench"
 CATALOG = "models:\n  - {name: m, engine: sim, gpu_class: H100-80GB, replicas: 750}\n"

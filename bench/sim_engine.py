@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import aiohttp
 import psutil
 
-from llmgw_agent.sim_options import SimOptions
+from llmgw_sim.options import SimOptions
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,10 @@ import pytest
 from agent_helpers import Recorder, alive, assignment, free_port, script_spec
 
 from llmgw_agent.converge import assignment_fingerprint
+from llmgw_agent.enginelogs import read_tail
 from llmgw_agent.engines import LaunchSpec, launch_spec
 from llmgw_agent.metrics import VLLM_METRICS
-from llmgw_agent.supervisor import Supervisor, read_tail
+from llmgw_agent.supervisor import Supervisor
 from llmgw_common.messages import ShardState
 from llmgw_common.settings import AgentSettings
 
@@ -363,7 +364,7 @@ async def test_unwritable_state_file_still_supervises(
 
 
 def test_engines_do_not_inherit_the_agents_bus_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
-    from llmgw_agent.supervisor import engine_environ
+    from llmgw_agent.procgroups import engine_environ
 
     monkeypatch.setenv("LLMGW_NATS_PASSWORD", "s3cret")
     monkeypatch.setenv("LLMGW_NATS_TOKEN", "t0ken")

@@ -15,11 +15,12 @@ from weights_files import safetensors_bytes, write
 
 from llmgw_agent.gpus import GpuProbe
 from llmgw_agent.inventory import collect_inventory, count_cpus, parse_meminfo_gb, read_memory_gb
-from llmgw_agent.sim_gpus import parse_sim_gpus, sim_gpus
 from llmgw_agent.storage import WeightsCache
 from llmgw_common.codec import decode, encode
+from llmgw_common.gpuspec import parse_sim_gpus
 from llmgw_common.messages import Inventory
 from llmgw_common.settings import AgentSettings
+from llmgw_sim.gpus import sim_gpus
 
 MEMINFO = "MemTotal:       2113389016 kB\nMemFree:        1904121212 kB\nMemAvailable:   2001234567 kB\n"
 

@@ -293,8 +293,8 @@ def mint_key(cluster: ChaosCluster, name: str = "chaos") -> str:
     import asyncio
 
     from llmgw_common import bus
+    from llmgw_common.apikeys import create_key
     from llmgw_common.settings import BusSettings
-    from llmgw_router.keys import create_key
 
     async def main() -> str:
         nc = await bus.connect(BusSettings(nats_urls=[cluster.nats_url], prefix=cluster.prefix), "chaos-key")

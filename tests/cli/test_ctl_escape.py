@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw_cli.cmd_ctl import (
+from llmgw_cli.ctl_render import (
     render_diff,
     render_explain,
     render_models,
     render_nodes,
     render_replicas,
-    render_status,
     table,
 )
+from llmgw_cli.ctl_status import render_status
 from llmgw_common.ctl import (
     CatalogDiff,
     ExplainReply,

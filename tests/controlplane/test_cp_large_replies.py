@@ -23,7 +23,7 @@ from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.ctl import CtlClient, CtlError, Empty, NodeInfo, NodesReply
 from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
-from llmgw_controlplane.synthetic import synthetic_inventories
+from llmgw_sim.synthetic import synthetic_inventories
 
 MAX_PAYLOAD = 32 * 1024
 NODES = 300

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from llmgw_cli.cmd_ctl import render_nodes, render_status
+from llmgw_cli.ctl_render import render_nodes
+from llmgw_cli.ctl_status import render_status
 from llmgw_common.codec import decode, encode
 from llmgw_common.ctl import NodesReply, StatusReply
 from llmgw_common.messages import (

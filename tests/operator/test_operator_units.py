@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from llmgw_cli.cmd_ctl import _wrap_ids, render_status, usage_bar
+from llmgw_cli.ctl_status import _wrap_ids, render_status, usage_bar
 from llmgw_common.catalog import Catalog, ModelProfile
 from llmgw_common.ctl import ClassCapacity, StatusReply, UnplaceableInfo
 from llmgw_controlplane.reconciler import reconcile

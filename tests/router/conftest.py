@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import yaml
 
-from llmgw_agent import sim_engine
-from llmgw_agent.sim_options import SimOptions
 from llmgw_common.settings import RouterSettings
 from llmgw_router.service import Router
+from llmgw_sim import engine as sim_engine
+from llmgw_sim.options import SimOptions
 
 EngineFactory = Callable[..., Awaitable[sim_engine.Listening]]
 RouterFactory = Callable[..., Awaitable[Router]]

@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmgw_common import bus
+from llmgw_common.apikeys import create_key, hash_key, list_keys, revoke_key
 from llmgw_common.catalog import Catalog, ModelProfile
 from llmgw_common.codec import decode, encode
 from llmgw_common.messages import (
@@ -26,7 +27,6 @@ from llmgw_common.messages import (
 )
 from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
-from llmgw_router.keys import create_key, hash_key, list_keys, revoke_key
 
 
 async def _poll(cond, timeout: float = 5.0) -> bool:

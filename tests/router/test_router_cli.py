@@ -13,7 +13,7 @@ import openai
 import yaml
 from typer.testing import CliRunner
 
-from llmgw_router.keys import generate_key, hash_key
+from llmgw_common.apikeys import generate_key, hash_key
 
 
 async def test_router_process_in_static_mode(engines, tmp_path, port):

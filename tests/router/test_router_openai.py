@@ -9,7 +9,7 @@ import aiohttp
 import openai
 import pytest
 
-from llmgw_router.keys import generate_key, hash_key
+from llmgw_common.apikeys import generate_key, hash_key
 
 KEY = generate_key()
 LIMITED = generate_key()

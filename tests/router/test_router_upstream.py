@@ -11,9 +11,9 @@ from typing import cast
 import pytest
 import uvloop
 
-from llmgw_agent import sim_engine
-from llmgw_agent.sim_options import SimOptions
 from llmgw_router.upstream import ConnectFailed, Disconnected, ReadTimeout, UpstreamClient
+from llmgw_sim import engine as sim_engine
+from llmgw_sim.options import SimOptions
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 BODY = b'{"model":"m","prompt":"x","max_tokens":3}'

@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 from sim_testkit import EngineProcess
 
-from llmgw_agent.sim_engine import Listening, start
-from llmgw_agent.sim_options import SimOptions
+from llmgw_sim.engine import Listening, start
+from llmgw_sim.options import SimOptions
 
 LISTEN_RE = re.compile(rb"sim-engine listening on (http://\S+)")
 

@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 from sim_testkit import parse_metrics, poll
 
-from llmgw_agent.sim_engine import Listening
-from llmgw_agent.sim_slots import Slots
+from llmgw_sim.engine import Listening
+from llmgw_sim.slots import Slots
 
 Engine = Callable[..., Awaitable[Listening]]
 

@@ -10,7 +10,7 @@ import aiohttp
 import openai
 import pytest
 
-from llmgw_agent.sim_engine import Listening
+from llmgw_sim.engine import Listening
 
 MODEL = "sim-test"
 

@@ -8,10 +8,10 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from llmgw_agent.sim_cluster import HEARTBEAT_MISSES, Membership
-from llmgw_agent.sim_metrics import LoadSnapshot, render
-from llmgw_agent.sim_options import SimOptions
 from llmgw_cli import cmd_sim_engine
+from llmgw_sim.cluster import HEARTBEAT_MISSES, Membership
+from llmgw_sim.metrics import LoadSnapshot, render
+from llmgw_sim.options import SimOptions
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import openai
 import pytest
 from sim_testkit import EngineProcess, poll
 
-from llmgw_agent.sim_engine import FAULT_EXIT_CODE, Listening
-from llmgw_agent.sim_options import SimOptions
+from llmgw_sim.engine import FAULT_EXIT_CODE, Listening
+from llmgw_sim.options import SimOptions
 
 Spawn = Callable[[SimOptions], Awaitable[EngineProcess]]
 

@@ -1,7 +1,8 @@
-"""One check for the http(s) URLs an operator gives llmgw: webhooks, static router endpoints."""
+"""The http(s) URLs an operator gives llmgw (webhooks, static router endpoints): one check, one way to log them."""
 
 from __future__ import annotations
 
+import hashlib
 from urllib.parse import urlsplit
 
 
@@ -17,3 +18,14 @@ def http_url_problem(url: str) -> str | None:
     if not parts.hostname:
         return "has no host"
     return None
+
+
+def shown_url(url: str) -> str:
+    """A webhook URL fit for logs: scheme and host only, plus a short hash to tell targets apart.
+    A Slack incoming-webhook URL is itself a credential: its path must never reach a log."""
+    tag = hashlib.sha256(url.encode()).hexdigest()[:8]
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # a URL that does not parse must still be loggable (it came from the bus)
+        return f"{url.partition(':')[0][:10]}://?/… [{tag}]"
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}/… [{tag}]"

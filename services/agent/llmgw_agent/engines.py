@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from llmgw_agent.metrics import LLAMACPP_METRICS, VLLM_METRICS, MetricNames
-from llmgw_agent.sim_options import SimOptions
 from llmgw_common.messages import ShardAssignment
 from llmgw_common.settings import AgentSettings
+from llmgw_sim.options import SimOptions
 
 # Option keys the agent itself reads from ``assignment.options``; the rest belong to the engine.
 AGENT_OPTIONS = frozenset({"metrics", "model_path", "master_port", "host"})

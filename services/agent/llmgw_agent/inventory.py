@@ -13,10 +13,10 @@ from pathlib import Path
 
 from llmgw_agent.engines import llama_server_path
 from llmgw_agent.gpus import GpuProbe, NvmlApi
-from llmgw_agent.sim_gpus import sim_gpus
 from llmgw_agent.storage import WeightsCache, read_mounts, scan_model_dirs
 from llmgw_common.messages import GpuInfo, Inventory
 from llmgw_common.settings import AgentSettings
+from llmgw_sim.gpus import sim_gpus
 
 log = logging.getLogger(__name__)
 

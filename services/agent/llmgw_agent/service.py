@@ -26,7 +26,8 @@ from pydantic import BaseModel
 from llmgw_agent.converge import Running, ShardKey, Wanted, assignment_fingerprint, plan_converge
 from llmgw_agent.engines import LaunchSpec, Refusal, launch_spec
 from llmgw_agent.metrics import extract_load, parse_prometheus
-from llmgw_agent.supervisor import EngineRecord, Shard, Supervisor
+from llmgw_agent.statefile import EngineRecord
+from llmgw_agent.supervisor import Shard, Supervisor
 from llmgw_common.bus import DropLog, KvFollower, connect, ensure_kv
 from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.messages import (

@@ -88,8 +88,8 @@ def create(
     prefix: str | None = _PREFIX,
 ) -> None:
     """Make a key. It is printed once and never stored: keep it."""
+    from llmgw_common.apikeys import KeyOpError, create_key
     from llmgw_common.durations import parse_duration
-    from llmgw_router.keys import KeyOpError, create_key
 
     try:
         expires_at = time.time() + parse_duration(expires) if expires else None
@@ -125,7 +125,7 @@ def list_(
     prefix: str | None = _PREFIX,
 ) -> None:
     """List keys (never their hashes)."""
-    from llmgw_router.keys import list_keys
+    from llmgw_common.apikeys import list_keys
 
     recs = _run(config, nats, prefix, lambda nc, pfx: list_keys(nc, pfx))
     if output == "json":
@@ -157,7 +157,7 @@ def revoke(
     prefix: str | None = _PREFIX,
 ) -> None:
     """Revoke a key: every router refuses it within a tick."""
-    from llmgw_router.keys import KeyOpError, revoke_key
+    from llmgw_common.apikeys import KeyOpError, revoke_key
 
     async def op(nc: Any, pfx: str) -> ApiKeyRecord:
         try:
@@ -176,7 +176,7 @@ def revoke(
 @keys_app.command("hash")
 def hash_(key: str = typer.Argument(..., help="A key, for a static router file's 'keys' list")) -> None:
     """Print the sha256 of a key (what a record or a static file holds)."""
-    from llmgw_router.keys import hash_key
+    from llmgw_common.apikeys import hash_key
 
     typer.echo(hash_key(key))
 

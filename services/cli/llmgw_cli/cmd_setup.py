@@ -29,8 +29,7 @@ from llmgw_common.messages import ClusterSettings, Webhook
 from llmgw_common.natsauth import all_roles, authorization_config, role_credentials
 from llmgw_common.settings import BusSettings
 from llmgw_common.subjects import DESIRED_SETTINGS, Subjects
-from llmgw_common.urls import http_url_problem
-from llmgw_notifier.formats import shown_url
+from llmgw_common.urls import http_url_problem, shown_url
 
 EMPTY_WEBHOOK_MEANS = (
     "An empty answer means no webhook: nobody will be told when a node or a watched model goes down "

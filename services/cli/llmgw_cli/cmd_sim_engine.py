@@ -8,7 +8,7 @@ import sys
 
 import typer
 
-from llmgw_agent.sim_options import METRICS_STYLES, SimOptions
+from llmgw_sim.options import METRICS_STYLES, SimOptions
 
 _D = SimOptions()
 
@@ -72,8 +72,8 @@ def sim_engine(
         typer.echo(json.dumps(opts.to_dict(), sort_keys=True))
         return
 
-    from llmgw_agent.sim_engine import FaultExit, serve
     from llmgw_common.runtime import run_service, setup_logging
+    from llmgw_sim.engine import FaultExit, serve
 
     setup_logging(log_level, name="sim-engine")
     exit_code = 0

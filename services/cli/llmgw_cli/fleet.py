@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from llmgw_agent.sim_gpus import parse_sim_gpus
+from llmgw_common.gpuspec import parse_sim_gpus
 from llmgw_common.subjects import check_token
 from llmgw_common.validation import validate_named
 from llmgw_common.yamlsafe import load_yaml

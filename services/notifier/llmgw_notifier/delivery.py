@@ -44,7 +44,8 @@ from llmgw_common.codec import DecodeError, decode
 from llmgw_common.messages import Event, Webhook
 from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import Subjects
-from llmgw_notifier.formats import Rendered, render, shown_url
+from llmgw_common.urls import shown_url
+from llmgw_notifier.formats import Rendered, render
 from llmgw_notifier.grouping import Group, Held, plan_groups
 from llmgw_notifier.outages import KINDS as MERGED_KINDS
 from llmgw_notifier.outages import OutageLedger

@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import urlsplit
 
 from llmgw_common.messages import Event, Webhook
 from llmgw_common.names import visible
@@ -78,17 +77,6 @@ def group_id(events: Sequence[Event]) -> str:
         return events[0].id
     h = hashlib.sha256("\n".join(e.id for e in events).encode()).hexdigest()[:24]
     return f"group-{h}"
-
-
-def shown_url(url: str) -> str:
-    """A webhook URL fit for logs: scheme and host only, plus a short hash to tell targets apart.
-    A Slack incoming-webhook URL is itself a credential: its path must never reach a log."""
-    tag = hashlib.sha256(url.encode()).hexdigest()[:8]
-    try:
-        parts = urlsplit(url)
-    except ValueError:  # a URL that does not parse must still be loggable (it came from the bus)
-        return f"{url.partition(':')[0][:10]}://?/… [{tag}]"
-    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}/… [{tag}]"
 
 
 def sign(body: bytes, secret: str) -> str:

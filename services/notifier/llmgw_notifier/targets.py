@@ -27,9 +27,9 @@ from llmgw_common.codec import DecodeError, decode
 from llmgw_common.messages import ClusterSettings, Webhook
 from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import DESIRED_SETTINGS, Subjects
-from llmgw_common.urls import http_url_problem
+from llmgw_common.urls import http_url_problem, shown_url
 from llmgw_notifier.delivery import NotifierStats, TargetWorker, consumer_name
-from llmgw_notifier.formats import FORMATS, shown_url
+from llmgw_notifier.formats import FORMATS
 from llmgw_notifier.outages import OutageLedger
 
 log = logging.getLogger("llmgw.notifier.targets")

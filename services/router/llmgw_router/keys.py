@@ -1,44 +1,18 @@
-"""API keys: generation, hashing, the records in ``<prefix>_keys`` and the router's in-memory table.
+"""The router's in-memory table of API keys, fed from the records in ``<prefix>_keys``.
 
-A key is shown once, when it is made; the bucket holds only its sha256 (hex). A router follows the
-bucket and answers every check from memory, so a revoked or expired key stops working within one
-watch event (and at worst one resync) on every router, with no bus call on the request path.
+A router follows the bucket and answers every check from memory, so a revoked or expired key stops
+working within one watch event (and at worst one resync) on every router, with no bus call on the
+request path. Minting and the bucket operations are in ``llmgw_common.apikeys``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import secrets
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
-from nats.js.kv import KeyValue
-
-from llmgw_common import bus
-from llmgw_common.codec import DecodeError, decode, encode
+from llmgw_common.apikeys import hash_key
+from llmgw_common.codec import DecodeError, decode
 from llmgw_common.messages import ApiKeyRecord
-from llmgw_common.subjects import Subjects
-
-KEY_PREFIX = "llmgw-"
-
-
-def generate_key() -> str:
-    """A new API key: ``llmgw-`` and 32 random bytes, URL-safe."""
-    return KEY_PREFIX + secrets.token_urlsafe(32)
-
-
-def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode("utf-8")).hexdigest()
-
-
-def new_key_id() -> str:
-    return "k-" + secrets.token_hex(6)
-
-
-class KeyOpError(Exception):
-    """A key operation that cannot be done, said in the operator's terms."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,73 +81,3 @@ class KeyTable:
 
 def allows_model(record: ApiKeyRecord | None, model: str) -> bool:
     return record is None or record.models is None or model in record.models
-
-
-# ---------------------------------------------------------------- bucket operations (CLI, llmgw up)
-
-
-async def _keys_kv(nc_or_kv: Any, prefix: str) -> KeyValue:
-    if isinstance(nc_or_kv, KeyValue):
-        return nc_or_kv
-    return await bus.ensure_kv(nc_or_kv.jetstream(), Subjects(prefix).bucket_keys)
-
-
-async def create_key(
-    nc_or_kv: Any,
-    prefix: str,
-    name: str,
-    models: Iterable[str] | None = None,
-    expires: float | None = None,
-    *,
-    now: float | None = None,
-) -> tuple[str, ApiKeyRecord]:
-    """Mint a key, store its record (hash only) in ``<prefix>_keys``; return (key, record).
-
-    ``nc_or_kv``: a connected NATS client or the keys bucket. ``expires``: UNIX time or None.
-    A name already used by a key that is not revoked is refused, so names can address keys.
-    """
-    kv = await _keys_kv(nc_or_kv, prefix)
-    for rec in await list_keys(kv):
-        if rec.name == name and not rec.revoked:
-            raise KeyOpError(
-                f"a key named {name!r} already exists (id {rec.id}); revoke it or pick another name"
-            )
-    key = generate_key()
-    rec = ApiKeyRecord(
-        id=new_key_id(),
-        name=name,
-        hash=hash_key(key),
-        models=tuple(models) if models is not None else None,
-        created=time.time() if now is None else now,
-        expires=expires,
-    )
-    await kv.create(rec.id, encode(rec))
-    return key, rec
-
-
-async def list_keys(nc_or_kv: Any, prefix: str = "llmgw") -> list[ApiKeyRecord]:
-    kv = await _keys_kv(nc_or_kv, prefix)
-    out: list[ApiKeyRecord] = []
-    for k in await bus.kv_keys(kv):
-        rec, _ = await bus.kv_get(kv, k, ApiKeyRecord)
-        if rec is not None:
-            out.append(rec)
-    out.sort(key=lambda r: r.created)
-    return out
-
-
-async def revoke_key(nc_or_kv: Any, prefix: str, id_or_name: str) -> ApiKeyRecord:
-    """Mark a key revoked, by id or by name (a name must match exactly one key not yet revoked)."""
-    kv = await _keys_kv(nc_or_kv, prefix)
-    recs = await list_keys(kv)
-    match = [r for r in recs if r.id == id_or_name]
-    if not match:
-        match = [r for r in recs if r.name == id_or_name and not r.revoked]
-    if not match:
-        raise KeyOpError(f"no key with id or name {id_or_name!r}")
-    if len(match) > 1:
-        ids = ", ".join(r.id for r in match)
-        raise KeyOpError(f"{len(match)} keys are named {id_or_name!r} ({ids}): revoke by id")
-    rec = match[0].model_copy(update={"revoked": True})
-    await kv.put(rec.id, encode(rec))
-    return rec

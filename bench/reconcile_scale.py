@@ -1,7 +1,8 @@
-"""Synthetic fleets and catalogs for measuring the pure side (placement, reconcile) at scale.
+"""The pure reconcile at scale: one pass placing a synthetic catalog on an empty synthetic fleet, then
+the median steady-state (no-op) pass. No bus, no processes: ``bench/controlplane_scale.py`` measures
+the same through a real control-plane process.
 
-For benches and tests only: the service never calls this. :func:`measure_reconcile` returns figures
-that ``bench/controlplane_scale.py`` can print next to its bus-level ones.
+    .venv/bin/python bench/reconcile_scale.py      # 100, 1,000, 5,000 nodes, 500 models
 """
 
 from __future__ import annotations
@@ -11,59 +12,27 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from llmgw_common.catalog import Catalog, ModelProfile
-from llmgw_common.messages import GpuInfo, Inventory, ShardState
+from llmgw_common.messages import ShardState
 from llmgw_controlplane.plan import Plan, ReconcileMemo
 from llmgw_controlplane.reconciler import reconcile
 from llmgw_controlplane.snapshot import GpuView, NodeView, ReplicaView, ShardView, Snapshot
-
-GPU_CLASS = "H100-80GB"
+from llmgw_sim.synthetic import GPU_CLASS, synthetic_inventories
 
 
 def synthetic_nodes(count: int, gpus_per_node: int = 8, nodes_per_fabric: int = 32) -> dict[str, NodeView]:
-    """``count`` ready nodes of ``gpus_per_node`` H100s, grouped into fabrics, all on 127.0.0.1."""
-    gpus = tuple(GpuView(i, GPU_CLASS, 81920) for i in range(gpus_per_node))
+    """The control plane's view of :func:`synthetic_inventories`: every node ready, on 127.0.0.1."""
     return {
-        f"node-{i:05d}": NodeView(
-            name=f"node-{i:05d}",
-            fabric=f"ib-{i // nodes_per_fabric:03d}",
-            gpus=gpus,
-            memory_gb=1024.0,
-            cpus=128,
+        inv.node: NodeView(
+            name=inv.node,
+            fabric=inv.fabric,
+            gpus=tuple(GpuView(g.index, g.gpu_class, g.memory_mb) for g in inv.gpus),
+            memory_gb=inv.memory_gb,
+            cpus=inv.cpus,
+            engines=frozenset(inv.engines),
             last_seen=0.0,
         )
-        for i in range(count)
+        for inv in synthetic_inventories(count, gpus_per_node, nodes_per_fabric)
     }
-
-
-def synthetic_inventories(
-    count: int, gpus_per_node: int = 8, nodes_per_fabric: int = 32, sent_at: float = 0.0
-) -> list[Inventory]:
-    """The inventories a fleet of :func:`synthetic_nodes` would publish (simulated, as they are)."""
-    out = []
-    for name, n in synthetic_nodes(count, gpus_per_node, nodes_per_fabric).items():
-        out.append(
-            Inventory(
-                node=name,
-                boot_id="boot-1",
-                sent_at=sent_at,
-                fabric=n.fabric,
-                memory_gb=n.memory_gb,
-                cpus=n.cpus,
-                engines=tuple(sorted(n.engines)),
-                simulated=True,
-                gpus=tuple(
-                    GpuInfo(
-                        index=g.index,
-                        uuid=f"GPU-{name}-{g.index}",
-                        name=g.gpu_class,
-                        gpu_class=g.gpu_class,
-                        memory_mb=g.memory_mb,
-                    )
-                    for g in n.gpus
-                ),
-            )
-        )
-    return out
 
 
 def synthetic_catalog(models: int) -> Catalog:

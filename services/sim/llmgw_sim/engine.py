@@ -22,11 +22,11 @@ from typing import Any
 
 from aiohttp import web
 
-from llmgw_agent import sim_openai as oai
-from llmgw_agent.sim_cluster import JOIN_PATH, Membership, follow
-from llmgw_agent.sim_metrics import LoadSnapshot, render
-from llmgw_agent.sim_options import SimOptions
-from llmgw_agent.sim_slots import Slots
+from llmgw_sim import openai_api as oai
+from llmgw_sim.cluster import JOIN_PATH, Membership, follow
+from llmgw_sim.metrics import LoadSnapshot, render
+from llmgw_sim.options import SimOptions
+from llmgw_sim.slots import Slots
 
 __all__ = ["FAULT_EXIT_CODE", "FaultExit", "Listening", "SimOptions", "build_app", "serve", "start"]
 
