@@ -79,11 +79,11 @@ def test_a_young_replica_is_never_evicted() -> None:
     assert "b-0: resident for 1m only (minimum 5m)" in ev.passed_over
 
 
-def test_a_woken_model_is_not_evicted_within_its_window() -> None:
+def test_a_waking_model_is_not_evicted() -> None:
     s = snap([node("n1", 1)], [on("b-0", "b", "n1", 0)], [WANTED, gpu_model("b")], now=NOW)
     ev = plan_eviction(WANTED, s, lookup({"b-0": exact(100)}), min_residency_s=RESIDENCY, protected={"b"})
     assert ev.victims == ()
-    assert "b-0: model b was woken recently" in ev.passed_over
+    assert "b-0: model b is waking (its replica is on its way)" in ev.passed_over
 
 
 def test_the_longest_idle_that_frees_enough_is_chosen() -> None:

@@ -5,7 +5,7 @@ settings in; an :class:`Eviction` out. A replica may be evicted only when all of
 one passed over is listed with the first that did not (for ``ctl explain-placement``):
 
 - its idleness is *known* (ARCHITECTURE #1: a replica no router reports on is never idle);
-- its model is not watched (people depend on it), not woken recently (its wake window), and keeps at
+- its model is not watched (people depend on it), not waking (a wake not served yet), and keeps at
   least its ``min_replicas`` without it;
 - it has run for ``min_residency_s`` at least, so that two models fighting over one card swap at most
   once per residency instead of thrashing.
@@ -80,7 +80,7 @@ def _why_not(
     if r.draining:
         return "draining already", 0.0
     if r.model in protected:
-        return f"model {r.model} was woken recently", 0.0
+        return f"model {r.model} is waking (its replica is on its way)", 0.0
     if counts[r.model] - 1 < p.floor:
         return f"model {r.model} would fall below its min_replicas ({p.floor})", 0.0
     age = snap.now - r.created
@@ -101,7 +101,7 @@ def plan_eviction(
     protected: AbstractSet[str] = frozenset(),
 ) -> Eviction:
     """What to stop so that one more replica of ``profile`` fits; ``protected``: models not to touch
-    (woken recently)."""
+    (waking)."""
     counts: dict[str, int] = {}
     for r in snap.replicas:
         if not r.draining:
