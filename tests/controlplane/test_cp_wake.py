@@ -12,6 +12,7 @@ from nats.aio.client import Client as NATS
 
 from llmgw_common import bus
 from llmgw_common.codec import decode, encode
+from llmgw_common.ctl import CtlClient
 from llmgw_common.messages import (
     Event,
     IdleReport,
@@ -277,6 +278,9 @@ async def test_a_wake_evicts_the_idle_model_when_there_is_no_room(nats_server, p
         router.busy.add(a_id)
         router.start()
         await eventually(lambda: asyncio.sleep(0, run.cp.idle.routers))
+        ctl = CtlClient(bus_nc, prefix)
+        ex = await ctl.explain_placement("b")
+        assert not ex.placeable and f"would evict {a_id} of a on n1 (idle for" in ex.eviction, ex.eviction
 
         reply = await wake(bus_nc, prefix, "b")
         assert reply.state is WakeState.WAKING, reply
@@ -291,6 +295,10 @@ async def test_a_wake_evicts_the_idle_model_when_there_is_no_room(nats_server, p
         # a is not placed back: its target went down with the eviction.
         await run.cp.pass_once(time.time())
         assert replicas_of(run.cp, "a") == [] and len(replicas_of(run.cp, "b")) == 1
+        st = await ctl.status()
+        assert [(e.replica_id, e.model, e.for_model) for e in st.evictions] == [(a_id, "a", "b")]
+        assert "a" in st.cold and "b" in st.waking and "a" in st.cold_starts
+        assert st.cold_starts["a"] > 0
     finally:
         await router.stop()
         await beating.stop()

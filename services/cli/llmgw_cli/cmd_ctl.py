@@ -18,6 +18,7 @@ import typer
 
 from llmgw_cli.ctl_failures import failed_note, models_failures, render_failed
 from llmgw_cli.ctl_notes import nodes_legend
+from llmgw_cli.ctl_scaling import scaling_lines
 from llmgw_common.ctl import (
     CatalogApplyReply,
     CatalogDiff,
@@ -324,6 +325,7 @@ def render_status(s: StatusReply) -> str:
         )
         if len(fabrics) > STATUS_LIST_MAX:
             lines.append(f"  and {len(fabrics) - STATUS_LIST_MAX} more fabrics")
+    lines.extend(scaling_lines(s))
     lines.extend(f"warning: {w}" for w in s.warnings)
     return "\n".join(lines)
 
@@ -337,6 +339,8 @@ def render_explain(e: ExplainReply) -> str:
         lines.append(table(["NODE", "VERDICT", "REASON"], rows))
     else:
         lines.append("no node has reported")
+    if e.eviction:
+        lines.append(f"eviction: {e.eviction}")
     return "\n".join(lines)
 
 

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
+from llmgw_common.catalog import ModelProfile
+from llmgw_common.ctl import EvictionInfo
 from llmgw_common.messages import Event, WakeReply, WakeRequest, WakeState
 from llmgw_controlplane.eviction import plan_eviction
 from llmgw_controlplane.idle import IdleMerger
@@ -189,3 +191,29 @@ class Autoscaler:
     def waking(self) -> dict[str, str]:
         """Models woken and not yet served: what is being done for each."""
         return {m: self.making_room.get(m, "waking: a replica is being placed") for m in self.book.pending}
+
+    def status(self) -> dict[str, object]:
+        """The ``ctl status`` fields this holds."""
+        return {
+            "cold": self.cold(),
+            "waking": self.waking(),
+            "cold_starts": {m: round(took, 3) for m, (took, _) in self.book.cold_starts.items()},
+            "evictions": tuple(
+                EvictionInfo(
+                    at=e.at,
+                    replica_id=e.replica_id,
+                    model=e.model,
+                    for_model=e.for_model,
+                    nodes=e.nodes,
+                    reason=e.reason,
+                )
+                for e in self.evictions
+            ),
+        }
+
+    def explain(self, profile: ModelProfile, snap: Snapshot, idle: IdleLookup) -> str:
+        """For ``ctl explain-placement`` of a model that does not fit: what would be evicted, and why."""
+        ev = plan_eviction(
+            profile, snap, idle, min_residency_s=self.min_residency_s, protected=set(self.book.pending)
+        )
+        return ev.describe()
