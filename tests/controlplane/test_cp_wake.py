@@ -298,8 +298,26 @@ async def test_a_wake_evicts_the_idle_model_when_there_is_no_room(nats_server, p
         st = await ctl.status()
         assert [(e.replica_id, e.model, e.for_model) for e in st.evictions] == [(a_id, "a", "b")]
         assert "a" in st.cold and "b" in st.waking and "a" in st.cold_starts
-        assert st.cold_starts["a"] > 0
+        # The fake agent reports ready at once: the cold start is tiny, but it is measured.
+        assert 0 <= st.cold_starts["a"] < 10
     finally:
         await router.stop()
+        await beating.stop()
+        await run.stop()
+
+
+async def test_a_wake_while_settling_is_waking_and_served_once_settled(nats_server, prefix, bus_nc):
+    # Right after a start nothing is known of the nodes: a wake is taken, not refused for want of them.
+    run = await start_cp(cp_settings(nats_server.url, prefix, settle_s=1.0), CATALOG)
+    agent = FakeAgent(bus_nc, prefix, "n1", gpus=1, memory_gb=None)
+    beating = Beating([agent], 0.1)
+    try:
+        await eventually(lambda: asyncio.sleep(0, run.cp.leader))
+        reply = await wake(bus_nc, prefix, "a")
+        assert reply.state is WakeState.WAKING, reply
+        await agent.send_inventory()
+        beating.start()
+        await eventually(lambda: asyncio.sleep(0, replicas_of(run.cp, "a")))
+    finally:
         await beating.stop()
         await run.stop()

@@ -169,7 +169,12 @@ class Autoscaler:
     # ------------------------------------------------------------ wakes
 
     def answer(
-        self, req: WakeRequest, snap: Snapshot, idle: IdleLookup, backoff: Mapping[str, str]
+        self,
+        req: WakeRequest,
+        snap: Snapshot,
+        idle: IdleLookup,
+        backoff: Mapping[str, str],
+        settling: bool = False,
     ) -> WakeReply:
         reply = wake_answer(
             snap,
@@ -178,6 +183,7 @@ class Autoscaler:
             min_residency_s=self.min_residency_s,
             protected=set(self.book.pending),
             backoff=backoff,
+            settling=settling,
         )
         if reply.state is WakeState.WAKING:
             self.book.ask(req.model, snap.now)

@@ -9,8 +9,9 @@ scaling model's wanted count. Only models whose catalog profile :attr:`~ModelPro
   After that it moves only by this module: down by one per replica *known* idle for ``idle_after``
   (ARCHITECTURE #1: unknown is never idle, so with no router reporting nothing scales down), never
   below the floor; up to ``replicas`` on a wake. A replica that crashed is replaced, not scaled away.
-- A woken model keeps its target for ``idle_after`` from the wake, whatever the idle bounds say (its
-  new replica was used by nobody yet: the request that woke it may still be waiting for it).
+- A woken model keeps its target while its wake window is open (``idle_after`` from the wake, longer
+  while the wake is not served yet), whatever the idle bounds say: its new replica was used by nobody
+  yet, the request that woke it may still be waiting for it.
 - The replicas found idle are named in ``stop_first`` so that the reconciler stops those and not the
   busiest; ``to_zero`` names the models that reached 0 in this pass (event ``model.scaled_to_zero``).
 """
@@ -57,8 +58,8 @@ def _live(replicas: list[ReplicaView]) -> list[ReplicaView]:
 
 
 def decide(snap: Snapshot, idle: IdleLookup, wakes: Mapping[str, float], memo: ScaleMemo) -> ScaleDecision:
-    """The wanted replica count of every scaling model. ``wakes``: model -> its latest wake time."""
-    now = snap.now
+    """The wanted replica count of every scaling model. ``wakes``: the models whose wake window is open
+    (model -> its latest wake; :meth:`WakeBook.windows` decides how long a window lasts)."""
     by_model: dict[str, list[ReplicaView]] = {}
     for r in snap.replicas:
         by_model.setdefault(r.model, []).append(r)
@@ -71,9 +72,7 @@ def decide(snap: Snapshot, idle: IdleLookup, wakes: Mapping[str, float], memo: S
         live = _live(by_model.get(p.name, []))
         before = memo.targets.get(p.name)
         target = _clamp(len(live) if before is None else before, p)
-        woke = wakes.get(p.name)
-        assert p.idle_after is not None  # p.scales
-        if woke is not None and now - woke < p.idle_after:
+        if p.name in wakes:
             target = p.replicas
         else:
             target, idle_ones = _scale_down(p, live, idle, target)

@@ -402,7 +402,8 @@ class ControlPlane:
 
     def _answer_wake(self, req: WakeRequest) -> WakeReply:
         snap = self.snapshot()
-        reply = self.autoscale.answer(req, snap, idle_lookup(self.idle, snap.now), self.backoff)
+        settling = snap.now < self.settle_until
+        reply = self.autoscale.answer(req, snap, idle_lookup(self.idle, snap.now), self.backoff, settling)
         if reply.state is WakeState.WAKING:
             self.dirty.set()
         return reply

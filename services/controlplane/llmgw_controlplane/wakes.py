@@ -35,6 +35,10 @@ from llmgw_controlplane.snapshot import Snapshot
 
 log = logging.getLogger("llmgw.controlplane.wakes")
 
+# A wake not served keeps its model wanted this long after the last ask (routers re-ask while they
+# hold requests), however short the model's idle_after.
+PENDING_WAKE_S = 600.0
+
 
 class WakeBook:
     """Wakes asked for: pure bookkeeping, time as arguments."""
@@ -65,10 +69,19 @@ class WakeBook:
         out: dict[str, float] = {}
         for model, t in list(self.latest.items()):
             p = catalog.get(model)
-            if p is not None and p.idle_after is not None and now - t < p.idle_after:
+            if p is None or p.idle_after is None:
+                window = 0.0
+            elif model in self.pending:
+                # Not served yet (a start can outlast a short idle_after, or the control plane is
+                # settling): wanted until served, or until nobody asked again for a while.
+                window = max(p.idle_after, PENDING_WAKE_S)
+            else:
+                window = p.idle_after
+            if now - t < window:
                 out[model] = t
-            elif model not in self.pending:
+            else:
                 del self.latest[model]
+                self.pending.pop(model, None)
         return out
 
     def served(self, ready: AbstractSet[str], catalog: Catalog, now: float) -> list[tuple[str, float]]:
@@ -77,8 +90,10 @@ class WakeBook:
         for model, t in list(self.pending.items()):
             if model in ready:
                 del self.pending[model]
-                self.cold_starts[model] = (now - t, now)
-                done.append((model, now - t))
+                # A pass's time is when it began: a wake taken while it wrote may look later than it.
+                took = max(0.0, now - t)
+                self.cold_starts[model] = (took, now)
+                done.append((model, took))
             elif catalog.get(model) is None:
                 del self.pending[model]
         return done
@@ -92,8 +107,10 @@ def wake_answer(
     min_residency_s: float,
     protected: AbstractSet[str],
     backoff: Mapping[str, str],
+    settling: bool = False,
 ) -> WakeReply:
-    """What to tell a router that asks for ``model`` (pure)."""
+    """What to tell a router that asks for ``model`` (pure). ``settling``: the control plane has just
+    started leading and waits for nodes to report: nothing can be judged unplaceable yet."""
     p = snap.catalog.get(model)
     if p is None:
         known = ", ".join(snap.catalog.names) or "none"
@@ -113,6 +130,8 @@ def wake_answer(
         return WakeReply(model=model, state=WakeState.REFUSED, reason=backoff[model])
     if any(not r.draining for r in mine):
         return WakeReply(model=model, state=WakeState.WAKING)
+    if settling:
+        return WakeReply(model=model, state=WakeState.WAKING, reason="the control plane is starting")
     placed = place(p, snap)
     if not isinstance(placed, Unplaceable):
         return WakeReply(model=model, state=WakeState.WAKING)
