@@ -182,3 +182,22 @@ def test_never_evicts_unknown_watched_young_or_below_floor_and_picks_the_longest
         )
     else:
         assert got == []
+
+
+def test_room_that_frees_later_is_waited_for_room_that_never_frees_is_not() -> None:
+    from llmgw_controlplane.eviction import room_ever
+
+    young = snap(
+        [node("n1", 1)], [on("b-0", "b", "n1", 0, created=NOW - 1)], [WANTED, gpu_model("b")], now=NOW
+    )
+    # b is too young to evict now, and its idleness is not known yet: both pass; the room will come.
+    assert room_ever(WANTED, young) is None
+    pinned = snap([node("n1", 1)], [on("b-0", "b", "n1", 0)], [WANTED, gpu_model("b", floor=None)], now=NOW)
+    never = room_ever(WANTED, pinned)
+    assert never is not None and "has 0 free H100-80GB, needs 1" in never
+    watched = snap(
+        [node("n1", 1)],
+        [on("b-0", "b", "n1", 0)],
+        [WANTED, gpu_model("b", watch={"allow_scale_to_zero": True})],
+    )
+    assert room_ever(WANTED, watched) is not None

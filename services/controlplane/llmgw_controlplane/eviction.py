@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from llmgw_common.catalog import ModelProfile
 from llmgw_common.durations import format_duration
-from llmgw_controlplane.placement import Placement, place
+from llmgw_controlplane.placement import Placement, Unplaceable, place
 from llmgw_controlplane.scaling import IdleLookup
 from llmgw_controlplane.snapshot import ReplicaView, Snapshot
 
@@ -159,3 +159,26 @@ def plan_eviction(
 def _victim(r: ReplicaView, idle_s: float, snap: Snapshot) -> Victim:
     reason = f"idle for {format_duration(idle_s)}, running for {format_duration(snap.now - r.created)}"
     return Victim(r.id, r.model, r.nodes, idle_s, reason)
+
+
+def room_ever(profile: ModelProfile, snap: Snapshot) -> str | None:
+    """None when one more replica of ``profile`` would fit were every replica that may ever be evicted
+    stopped (what blocks it now passes: a young replica ages, an unknown idleness becomes known once the
+    asking router reports, a wake is served); else why not, in placement's words.
+
+    Never evictable: replicas of watched models, and each model's ``min_replicas`` (its oldest).
+    """
+    keep: list[ReplicaView] = []
+    by_model: dict[str, list[ReplicaView]] = {}
+    for r in snap.replicas:
+        by_model.setdefault(r.model, []).append(r)
+    for model, reps in by_model.items():
+        p = snap.catalog.get(model)
+        if model == profile.name:
+            keep.extend(reps)
+        elif p is not None and p.watch is not None:
+            keep.extend(reps)
+        elif p is not None:
+            keep.extend(sorted(reps, key=lambda r: (r.created, r.id))[: p.floor])
+    res = place(profile, replace(snap, replicas=tuple(keep)))
+    return res.summary if isinstance(res, Unplaceable) else None

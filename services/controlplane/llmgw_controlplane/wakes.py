@@ -7,7 +7,8 @@ control plane, on ``<prefix>.router.<id>.wake``, to bring one.
   window, so concurrent wakes for one model place one replica set.
 - :func:`wake_answer` (pure) decides the reply: ``serving`` when a replica serves already, ``refused``
   with placement's reason when nothing can come (not in the catalog, 0 replicas asked, crash-loop
-  backoff, no room even with eviction), else ``waking``.
+  backoff, no room even were every replica that may ever be evicted stopped), else ``waking`` (also
+  while the room is blocked only for now: a replica too young to evict, a wake on its way).
 - :class:`WakeResponder` is the I/O: subscribed only while this process leads (a standby never
   answers), it answers, records the wake and wakes the reconcile loop.
 """
@@ -27,7 +28,7 @@ from llmgw_common import bus
 from llmgw_common.catalog import Catalog
 from llmgw_common.codec import encode
 from llmgw_common.messages import WakeReply, WakeRequest, WakeState
-from llmgw_controlplane.eviction import plan_eviction
+from llmgw_controlplane.eviction import plan_eviction, room_ever
 from llmgw_controlplane.placement import Unplaceable, place
 from llmgw_controlplane.routing import serving
 from llmgw_controlplane.scaling import IdleLookup
@@ -138,7 +139,15 @@ def wake_answer(
     ev = plan_eviction(p, snap, idle, min_residency_s=min_residency_s, protected=protected)
     if ev.victims:
         return WakeReply(model=model, state=WakeState.WAKING, reason=ev.describe())
-    return WakeReply(model=model, state=WakeState.REFUSED, reason=f"{placed.summary}; {ev.describe()}")
+    never = room_ever(p, snap)
+    if never is None:
+        # Nothing may be evicted right now (too young, idleness not known yet, waking): the room comes.
+        return WakeReply(model=model, state=WakeState.WAKING, reason=f"waiting for room: {ev.describe()}")
+    return WakeReply(
+        model=model,
+        state=WakeState.REFUSED,
+        reason=f"{never} (even with every replica that may be evicted stopped); {ev.describe()}",
+    )
 
 
 class WakeResponder:
