@@ -17,7 +17,7 @@ from types import MappingProxyType
 from llmgw_common.catalog import ModelProfile
 from llmgw_common.ctl import EvictionInfo
 from llmgw_common.messages import Event, WakeReply, WakeRequest, WakeState
-from llmgw_controlplane.eviction import plan_eviction
+from llmgw_controlplane.eviction import may_evict_any, plan_eviction
 from llmgw_controlplane.idle import IdleMerger
 from llmgw_controlplane.plan import Plan, StopReplica
 from llmgw_controlplane.routing import serving
@@ -31,6 +31,8 @@ MODEL_EVICTED = "model.evicted"
 
 # Evictions kept for `ctl status`.
 RECENT_EVICTIONS = 32
+# Models that get an eviction search in one pass.
+SEARCHES_PER_PASS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +100,7 @@ class Autoscaler:
 
     def evict(self, plan: Plan, snap: Snapshot, idle: IdleLookup) -> Plan:
         """``plan`` with the stops that make room for the models it could not place, if any may be made."""
-        if not plan.unplaceable:
+        if not plan.unplaceable or not may_evict_any(snap, idle, self.min_residency_s):
             self.making_room.clear()
             return plan
         # A model whose wake is not served yet is coming up: never evicted. One served is guarded by the
@@ -109,7 +111,10 @@ class Autoscaler:
         stops: list[StopReplica] = []
         targets = dict(self.memo.targets)
         room: dict[str, str] = {}
-        for model in sorted(plan.unplaceable):
+        # Each search costs a placement per candidate: a few models per pass, those woken first (a fleet
+        # with many models that fit nowhere would otherwise search for all of them every pass).
+        order = sorted(plan.unplaceable, key=lambda m: (m not in self.book.pending, m))
+        for model in order[:SEARCHES_PER_PASS]:
             p = snap.catalog.get(model)
             if p is None:
                 continue

@@ -31,6 +31,19 @@ from llmgw_controlplane.snapshot import ReplicaView, Snapshot
 MAX_TRIES = 32
 
 
+def may_evict_any(snap: Snapshot, idle: IdleLookup, min_residency_s: float) -> bool:
+    """Whether any replica passes the checks that do not depend on who needs the room (cheap: a pass
+    with no router reporting, or with every replica young, searches nothing)."""
+    profiles = {m.name: m for m in snap.catalog.models}
+    for r in snap.replicas:
+        p = profiles.get(r.model)
+        if p is None or p.watch is not None or r.draining or p.floor >= p.replicas:
+            continue
+        if snap.now - r.created >= min_residency_s and idle(r.id, r.created).known:
+            return True
+    return False
+
+
 @dataclass(frozen=True, slots=True)
 class Victim:
     replica_id: str
@@ -66,13 +79,14 @@ class Eviction:
 def _why_not(
     r: ReplicaView,
     snap: Snapshot,
+    profiles: dict[str, ModelProfile],
     idle: IdleLookup,
     counts: dict[str, int],
     min_residency_s: float,
     protected: AbstractSet[str],
 ) -> tuple[str | None, float]:
     """Why ``r`` may not be evicted (None: it may), and its known idle seconds."""
-    p = snap.catalog.get(r.model)
+    p = profiles.get(r.model)
     if p is None:
         return "its model left the catalog (it is being stopped)", 0.0
     if p.watch is not None:
@@ -102,6 +116,7 @@ def plan_eviction(
 ) -> Eviction:
     """What to stop so that one more replica of ``profile`` fits; ``protected``: models not to touch
     (waking)."""
+    profiles = {m.name: m for m in snap.catalog.models}
     counts: dict[str, int] = {}
     for r in snap.replicas:
         if not r.draining:
@@ -111,7 +126,7 @@ def plan_eviction(
     for r in snap.replicas:
         if r.model == profile.name:
             continue
-        why, idle_s = _why_not(r, snap, idle, counts, min_residency_s, protected)
+        why, idle_s = _why_not(r, snap, profiles, idle, counts, min_residency_s, protected)
         if why is None:
             candidates.append((idle_s, r))
         else:
@@ -135,8 +150,7 @@ def plan_eviction(
     left = dict(counts)
     placed = None
     for idle_s, r in candidates:
-        p = snap.catalog.get(r.model)
-        assert p is not None
+        p = profiles[r.model]
         if left[r.model] - 1 < p.floor:
             passed.append(f"{r.id}: model {r.model} would fall below its min_replicas ({p.floor})")
             continue
@@ -172,8 +186,9 @@ def room_ever(profile: ModelProfile, snap: Snapshot) -> str | None:
     by_model: dict[str, list[ReplicaView]] = {}
     for r in snap.replicas:
         by_model.setdefault(r.model, []).append(r)
+    profiles = {m.name: m for m in snap.catalog.models}
     for model, reps in by_model.items():
-        p = snap.catalog.get(model)
+        p = profiles.get(model)
         if model == profile.name:
             keep.extend(reps)
         elif p is not None and p.watch is not None:
