@@ -14,9 +14,11 @@ from aiohttp import web
 from notifier_helpers import Bus, running, wait_until
 
 from llmgw_common.catalog import WatchSpec
-from llmgw_common.messages import Webhook
+from llmgw_common.codec import encode
+from llmgw_common.messages import RoutingEndpoints, Webhook
 from llmgw_common.natsserver import NatsServer
 from llmgw_common.settings import NotifierSettings
+from llmgw_common.subjects import ROUTING_ENDPOINTS
 from llmgw_notifier.probes import DOWN, RECOVERED, probe_once
 
 KEY = "sk-probe-test"
@@ -183,3 +185,27 @@ async def test_slow_within_budget_and_refused_key_produce_nothing(
         await wait_until(lambda: router.count("pace") >= p + 2, what="two more pace probes")
         assert router.count("judge") == n
     assert await bus.events((DOWN, RECOVERED)) == []
+
+
+# ---------------------------------------------------------------- cold models (issue 13)
+# A watched model scaled to zero (``watch: {allow_scale_to_zero: true}``) is not probed while cold: a
+# probe would wake it, and keep it in use so that it never scales down again.
+
+
+async def _routing(bus: Bus, version: int, cold: tuple[str, ...]) -> None:
+    ep = RoutingEndpoints(version=version, cold=cold, unavailable={m: "scaled to zero" for m in cold})
+    await bus.buckets[bus.subjects.bucket_routing].put(ROUTING_ENDPOINTS, encode(ep))
+
+
+async def test_a_cold_watched_model_is_not_probed_until_it_is_warm_again(
+    nats_server: NatsServer, prefix: str, bus: Bus, router: FakeRouter, receivers: Any
+) -> None:
+    await _routing(bus, 1, ("judge",))
+    spec = WatchSpec(probe_every=0.2, budget=0.15, failures=2, allow_scale_to_zero=True)
+    await bus.set_watched({"judge": spec, "warm": spec})
+    async with running(probe_settings(nats_server, prefix, router)):
+        # The warm model is probed again and again meanwhile: the cold one never is.
+        await wait_until(lambda: router.count("warm") >= 4, what="probes of the warm model")
+        assert router.count("judge") == 0
+        await _routing(bus, 2, ())
+        await wait_until(lambda: router.count("judge") >= 1, what="probes once it is no longer cold")

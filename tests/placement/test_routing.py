@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 import pytest
-from placement_kit import ShardState, apply, node, profile, replica, set_state, snap
+from placement_kit import NodeState, ShardState, apply, node, profile, replica, set_state, snap
 
 from llmgw_common.messages import ReplicaSpec
 from llmgw_controlplane.reconciler import reconcile
@@ -155,3 +155,25 @@ def test_a_roll_never_routes_one_replica_short() -> None:
                 s = set_state(s, r.id, ShardState.READY)
     assert {r.id for r in s.replicas}.isdisjoint({"r1", "r2"}), "the roll finished"
     assert seen_flagged == set()  # each old replica was stopped in the pass its replacement served
+
+
+def test_coming_names_what_is_on_its_way_and_cold_only_what_has_nothing_coming() -> None:
+    from llmgw_controlplane.routing import coming_content
+
+    models = [profile(m, engine="sim") for m in ("starting", "waking", "cold", "serving", "idle")]
+    s = snap(
+        [node("n1"), node("n2", state=NodeState.LOST)],
+        [
+            replica("s-0", "starting", [("n1", ())], state=ShardState.STARTING),
+            replica("s-1", "starting", [("n1", ())], state=None),
+            replica("lost-0", "idle", [("n2", ())], state=ShardState.STARTING),
+            replica("ok-0", "serving", [("n1", ())], port=9000),
+        ],
+        models,
+    )
+    endpoints, _ = routing_content(s, {})
+    coming, cold = coming_content(
+        s, endpoints, {"waking": "evicting x", "serving": "?"}, ["cold", "starting", "gone"]
+    )
+    assert coming == {"starting": "2 replicas starting on n1", "waking": "evicting x"}
+    assert cold == ("cold",)

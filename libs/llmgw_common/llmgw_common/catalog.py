@@ -48,6 +48,8 @@ class WatchSpec(_Strict):
     # before it says model.down.
     budget: float = 20.0
     failures: int = Field(default=3, ge=1)
+    # A watched model is never scaled to zero (min_replicas: 0) unless it says so here.
+    allow_scale_to_zero: bool = False
 
     @field_validator("probe_every", "budget", mode="before")
     @classmethod
@@ -75,6 +77,25 @@ class ModelProfile(_Strict):
     watch: WatchSpec | None = None
     # Engine options, e.g. the simulator's timing: {ttft_ms: 50, tokens_per_s: 80, slots: 8}.
     options: dict[str, Any] = Field(default_factory=dict)
+    # Scaling (issue 13): replicas known idle for ``idle_after`` are stopped down to ``min_replicas``
+    # (None: equal to ``replicas``, nothing scales); a request for a model at 0 wakes it.
+    min_replicas: int | None = Field(default=None, ge=0)
+    idle_after: float | None = None
+
+    @field_validator("idle_after", mode="before")
+    @classmethod
+    def _idle_after(cls, v: Any) -> float | None:
+        return None if v is None else parse_duration(v)
+
+    @property
+    def floor(self) -> int:
+        """The fewest replicas scaling may leave: ``min_replicas``, or ``replicas`` when not set."""
+        return self.replicas if self.min_replicas is None else min(self.min_replicas, self.replicas)
+
+    @property
+    def scales(self) -> bool:
+        """True when idle replicas of this model may be stopped (its floor is below its count)."""
+        return self.floor < self.replicas and self.idle_after is not None
 
     @property
     def weights_name(self) -> str:
@@ -147,8 +168,28 @@ def _semantic_problems(p: ModelProfile) -> list[str]:
             out.append(
                 f"{where}: engine {p.engine} has no tensor parallelism (gpus_per_node={p.gpus_per_node})"
             )
+    out += _scaling_problems(p, where)
     if p.watch is not None and p.watch.budget > p.watch.probe_every:
         out.append(f"{where}: watch budget ({p.watch.budget}s) exceeds probe_every ({p.watch.probe_every}s)")
+    return out
+
+
+def _scaling_problems(p: ModelProfile, where: str) -> list[str]:
+    if p.min_replicas is None:
+        return []
+    out = []
+    if p.min_replicas > p.replicas:
+        out.append(f"{where}: min_replicas {p.min_replicas} exceeds replicas {p.replicas}")
+    elif p.min_replicas < p.replicas and p.idle_after is None:
+        out.append(
+            f"{where}: min_replicas {p.min_replicas} is below replicas {p.replicas}: set idle_after "
+            "(e.g. 30m), how long a replica goes unused before it is stopped"
+        )
+    if p.min_replicas == 0 and p.watch is not None and not p.watch.allow_scale_to_zero:
+        out.append(
+            f"{where}: a watched model is never scaled to zero unless its watch says allow_scale_to_zero: "
+            "true (or set min_replicas: 1)"
+        )
     return out
 
 

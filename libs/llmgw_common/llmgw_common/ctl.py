@@ -220,6 +220,17 @@ class UnplaceableInfo(Message):
     since: float | None = None
 
 
+class EvictionInfo(Message):
+    """A replica stopped to make room for another model (issue 13)."""
+
+    at: float
+    replica_id: str
+    model: str
+    for_model: str
+    nodes: tuple[str, ...] = ()
+    reason: str = ""
+
+
 class StatusReply(Message):
     leader: bool = True
     fence: int = 0
@@ -238,6 +249,12 @@ class StatusReply(Message):
     # Nodes whose agent simulates its GPUs: the capacity above counts their cards, which are not real.
     simulated_nodes: int = 0
     warnings: tuple[str, ...] = ()
+    # Scaling (issue 13): models scaled to zero; wakes not yet served (model -> what is being done);
+    # each model's last cold start (wake to ready, seconds); the latest evictions, oldest first.
+    cold: tuple[str, ...] = ()
+    waking: dict[str, str] = {}
+    cold_starts: dict[str, float] = {}
+    evictions: tuple[EvictionInfo, ...] = ()
 
 
 class NodeVerdict(Message):
@@ -253,6 +270,8 @@ class ExplainReply(Message):
     # Where the next replica would go: one line per shard.
     placement: tuple[str, ...] = ()
     nodes: tuple[NodeVerdict, ...] = ()
+    # When it does not fit: what would be evicted to make room and why, or why nothing would.
+    eviction: str = ""
 
 
 class FieldChange(Message):

@@ -164,6 +164,11 @@ class ControlPlaneSettings(BusSettings):
     idle_threshold_s: float = Field(
         default=3600.0, gt=0, description="Unused for longer than this: shown as idle"
     )
+    eviction_min_residency_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="A replica runs at least this long before it may be evicted to make room (no thrash)",
+    )
 
 
 class RouterSettings(BusSettings):

@@ -154,6 +154,8 @@ def render_explain(e: ExplainReply) -> str:
         lines.append(table(["NODE", "VERDICT", "REASON"], rows))
     else:
         lines.append("no node has reported")
+    if e.eviction:
+        lines.append(f"eviction: {e.eviction}")
     return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from llmgw_cli.ctl_render import shown, table
+from llmgw_cli.ctl_scaling import scaling_lines
 from llmgw_common.ctl import ClassCapacity, StatusReply
 from llmgw_common.durations import format_duration
 
@@ -104,6 +105,7 @@ def render_status(s: StatusReply) -> str:
         )
         if len(fabrics) > STATUS_LIST_MAX:
             lines.append(f"  and {len(fabrics) - STATUS_LIST_MAX} more fabrics")
+    lines.extend(scaling_lines(s))
     lines.extend(f"warning: {w}" for w in s.warnings)
     return "\n".join(lines)
 

@@ -43,6 +43,7 @@ from llmgw_common.ctl import (
 )
 from llmgw_common.messages import Marks, Message
 from llmgw_controlplane import desired, views
+from llmgw_controlplane.autoscale import idle_lookup
 from llmgw_controlplane.desired import DesiredConflict
 from llmgw_controlplane.placement import explain
 
@@ -123,7 +124,7 @@ class CtlApi:
         snap = cp.snapshot()
         models = views.models_info(snap, cp.reasons, cp.unplaceable, cp.backoff)
         settings = await cp.read_settings()
-        return views.status_info(
+        reply = views.status_info(
             cp.state,
             snap,
             cp.idle,
@@ -138,6 +139,7 @@ class CtlApi:
             fence=cp.lease.fence if cp.lease else 0,
             catalog_version=cp.state.catalog_version,
         )
+        return reply.model_copy(update=cp.autoscale.status())
 
     async def explain(self, req: ModelRequest) -> ExplainReply:
         cp = self.cp
@@ -145,7 +147,13 @@ class CtlApi:
         if profile is None:
             known = ", ".join(cp.state.catalog.names) or "none"
             raise _err(404, f"model {req.model!r} is not in the catalog (models: {known})")
-        return views.explain_info(explain(profile, cp.snapshot()))
+        snap = cp.snapshot()
+        reply = views.explain_info(explain(profile, snap))
+        if reply.placeable:
+            return reply
+        # What eviction would make room (issue 13): said here, placement itself knows nothing of it.
+        why = cp.autoscale.explain(profile, snap, idle_lookup(cp.idle, snap.now))
+        return reply.model_copy(update={"eviction": why})
 
     async def debug_stats(self, _: Message) -> DebugStatsReply:
         return self.cp.debug_stats()

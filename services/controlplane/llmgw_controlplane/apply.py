@@ -197,7 +197,9 @@ class RoutingPublisher:
         self.drops = drops
         self.endpoints_version = 0
         self.catalog_version = 0
-        self._endpoints: tuple[dict[str, tuple[Endpoint, ...]], dict[str, str]] | None = None
+        self._endpoints: (
+            tuple[dict[str, tuple[Endpoint, ...]], dict[str, str], dict[str, str], tuple[str, ...]] | None
+        ) = None
         self._catalog: Catalog | None = None
 
     async def load(self) -> None:
@@ -205,22 +207,29 @@ class RoutingPublisher:
         ep, _ = await kv_get(self.kv, ROUTING_ENDPOINTS, RoutingEndpoints, self.drops)
         if ep is not None:
             self.endpoints_version = ep.version
-            self._endpoints = (dict(ep.endpoints), dict(ep.unavailable))
+            self._endpoints = (dict(ep.endpoints), dict(ep.unavailable), dict(ep.coming), tuple(ep.cold))
         cat, _ = await kv_get(self.kv, ROUTING_CATALOG, RoutingCatalog, self.drops)
         if cat is not None:
             self.catalog_version = cat.version
             self._catalog = cat.catalog
 
     async def publish_endpoints(
-        self, endpoints: dict[str, tuple[Endpoint, ...]], unavailable: dict[str, str]
+        self,
+        endpoints: dict[str, tuple[Endpoint, ...]],
+        unavailable: dict[str, str],
+        coming: dict[str, str] | None = None,
+        cold: tuple[str, ...] = (),
     ) -> bool:
-        if self._endpoints == (endpoints, unavailable):
+        content = (endpoints, unavailable, coming or {}, cold)
+        if self._endpoints == content:
             return False
         version = self.endpoints_version + 1
-        msg = RoutingEndpoints(version=version, endpoints=endpoints, unavailable=unavailable)
+        msg = RoutingEndpoints(
+            version=version, endpoints=endpoints, unavailable=unavailable, coming=coming or {}, cold=cold
+        )
         await self.kv.put(ROUTING_ENDPOINTS, encode(msg))
         self.endpoints_version = version
-        self._endpoints = (endpoints, unavailable)
+        self._endpoints = content
         return True
 
     async def publish_catalog(self, catalog: Catalog) -> bool:

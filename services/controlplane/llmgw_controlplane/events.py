@@ -1,7 +1,8 @@
 """Events for people: detected from state transitions (pure), published into stream ``LLMGW_EVENTS``.
 
 Kinds: ``node.lost``, ``node.recovered``, ``model.down`` / ``model.recovered`` (catalog models with
-``watch``: down once without a ready replica for the watch's budget), ``placement.failing`` (a model unplaceable for longer than a threshold). Each event's id
+``watch``: down once without a ready replica for the watch's budget), ``placement.failing`` (a model unplaceable for longer than a threshold). Scaling's kinds (``model.scaled_to_zero``,
+``model.woken``, ``model.evicted``) are made in :mod:`autoscale`. Each event's id
 is derived from what it is about and when it happened, and doubles as the ``Nats-Msg-Id`` so a retried
 publish is stored once.
 """

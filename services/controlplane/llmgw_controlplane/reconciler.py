@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from types import MappingProxyType
@@ -135,8 +136,14 @@ class _Pass:
         new_id: NewId | None,
         ports: tuple[int, int],
         refresh_s: float,
+        wanted: Mapping[str, int],
+        stop_first: AbstractSet[str],
     ) -> None:
         self.snap = snap
+        # Scaling (scaling.py): wanted counts that override a profile's replicas, and idle replicas to
+        # stop before any other surplus.
+        self.wanted = wanted
+        self.stop_first = stop_first
         self.reasons_refresh_s = refresh_s
         self.memo = memo
         self.new_id = new_id
@@ -194,6 +201,8 @@ def reconcile(
     new_id: NewId | None = None,
     port_range: tuple[int, int] = (PORT_LO, PORT_HI),
     reasons_refresh_s: float = 10.0,
+    wanted: Mapping[str, int] | None = None,
+    stop_first: AbstractSet[str] = frozenset(),
 ) -> Plan:
     """One pass: what to place, stop and mark draining so that the cluster moves towards the catalog.
 
@@ -202,10 +211,12 @@ def reconcile(
     A node absent from ``snap.nodes`` counts as lost. Whether a model fits is decided afresh every pass;
     the reasons why it does not are worked out again at most every ``reasons_refresh_s`` (they cost a
     verdict per node).
+    ``wanted`` overrides the catalog's replica count per model (scaling); ``stop_first`` names replicas
+    to stop before any other when a model has more than it wants (those known idle).
     """
     memo = memo if memo is not None else ReconcileMemo()
     now = snap.now
-    p = _Pass(snap, memo, new_id, port_range, reasons_refresh_s)
+    p = _Pass(snap, memo, new_id, port_range, reasons_refresh_s, wanted or {}, stop_first)
     catalog = {m.name: m for m in snap.catalog.models}
     nodes = snap.nodes
     active: dict[str, list[_Active]] = {}
@@ -303,7 +314,7 @@ def _reconcile_model(
 ) -> None:
     now = p.snap.now
     name = profile.name
-    desired = profile.replicas
+    desired = p.wanted.get(name, profile.replicas)
 
     # Roll (a profile change): one outdated replica at a time is drained, so one replacement is surged
     # and the drain below stops the old one only once the new one serves. Not while anything of this
@@ -337,12 +348,23 @@ def _reconcile_model(
     if len(active) > desired:
         # Stop what serves least: not ready first, then on an unreachable node, then outdated, then the newest.
         victims = sorted(
-            active, key=lambda a: (a.ready, a.reachable, not a.outdated, -a.replica.created, a.replica.id)
+            active,
+            key=lambda a: (
+                a.replica.id not in p.stop_first,
+                a.ready,
+                a.reachable,
+                not a.outdated,
+                -a.replica.created,
+                a.replica.id,
+            ),
         )
         for a in victims[: len(active) - desired]:
-            p.stop.append(
-                StopReplica(a.replica.id, name, f"surplus: {len(active)} replicas, {desired} wanted")
+            why = (
+                "scaled down: unused for longer than idle_after"
+                if a.replica.id in p.stop_first
+                else "surplus"
             )
+            p.stop.append(StopReplica(a.replica.id, name, f"{why}: {len(active)} replicas, {desired} wanted"))
 
     missing = desired - len(active)
     m = p.models.get(name)

@@ -6,8 +6,9 @@ Pure: a snapshot plus the reconciler's reasons in, the content of ``RoutingEndpo
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
+from llmgw_common.durations import format_duration
 from llmgw_common.messages import Endpoint, ShardState
 from llmgw_common.names import clipped
 from llmgw_controlplane.snapshot import NodeState, ReplicaView, Snapshot
@@ -119,3 +120,43 @@ def routing_content(
             unavailable[profile.name] = _not_ready_summary(snap, reps)
     # Every model's text goes into one KV value (and into events): each is bounded.
     return endpoints, {m: clipped(text, REASON_CHARS) for m, text in unavailable.items()}
+
+
+def coming_content(
+    snap: Snapshot,
+    endpoints: Mapping[str, tuple[Endpoint, ...]],
+    waking: Mapping[str, str],
+    cold: Iterable[str],
+) -> tuple[dict[str, str], tuple[str, ...]]:
+    """(model -> what is on its way, models scaled to zero) for catalog models without a ready endpoint.
+
+    On its way: a replica placed or starting (a first start, a replacement, a wake) on a node not lost,
+    or a wake being served (room being made). Routers hold requests for these instead of refusing.
+    Cold: scaled to zero by idleness with nothing on its way; a request for one wakes it.
+    """
+    starting: dict[str, list[str]] = {}
+    for r in snap.replicas:
+        if r.model in endpoints or r.draining or replica_phase(r) != ReplicaPhase.STARTING:
+            continue
+        if any((n := snap.nodes.get(s.node)) is None or n.state is NodeState.LOST for s in r.shards):
+            continue
+        starting.setdefault(r.model, []).append(r.shards[0].node if r.shards else "?")
+    coming: dict[str, str] = {}
+    for profile in snap.catalog.models:
+        name = profile.name
+        if name in endpoints:
+            continue
+        nodes = starting.get(name)
+        if nodes:
+            where = ", ".join(sorted(set(nodes)))
+            coming[name] = f"{len(nodes)} replica{'s' if len(nodes) > 1 else ''} starting on {where}"
+        elif name in waking:
+            coming[name] = clipped(waking[name], REASON_CHARS)
+    catalog = set(snap.catalog.names)
+    return coming, tuple(sorted(m for m in cold if m in catalog and m not in endpoints and m not in coming))
+
+
+def cold_reason(idle_after: float | None) -> str:
+    """The 503 text for a model scaled to zero, for routers that do not wake models."""
+    after = "" if idle_after is None else f" after {format_duration(idle_after)} unused"
+    return f"scaled to zero{after}: a request wakes it"

@@ -38,6 +38,9 @@ from llmgw_common.messages import (
     ReplicaRecord,
     ShardStatus,
     UsageReport,
+    WakeReply,
+    WakeRequest,
+    WakeState,
 )
 from llmgw_common.messages import ShardPlacement as RecordShard
 from llmgw_common.runtime import PassGuard, until_stopped
@@ -54,6 +57,7 @@ from llmgw_controlplane.apply import (
     pin_specs,
 )
 from llmgw_controlplane.apply import desired_assignments as compute_assignments
+from llmgw_controlplane.autoscale import Autoscaler, idle_lookup
 from llmgw_controlplane.console.usage import UsageBook
 from llmgw_controlplane.desired import DesiredStore
 from llmgw_controlplane.events import EventDetector, EventPublisher, watch_inputs
@@ -62,9 +66,10 @@ from llmgw_controlplane.idle import IdleMerger
 from llmgw_controlplane.leader import Lease, LeaseLost
 from llmgw_controlplane.plan import Plan, ReconcileMemo
 from llmgw_controlplane.reconciler import reconcile
-from llmgw_controlplane.routing import routing_content, serving
+from llmgw_controlplane.routing import cold_reason, coming_content, routing_content, serving
 from llmgw_controlplane.snapshot import Snapshot
 from llmgw_controlplane.state import ClusterState
+from llmgw_controlplane.wakes import WakeResponder
 
 log = logging.getLogger("llmgw.controlplane")
 
@@ -108,6 +113,9 @@ class ControlPlane:
         self.idle = IdleMerger(stale_s=max(IDLE_STALE_TICKS * s.tick_s, 5.0), doubts=self.doubts)
         self.detector = EventDetector(s.placement_failing_after_s)
         self.api = CtlApi(self)
+        # Scale to zero, wakes and evictions (issue 13); wakes are answered only while leading.
+        self.autoscale = Autoscaler(s.eviction_min_residency_s)
+        self.wakes = WakeResponder(self.subjects.all_wake(), self._answer_wake, self.drops)
         # Routers' token counts, for the console's Usage page.
         self.usage = UsageBook(doubts=self.doubts)
         self._inventory_asked: dict[str, float] = {}
@@ -134,7 +142,7 @@ class ControlPlane:
         self._tasks: list[asyncio.Task[None]] = []
         self._desired_cache: tuple[int, dict[str, NodeShards]] | None = None
         self._synced_generation = -1
-        self._routing_key: tuple[int, dict[str, str]] | None = None
+        self._routing_key: tuple[int, dict[str, str], dict[str, str], tuple[str, ...]] | None = None
 
     # ------------------------------------------------------------ start
 
@@ -257,6 +265,7 @@ class ControlPlane:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         await self.api.stop()
+        await self.wakes.stop()
         if self.lease is not None and self.leader:
             await self.lease.release()
         self.leader = False
@@ -301,6 +310,7 @@ class ControlPlane:
         self._synced_generation = -1
         self._routing_key = None
         self.detector.new_tenure()
+        self.autoscale.new_tenure()
         await self.routing.load()
         await self._load_marks()
         await self.routing.publish_catalog(self.state.catalog)
@@ -311,6 +321,7 @@ class ControlPlane:
         self.state.set_observed_from(self.started_at)
         self.leader = True
         await self.api.start(self.nc)
+        await self.wakes.start(self.nc)
         log.info(
             "leading (fence %d): %d replica record(s), %d assignment(s); reconciling from %.1fs",
             self.lease.fence,
@@ -337,6 +348,7 @@ class ControlPlane:
             log.warning("no longer leading: stopped acting")
         self.leader = False
         await self.api.stop()
+        await self.wakes.stop()
 
     async def _reconcile_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -388,17 +400,33 @@ class ControlPlane:
     def snapshot(self) -> Snapshot:
         return self.state.snapshot(self.clock())
 
+    def _answer_wake(self, req: WakeRequest) -> WakeReply:
+        snap = self.snapshot()
+        settling = snap.now < self.settle_until
+        reply = self.autoscale.answer(req, snap, idle_lookup(self.idle, snap.now), self.backoff, settling)
+        if reply.state is WakeState.WAKING:
+            self.dirty.set()
+        return reply
+
     async def pass_once(self, now: float) -> Plan:
         t0 = time.perf_counter()
         snap = self.state.snapshot(now)
         t1 = time.perf_counter()
+        look = idle_lookup(self.idle, now)
+        scale = self.autoscale.decide(snap, look)
         plan = reconcile(
             snap,
             self.memo,
             backoff_base_s=self.s.backoff_base_s,
             backoff_max_s=self.s.backoff_max_s,
             drain_grace_s=self.s.drain_grace_s,
+            wanted=scale.wanted,
+            stop_first=scale.stop_first,
         )
+        stops = len(plan.stop)
+        plan = self.autoscale.evict(plan, snap, look)
+        if len(plan.stop) > stops:
+            self.dirty.set()  # the room is freed: place the wanted replica on the next pass
         self.last_reconcile_ms = (time.perf_counter() - t1) * 1000
         self.memo = plan.memo
         if await self.apply_plan(plan, now):
@@ -410,18 +438,26 @@ class ControlPlane:
             for m, b in plan.backoff.items()
         }
         why = {**self.unplaceable, **self.backoff}
-        key = (self.state.version, why)
+        waking, cold = self.autoscale.waking(), self.autoscale.cold()
+        key = (self.state.version, why, waking, cold)
         events: list[Event] = []
         if key != self._routing_key:
             # Only when the snapshot or the reasons changed: a steady pass skips this entirely.
             endpoints, unavailable = routing_content(snap, why)
+            coming, cold_now = coming_content(snap, endpoints, waking, cold)
+            for m in cold_now:
+                p = snap.catalog.get(m)
+                unavailable[m] = cold_reason(p.idle_after if p is not None else None)
             self.reasons = unavailable
-            await self.routing.publish_endpoints(endpoints, unavailable)
+            await self.routing.publish_endpoints(endpoints, unavailable, coming, cold_now)
             self._routing_key = key
         # Every pass, not only on change: a model becomes down by time alone (its watch budget).
         ready, budgets, silent = watch_inputs(snap)
+        # A watched model allowed to scale to zero is not down while cold.
+        budgets = {m: b for m, b in budgets.items() if m not in cold}
         events += self.detector.models(ready, budgets, {**self.reasons, **silent}, now)
         events += self.detector.placement(self.unplaceable, now)
+        events += self.autoscale.events(snap)
         await self.events.publish(events)
         self.passes += 1
         self.pass_ms.append((time.perf_counter() - t0) * 1000)

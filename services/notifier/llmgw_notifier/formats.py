@@ -61,6 +61,26 @@ _KINDS: dict[str, tuple[str, str, str, str]] = {
         ":warning:",
         "No node can hold it now. `llmgw ctl explain-placement MODEL` says what is short",
     ),
+    # Scaling (issue 13): informational; a receiver that does not want them filters them out.
+    "model.scaled_to_zero": (
+        "model scaled to zero",
+        "models scaled to zero",
+        ":zzz:",
+        "Nothing to do: it was unused for its idle_after; a request wakes it. `llmgw ctl status`",
+    ),
+    "model.woken": (
+        "model woken",
+        "models woken",
+        ":sunrise:",
+        "Nothing to do; the cold start is in the details. `llmgw ctl status`",
+    ),
+    "model.evicted": (
+        "replica evicted",
+        "replicas evicted",
+        ":arrows_counterclockwise:",
+        "Its idle replica made room for another model; too many means too few cards for the models in use. "
+        "`llmgw ctl explain-placement MODEL`",
+    ),
 }
 
 

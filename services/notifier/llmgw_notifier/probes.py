@@ -206,6 +206,8 @@ class Prober:
         self.unsent: dict[str, list[Event]] = {}
         self._warned_key: set[str] = set()
         self.ready_now: set[str] = set()  # models with a ready (not draining) endpoint, per the routing table
+        # Models scaled to zero (routing table ``cold``): a probe would wake them and keep them in use.
+        self.cold_now: set[str] = set()
 
     def restore(self, ledger: OutageLedger) -> None:
         """Take up the models this notifier had declared down from the probe events the ledger replayed."""
@@ -236,6 +238,7 @@ class Prober:
             self.drops.drop(f"{self.subjects.bucket_routing}/{key}", str(e))
             return
         self.ready_now = {m for m, eps in re.endpoints.items() if any(not e.draining for e in eps)}
+        self.cold_now = set(re.cold)
 
     async def on_catalog(self, key: str, value: bytes | None, rev: int) -> None:
         if key != ROUTING_CATALOG:
@@ -294,11 +297,20 @@ class Prober:
     async def _loop(self, model: str, spec: WatchSpec) -> None:
         while True:
             t0 = self.clock()
+            if model in self.cold_now and not self._is_down(model):
+                # Cold is not down: once woken it is starting again, and failures count once it answers.
+                self.states.pop(model, None)
+                await asyncio.sleep(spec.probe_every)
+                continue
             result = await probe_once(
                 self.http, self.s.router_url, self.s.probe_key, model, spec.budget, self.clock
             )
             await self.record(model, spec, result)
             await asyncio.sleep(max(0.0, spec.probe_every - (self.clock() - t0)))
+
+    def _is_down(self, model: str) -> bool:
+        st = self.states.get(model)
+        return st is not None and st.down_since is not None
 
     async def record(self, model: str, spec: WatchSpec, result: ProbeResult) -> None:
         """Fold one probe result into the model's state; publish the event it calls for."""

@@ -1,0 +1,62 @@
+"""Catalog fields for scaling to zero (issue 13): ``min_replicas``, ``idle_after``, and the watch opt-in."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmgw_common.catalog import CatalogError, catalog_to_yaml, parse_catalog
+
+
+def test_min_replicas_defaults_to_replicas_so_nothing_scales() -> None:
+    cat = parse_catalog("models:\n  - {name: a, engine: sim, replicas: 3}")
+    p = cat.get("a")
+    assert p is not None
+    assert p.floor == 3
+    assert not p.scales
+
+
+def test_scale_to_zero_with_idle_after_parses_and_round_trips() -> None:
+    cat = parse_catalog("models:\n  - {name: a, engine: sim, replicas: 2, min_replicas: 0, idle_after: 30m}")
+    p = cat.get("a")
+    assert p is not None
+    assert (p.floor, p.idle_after, p.scales) == (0, 1800.0, True)
+    assert parse_catalog(catalog_to_yaml(cat)) == cat
+
+
+def test_every_scaling_problem_is_listed_at_once() -> None:
+    bad = """
+models:
+  - {name: a, engine: sim, replicas: 1, min_replicas: 0}
+  - {name: b, engine: sim, replicas: 1, min_replicas: 2}
+  - {name: c, engine: sim, min_replicas: 0, idle_after: 10m, watch: {}}
+  - {name: d, engine: sim, min_replicas: 0, idle_after: later}
+  - {name: e, engine: sim, min_replicas: -1, idle_after: 1m}
+"""
+    with pytest.raises(CatalogError) as e:
+        parse_catalog(bad)
+    text = "\n".join(e.value.problems)
+    for fragment in [
+        "model 'a': min_replicas 0 is below replicas 1: set idle_after",
+        "model 'b': min_replicas 2 exceeds replicas 1",
+        "model 'c': a watched model is never scaled to zero unless its watch says allow_scale_to_zero: true",
+        "model 'd': idle_after: not a duration",
+        "model 'e': min_replicas",
+    ]:
+        assert fragment in text, fragment
+    assert len(e.value.problems) == 5
+
+
+def test_watched_model_may_scale_to_zero_when_it_says_so() -> None:
+    cat = parse_catalog(
+        "models:\n  - {name: c, engine: sim, min_replicas: 0, idle_after: 10m,"
+        " watch: {allow_scale_to_zero: true}}"
+    )
+    p = cat.get("c")
+    assert p is not None and p.watch is not None and p.watch.allow_scale_to_zero
+
+
+def test_watched_model_may_scale_down_to_one_without_opting_in() -> None:
+    cat = parse_catalog(
+        "models:\n  - {name: c, engine: sim, replicas: 3, min_replicas: 1, idle_after: 1h, watch: {}}"
+    )
+    assert cat.get("c") is not None

@@ -1,0 +1,35 @@
+"""The console's Overview shows scaling (issue 13): cold models, wakes, cold starts, evictions."""
+
+from __future__ import annotations
+
+from console_fleet import NOW
+from test_console_http import FixedSource, client, get, rows
+
+from llmgw_common.ctl import EvictionInfo, StatusReply
+
+
+async def test_overview_shows_cold_waking_cold_starts_and_evictions() -> None:
+    status = StatusReply(
+        cold=("a",),
+        waking={"b": "1 replica starting on n1"},
+        cold_starts={"b": 12.5},
+        evictions=(
+            EvictionInfo(
+                at=NOW - 60, replica_id="a-1", model="a", for_model="b", nodes=("n1",), reason="idle for 5m"
+            ),
+        ),
+    )
+    async with client(FixedSource(status_reply=status)) as c:
+        page = await get(c, "/")
+    assert rows(page, "scaling")[1:] == [
+        "a cold (scaled to zero) -",
+        "b waking 1 replica starting on n1 12.5s",
+    ]
+    assert rows(page, "evictions")[1:] == ["1m ago a-1 a n1 b idle for 5m"]
+
+
+async def test_overview_without_scaling_says_so() -> None:
+    async with client(FixedSource(status_reply=StatusReply())) as c:
+        page = await get(c, "/")
+    assert rows(page, "scaling")[1:] == ["no model is cold or waking"]
+    assert rows(page, "evictions")[1:] == ["none"]
