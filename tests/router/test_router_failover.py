@@ -147,3 +147,87 @@ async def test_with_failover_off_the_streams_are_cut(routers, static_file, engin
     assert cut and all("[DONE]" in p for p in cut), problems
     assert r.ctx.metrics.migrations_count("m1", "off") == len(cut)
     assert r.ctx.metrics.migrations_count("m1", "ok") == 0
+
+
+# ---------------------------------------------------------------- engines that fail on purpose
+
+
+async def _faulty(handler: Any) -> tuple[asyncio.Server, str, list[int]]:
+    """A raw HTTP server that reads one request and runs ``handler(writer, body)``; counts requests."""
+    seen: list[int] = []
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            head = await r.readuntil(b"\r\n\r\n")
+            n = next(
+                int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length")
+            )
+            body = json.loads(await r.readexactly(n))
+            seen.append(1)
+            await handler(w, body)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            w.close()
+
+    srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return srv, f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}", seen
+
+
+def _sim_stream(path: str, body: dict[str, Any]) -> bytes:
+    read = oai.read_chat if path.endswith("chat/completions") else oai.read_completion
+    g = read(body, 16)
+    w = oai.ChunkWriter("chatcmpl-faulty", 7, g, path.endswith("chat/completions"))
+    tokens = oai.completion_tokens(g)
+    return (w.first() + "".join(map(w.token, tokens)) + w.end(len(tokens))).encode()
+
+
+async def test_answer_cut_short_is_retried_on_another_endpoint(engines, routers, static_file) -> None:
+    async def half_a_body(w: asyncio.StreamWriter, body: dict[str, Any]) -> None:
+        w.write(
+            b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 400\r\n\r\n{"id": "x", '
+        )
+        await w.drain()
+
+    srv, bad, seen = await _faulty(half_a_body)
+    good = await engines("m1")
+    r = await routers(static_file({"m1": [bad, good.url]}, auth=False))
+    body = {"model": "m1", "messages": [{"role": "user", "content": "a b"}], "max_tokens": 3}
+    async with aiohttp.ClientSession() as s:
+        for _ in range(12):
+            async with s.post(f"http://127.0.0.1:{r.port}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                assert (await resp.json())["choices"][0]["message"]["content"] == "a b a"
+    assert seen, "the faulty endpoint was never chosen"
+    assert r.ctx.metrics.retries_count("m1") >= 1
+    srv.close()
+
+
+@pytest.mark.parametrize("fault", ["closed-mid-event", "stalled"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_stream_cut_or_stalled_is_continued(
+    engines, routers, static_file, fault: str, path: str
+) -> None:
+    async def part_of_a_stream(w: asyncio.StreamWriter, body: dict[str, Any]) -> None:
+        whole = _sim_stream(path, body)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        part = whole[: len(whole) // 2 + 11]  # ends inside an event
+        w.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+        await w.drain()
+        if fault == "stalled":
+            await asyncio.sleep(30)
+
+    srv, bad, seen = await _faulty(part_of_a_stream)
+    good = await engines("m1")
+    r = await routers(static_file({"m1": [bad, good.url]}, auth=False), read_timeout_s=0.5)
+    # The faulty endpoint is chosen first: the good one looks loaded.
+    ep_good = next(e for e in r.ctx.pool.by_key.values() if e.url == good.url)
+    ep_good.in_flight += 100  # the lighter endpoint wins the choice
+    _, body = _body(1 if path.endswith("chat/completions") else 3)
+    async with aiohttp.ClientSession() as s:
+        status, events = await _stream(s, f"http://127.0.0.1:{r.port}{path}", body)
+    ep_good.in_flight -= 100
+    assert seen == [1]
+    assert _check(path, body, status, events) == ""
+    assert r.ctx.metrics.migrations_count("m1", "ok") == 1
+    srv.close()
