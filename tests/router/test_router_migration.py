@@ -217,3 +217,66 @@ def test_any_cut_point_splices_to_the_uninterrupted_stream(
         c["finish_reason"] for e in evs if isinstance(e, dict) for c in e["choices"] if c["finish_reason"]
     ]
     assert len(finishes) == 1
+
+
+def _full_fold(blob: bytes) -> Sent:
+    r = Relay()
+    for event in blob.split(b"\n\n"):
+        if event:
+            r._observe(event)
+    return r.sent
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    kind=st.sampled_from(["chat", "text"]),
+    words=st.lists(
+        st.sampled_from(["a", "b", "ü", '"content": "x"', "\\", "text\\"]), min_size=1, max_size=8
+    ),
+    n=st.integers(1, 40),
+    usage=st.booleans(),
+    start=st.integers(0, 10_000),
+    length=st.integers(1, 10_000),
+)
+def test_fast_fold_reads_what_a_full_parse_reads(
+    kind: Kind, words: list[str], n: int, usage: bool, start: int, length: int
+) -> None:
+    """Folding long streams by regular expressions: the same record as parsing every event."""
+    whole = _render(kind, _request(kind, " ".join(words), n, usage), "id-1", 1)
+    events = whole.split(b"\n\n")[:-1]
+    part = b"".join(e + b"\n\n" for e in events[start % len(events) :][:length])
+    r = Relay()
+    r.relay(part)
+    got = r.fold()
+    want = _full_fold(part)
+    assert (got.text, got.tokens, got.role, got.finished, got.done, got.id) == (
+        want.text, want.tokens, want.role, want.finished, want.done, want.id,
+    )  # fmt: skip
+    assert got.usage == want.usage and got.blocker == want.blocker == ""
+
+
+def test_fast_fold_is_taken_for_text_events_and_not_for_others() -> None:
+    from llmgw_router.migration import _plain
+
+    whole = _render("chat", _request("chat", "a b", 5, False), "id-1", 1)
+    body = whole[whole.index(b"\n\n") + 2 :]
+    assert _plain(body)
+    assert not _plain(body.replace(b'"index": 0', b'"index": 1', 1))
+    assert not _plain(body + b'data: {"usage": {"prompt_tokens": 1}}\n\n')
+    assert not _plain(body.replace(b"\n\ndata: ", b"\n\nevent: x\ndata: ", 1))
+    assert not _plain(b'data: {"choices": [{"delta": {"tool_calls": []}}]}\n\n')
+
+
+def test_fast_fold_reads_raw_utf8_and_escapes() -> None:
+    texts = ["Grüße", " 😀", ' "quoted"', " back\\slash", "\n"]
+    events = [
+        {"id": "a", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        *(
+            {"id": "a", "choices": [{"index": 0, "delta": {"content": t}, "finish_reason": None}]}
+            for t in texts
+        ),
+    ]
+    blob = b"".join(b"data: " + json.dumps(e, ensure_ascii=False).encode() + b"\n\n" for e in events)
+    r = Relay()
+    r.relay(blob)
+    assert r.fold().text == texts and r.sent.tokens == len(texts)

@@ -21,6 +21,7 @@ and a prompt that is not one string.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -102,6 +103,48 @@ def request_blocker(kind: Kind, req: dict[str, Any]) -> str:
     return ""
 
 
+# The fast path of folding (a long stream folds every FOLD_BYTES): events of text only, read with
+# regular expressions instead of one json.loads each (about 5 times faster). Anything else in the bytes
+# (usage, tool calls, reasoning, other choices, lines other than data) takes the full path. A key cannot
+# match inside a JSON string: a quote there is always escaped. Each pattern starts with a literal, which
+# the regex engine finds at C speed (an alternation of them was 100 times slower).
+_CONTENT = re.compile(r'"content"\s*:\s*"([^"\\]*(?:\\.[^"\\]*)*)"')
+_TEXT = re.compile(r'"text"\s*:\s*"([^"\\]*(?:\\.[^"\\]*)*)"')
+_FINISH = re.compile(rb'"finish_reason"\s*:\s*"')
+_NOT_PLAIN = (re.compile(rb'"usage"\s*:\s*\{'), re.compile(rb'"index"\s*:\s*[1-9]'))
+_NOT_PLAIN_WORDS = (b"tool_calls", b"function_call", b'"reasoning')
+
+
+def _plain(blob: bytes) -> bool:
+    """Events that hold nothing but text, role and finish of choice 0 (and [DONE])."""
+    if not blob.startswith(b"data: ") or any(w in blob for w in _NOT_PLAIN_WORDS):
+        return False
+    # One line per event, each a data line: no other field, no comment.
+    events = blob.count(_SEP)
+    if blob.count(b"\n") != 2 * events or blob.count(b"\n\ndata: ") != events - 1:
+        return False
+    if b'"content"' in blob and b'"text"' in blob:
+        return False
+    return not any(p.search(blob) for p in _NOT_PLAIN)
+
+
+def _fold_plain(sent: Sent, blob: bytes) -> None:
+    text = blob.decode("utf-8", "replace")
+    for m in (_CONTENT if '"content"' in text else _TEXT).finditer(text):
+        lit = m.group(1)
+        if lit:
+            sent.text.append(json.loads('"' + lit + '"') if "\\" in lit else lit)
+            sent.tokens += 1
+    if _FINISH.search(blob):
+        sent.finished = True
+    if b'"role"' in blob:
+        sent.role = True
+    if b"data: [DONE]" in blob:
+        sent.done = True
+    if b'"usage"' in blob:
+        sent.usage_key = True
+
+
 def _events(data: bytes) -> list[bytes]:
     return [e for e in data.split(_SEP) if e]
 
@@ -157,9 +200,18 @@ class Relay:
     def fold(self) -> Sent:
         """Read the events relayed so far into :attr:`sent`."""
         raw, self._raw, self._raw_bytes = self._raw, [], 0
-        for chunk in raw:
-            for event in _events(chunk):
+        blob = b"".join(raw)
+        if self.sent.id is None:
+            # The first event names the stream (id, created, model): parsed in full.
+            end = blob.find(_SEP) + 2 or len(blob)
+            for event in _events(blob[:end]):
                 self._observe(event)
+            blob = blob[end:]
+        if _plain(blob):
+            _fold_plain(self.sent, blob)
+            return self.sent
+        for event in _events(blob):
+            self._observe(event)
         return self.sent
 
     def _observe(self, event: bytes) -> dict[str, Any] | None:
