@@ -280,3 +280,12 @@ def test_fast_fold_reads_raw_utf8_and_escapes() -> None:
     r = Relay()
     r.relay(blob)
     assert r.fold().text == texts and r.sent.tokens == len(texts)
+
+
+def test_bytes_that_are_not_blank_line_separated_events_pass_through() -> None:
+    r = Relay()
+    crlf = b'data: {"id": "a", "choices": []}\r\n\r\n' * 3000  # no "\n\n" anywhere
+    assert r.relay(crlf[:1000]) == b""  # held: it may still become an event
+    assert r.relay(crlf[1000:]) == crlf  # past HOLD_BYTES: everything goes, and so does the rest
+    assert r.through and r.relay(b"more") == b"more"
+    assert isinstance(plan("chat", {"messages": []}, r.fold()), Refuse)

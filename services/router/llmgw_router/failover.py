@@ -57,7 +57,7 @@ class Migration:
 
     def complete(self) -> bool:
         """The stream being relayed ended as a stream should, with ``[DONE]``."""
-        return bool(self.off) or self.relay.ended
+        return bool(self.off) or self.relay.ended or self.relay.through
 
     async def resume(self, ctx: RouterContext, resp: web.StreamResponse, pick: Pick, why: str) -> int:
         """Continue the broken stream into ``resp``; the status to record (200, 502, or 499)."""

@@ -29,6 +29,8 @@ Kind = Literal["chat", "text"]
 KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "text"}
 # Relayed bytes kept raw per stream before they are folded into the record of what was sent.
 FOLD_BYTES = 64 * 1024
+# A partial event held back longer than this is not an event: the stream passes through untouched.
+HOLD_BYTES = 64 * 1024
 DONE = b"data: [DONE]\n\n"
 _SEP = b"\n\n"
 
@@ -164,7 +166,7 @@ class Relay:
     is parsed and rewritten (:meth:`splice`).
     """
 
-    __slots__ = ("_base", "_held", "_raw", "_raw_bytes", "_splicing", "ended", "sent")
+    __slots__ = ("_base", "_held", "_raw", "_raw_bytes", "_splicing", "ended", "sent", "through")
 
     def __init__(self) -> None:
         self.sent = Sent()
@@ -176,13 +178,22 @@ class Relay:
         self._base = 0
         # The last event relayed was ``[DONE]``.
         self.ended = False
+        # Not events as expected (no blank line in HOLD_BYTES): passed through untouched, never continued.
+        self.through = False
 
     def relay(self, data: bytes) -> bytes:
+        if self.through:
+            return data
         if self._held:
             data = self._held + data
             self._held = b""
         end = data.rfind(_SEP)
         if end < 0:
+            if len(data) > HOLD_BYTES and not self._splicing:
+                # Events that do not end in a blank line ("\r\n\r\n"?): stop holding anything back.
+                self.through = True
+                self.sent.blocker = "events not separated by a blank line"
+                return data
             self._held = data
             return b""
         if end + 2 < len(data):
@@ -199,6 +210,8 @@ class Relay:
 
     def fold(self) -> Sent:
         """Read the events relayed so far into :attr:`sent`."""
+        if self.through:
+            return self.sent
         raw, self._raw, self._raw_bytes = self._raw, [], 0
         blob = b"".join(raw)
         if self.sent.id is None:
