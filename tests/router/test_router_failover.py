@@ -231,3 +231,36 @@ async def test_stream_cut_or_stalled_is_continued(
     assert _check(path, body, status, events) == ""
     assert r.ctx.metrics.migrations_count("m1", "ok") == 1
     srv.close()
+
+
+async def test_the_broken_endpoint_is_marked_failed_while_its_stream_is_continued(
+    engines, routers, static_file
+) -> None:
+    path = "/v1/chat/completions"
+
+    async def part_of_a_stream(w: asyncio.StreamWriter, body: dict[str, Any]) -> None:
+        whole = _sim_stream(path, body)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        part = whole[: len(whole) // 4]
+        w.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+        await w.drain()
+
+    srv, bad, _ = await _faulty(part_of_a_stream)
+    good = await engines("m1", ttft_ms=10, tokens_per_s=40)  # the continuation takes seconds
+    r = await routers(static_file({"m1": [bad, good.url]}, auth=False))
+    ep_bad = next(e for e in r.ctx.pool.by_key.values() if e.url == bad)
+    ep_good = next(e for e in r.ctx.pool.by_key.values() if e.url == good.url)
+    ep_good.in_flight += 100
+    _, body = _body(0)
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.create_task(_stream(s, f"http://127.0.0.1:{r.port}{path}", body))
+        assert await poll(
+            lambda: r.ctx.metrics.migrations_count("m1", "ok") == 0 and ep_good.in_flight == 101, 10
+        )
+        ep_good.in_flight -= 100
+        # The continuation is still streaming, and the breaker has heard of the failure already.
+        assert ep_bad.breaker.failures == 1 and not task.done()
+        status, events = await task
+    assert _check(path, body, status, events) == ""
+    assert ep_bad.breaker.failures == 1
+    srv.close()

@@ -239,11 +239,13 @@ async def _stream(
         if mig is None or status != 200:
             log.warning("stream from %s broke after the first byte: %s", ep.replica_id, e)
             return resp, 502, False
+        # Say so now, not when the continuation ends: others should not be sent to it meanwhile.
+        ep.breaker.failure(ctx.clock())
         status = await mig.resume(ctx, resp, pick, f"{ep.replica_id}: {e}")
         if status == 200:
             used = mig.relay.sent.usage
             ctx.usage.add(key_id, model, used if want_usage else None)
-        return resp, status, False
+        return resp, status, None
     ep.observe_latency(time.perf_counter() - t0)
     if status < 300:
         ctx.usage.add(key_id, model, find_usage(tail) if want_usage else None)
