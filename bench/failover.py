@@ -41,6 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "chaos"))
 
+import httpx  # noqa: E402
 from chaos_bus import BusView, poll  # noqa: E402
 from chaos_harness import AGGRESSIVE, ChaosCluster, boot  # noqa: E402
 from chaos_traffic import Traffic  # noqa: E402
@@ -93,12 +94,27 @@ async def _measure(c: ChaosCluster, key: str, setting: str, lost_s: float, lease
         engines = sorted(set(view.engine_pids(victim).values()))
         traffic.start()
 
-        async def warm() -> int | None:
-            # Kill once streams run on both replicas: the first second's requests may all sit on one.
-            done = sum(1 for r in traffic.records if r.ok)
-            return done if done >= 16 else None
+        async def victim_busy() -> float | None:
+            # Kill once the victim streams: the router may have sent it nothing for a while.
+            if sum(1 for r in traffic.records if r.ok) < 16:
+                return None
+            eps = await view.endpoints()
+            urls = [e.url for e in (eps.endpoints.get("chat", ()) if eps else ()) if e.node == victim]
+            if not urls:
+                return None
+            async with httpx.AsyncClient(timeout=2) as http:
+                text = (await http.get(urls[0] + "/metrics")).text
+            running = next(
+                (
+                    float(x.split()[-1])
+                    for x in text.splitlines()
+                    if x.startswith("vllm:num_requests_running")
+                ),
+                0.0,
+            )
+            return running if running >= 4 else None
 
-        await poll("streams finished before the kill", warm, 60)
+        await poll("the victim streaming", victim_busy, 60, every=0.05)
         # 1. node loss
         t_kill = time.monotonic()
         c.procs[f"agent-{victim}"].signal(signal.SIGKILL)
