@@ -108,10 +108,12 @@ def test_continuation_request_carries_the_text_sent(kind: Kind) -> None:
         ("chat", {"messages": [], "n": 2}, "n > 1"),
         ("text", {"prompt": ["a", "b"]}, "one string"),
         ("text", {"prompt": "a", "echo": True}, "echo"),
+        # vLLM's chat echo would repeat the partial answer it is asked to continue.
+        ("chat", {"messages": [], "echo": True}, "echo"),
         ("chat", {"messages": "hi"}, "no messages"),
         ("chat", {"messages": [], "n": 1}, ""),
     ],
-    ids=["n2", "prompt-list", "echo", "no-messages", "n1"],
+    ids=["n2", "prompt-list", "echo", "chat-echo", "no-messages", "n1"],
 )
 def test_request_blockers(kind: Kind, req: dict[str, Any], reason: str) -> None:
     got = request_blocker(kind, req)

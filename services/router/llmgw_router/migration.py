@@ -95,11 +95,12 @@ def request_blocker(kind: Kind, req: dict[str, Any]) -> str:
     n = req.get("n")
     if n is not None and n != 1:
         return "several choices (n > 1)"
+    if req.get("echo"):
+        # A completion's echo repeats the prompt; vLLM's chat echo the last message: the partial answer.
+        return "echo"
     if kind == "text":
         if not isinstance(req.get("prompt"), str):
             return "the prompt is not one string"
-        if req.get("echo"):
-            return "echo"
     elif not isinstance(req.get("messages"), list):
         return "no messages"
     return ""
