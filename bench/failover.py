@@ -41,10 +41,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "chaos"))
 
-import httpx  # noqa: E402
 from chaos_bus import BusView, poll  # noqa: E402
 from chaos_harness import AGGRESSIVE, ChaosCluster, boot  # noqa: E402
-from chaos_traffic import Traffic  # noqa: E402
+from chaos_traffic import Traffic, streams_on  # noqa: E402
 
 from llmgw_common.ctl import DebugStatsReply  # noqa: E402
 
@@ -98,20 +97,7 @@ async def _measure(c: ChaosCluster, key: str, setting: str, lost_s: float, lease
             # Kill once the victim streams: the router may have sent it nothing for a while.
             if sum(1 for r in traffic.records if r.ok) < 16:
                 return None
-            eps = await view.endpoints()
-            urls = [e.url for e in (eps.endpoints.get("chat", ()) if eps else ()) if e.node == victim]
-            if not urls:
-                return None
-            async with httpx.AsyncClient(timeout=2) as http:
-                text = (await http.get(urls[0] + "/metrics")).text
-            running = next(
-                (
-                    float(x.split()[-1])
-                    for x in text.splitlines()
-                    if x.startswith("vllm:num_requests_running")
-                ),
-                0.0,
-            )
+            running = await streams_on(view, "chat", victim)
             return running if running >= 4 else None
 
         await poll("the victim streaming", victim_busy, 60, every=0.05)

@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
+from chaos_bus import BusView
 
 from llmgw_agent import sim_openai as oai
 
@@ -209,6 +210,19 @@ def stream_problem(events: list[dict[str, object] | str], text: str, usage: tupl
     if not isinstance(u, dict) or (u.get("prompt_tokens"), u.get("completion_tokens")) != usage:
         return f"usage {u} is not {usage}"
     return ""
+
+
+async def streams_on(view: BusView, model: str, node: str) -> float:
+    """Requests the node's engine for ``model`` is running now, from its own /metrics (0 if none)."""
+    eps = await view.endpoints()
+    urls = [e.url for e in (eps.endpoints.get(model, ()) if eps else ()) if e.node == node]
+    if not urls:
+        return 0.0
+    async with httpx.AsyncClient(timeout=2) as http:
+        text = (await http.get(urls[0] + "/metrics")).text
+    return next(
+        (float(x.split()[-1]) for x in text.splitlines() if x.startswith("vllm:num_requests_running")), 0.0
+    )
 
 
 async def wait_serving(base_url: str, key: str, model: str = "chat", timeout: float = 60.0) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from chaos_bus import BusView, poll
 from chaos_harness import ChaosCluster, boot
-from chaos_traffic import Traffic, wait_serving
+from chaos_traffic import Traffic, streams_on, wait_serving
 
 pytestmark = [pytest.mark.xdist_group("chaos"), pytest.mark.e2e, pytest.mark.slow]
 
@@ -53,10 +53,13 @@ async def test_node_loss_under_traffic(cluster: tuple[ChaosCluster, str]) -> Non
         victim = sorted(hosts)[0]
         traffic.start()
 
-        async def warm() -> int | None:
-            # Streams finished before the kill (a loaded box makes a fixed wait too short).
-            done = sum(1 for r in traffic.records if r.ok)
-            return done if done >= 8 else None
+        async def warm() -> float | None:
+            # Streams finished before the kill (a loaded box makes a fixed wait too short), and streams
+            # running on the victim (the router may have sent it nothing for a while).
+            if sum(1 for r in traffic.records if r.ok) < 8:
+                return None
+            running = await streams_on(view, "chat", victim)
+            return running if running >= 4 else None
 
         await poll("streams finished before the kill", warm, 60)
         t_kill = time.monotonic()
