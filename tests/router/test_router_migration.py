@@ -291,3 +291,39 @@ def test_bytes_that_are_not_blank_line_separated_events_pass_through() -> None:
     assert r.relay(crlf[1000:]) == crlf  # past HOLD_BYTES: everything goes, and so does the rest
     assert r.through and r.relay(b"more") == b"more"
     assert isinstance(plan("chat", {"messages": []}, r.fold()), Refuse)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    kind=st.sampled_from(["chat", "text"]),
+    words=st.lists(st.sampled_from(["a", "b", "cc", "ü"]), min_size=1, max_size=8),
+    max_tokens=st.integers(1, 30),
+    usage=st.booleans(),
+    data=st.data(),
+)
+def test_a_continuation_that_breaks_too_is_continued_again(
+    kind: Kind, words: list[str], max_tokens: int, usage: bool, data: st.DataObject
+) -> None:
+    req = _request(kind, " ".join(words), max_tokens, usage)
+    whole = _render(kind, req, "id-1", 1)
+    r = Relay()
+    out = r.relay(whole[: data.draw(st.integers(1, len(whole) - 1), label="cut1")])
+    step = plan(kind, req, r.fold())
+    if not isinstance(step, Continue):
+        return  # nothing to continue: the single-break test covers it
+    r.splice()
+    second = _render(kind, json.loads(step.body), "id-2", 2)
+    out += r.relay(second[: data.draw(st.integers(1, len(second) - 1), label="cut2")])
+    step = plan(kind, req, r.fold())
+    if isinstance(step, Continue):
+        r.splice()
+        out += r.relay(_render(kind, json.loads(step.body), "id-3", 3))
+    else:
+        assert isinstance(step, Close)
+        out += step.tail
+    first = out[out.index(b'"id": "') + 7 :][:4]  # the id the client saw first names the stream
+    expected = whole.replace(b"id-1", first).replace(b'"created": 1,', b'"created": ' + first[-1:] + b",")
+    if isinstance(step, Close) and usage and r.sent.usage is None:
+        usage_event = [e for e in expected.split(b"\n\n") if b'"choices": [], "usage"' in e]
+        expected = expected.replace(usage_event[0] + b"\n\n", b"")
+    assert out == expected
