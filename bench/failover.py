@@ -2,7 +2,8 @@
 
 Boots a cluster of real processes (the chaos suite's harness, ``tests/chaos/chaos_harness.py``): a
 nats-server, two control planes (one leads, one stands by), a router, three agents with simulated
-8xH100 nodes, and a catalog whose model ``chat`` has two replicas. Then, under four streaming clients:
+8xH100 nodes, and a catalog whose model ``chat`` has two replicas. Then, under sixteen clients streaming
+200-token answers (each checked against the uninterrupted answer: text, one finish, one [DONE], usage):
 
 1. **node loss**: SIGKILL the agent and the engines of a node hosting ``chat``; seconds until the
    routing endpoints list two replicas again, none on the dead node (an endpoint is listed only once its
@@ -12,7 +13,11 @@ nats-server, two control planes (one leads, one stands by), a router, three agen
 
 Both are measured with the defaults (heartbeat 2 s, node lost after 30 s, lease TTL 10 s, tick 1 s)
 and with aggressive settings (heartbeat 0.5 s, lost after 4 s, lease 3 s, tick 0.25 s). Failed requests
-are counted too.
+are counted, those in flight at the kill and those started after it, and so is the pause the streams
+cut by the kill saw: the router continues each on the other replica (mid-stream failover), and the gap
+between the last event before the cut and the first after it is the largest of such a stream's gaps.
+The streams migrated are counted from the router's log; their gaps are the that many largest among the
+streams in flight at the kill (p50/p99/max), beside the largest gap of the streams that were not moved.
 
     .venv/bin/python bench/failover.py            # aggressive x3, defaults x1: about 2 minutes
     .venv/bin/python bench/failover.py --quick    # one of each: about 1.5 minutes
@@ -38,7 +43,7 @@ sys.path.insert(0, str(REPO / "tests" / "chaos"))
 
 from chaos_bus import BusView, poll  # noqa: E402
 from chaos_harness import AGGRESSIVE, ChaosCluster, boot  # noqa: E402
-from chaos_traffic import Traffic  # noqa: E402
+from chaos_traffic import Traffic, streams_on  # noqa: E402
 
 from llmgw_common.ctl import DebugStatsReply  # noqa: E402
 
@@ -52,7 +57,21 @@ class Trial:
     takeover_s: float
     requests: int
     failed_after_kill: int
+    in_flight: int
     in_flight_failed: int
+    migrated: int
+    gap_p50_ms: float
+    gap_p99_ms: float
+    gap_max_ms: float
+    # The largest gap of the streams in flight at the kill that were not migrated.
+    other_gap_max_ms: float
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * len(v)))]
 
 
 async def _leader_pass(view: BusView, old_fence: int) -> DebugStatsReply | None:
@@ -62,7 +81,7 @@ async def _leader_pass(view: BusView, old_fence: int) -> DebugStatsReply | None:
 
 async def _measure(c: ChaosCluster, key: str, setting: str, lost_s: float, lease_s: float) -> Trial:
     view = await BusView.connect(c.nats_url, c.prefix)
-    traffic = Traffic(c.router_url(), key, clients=4)
+    traffic = Traffic(c.router_url(), key, clients=16, max_tokens=200, verify=True)
     try:
 
         async def two_hosts() -> set[str] | None:
@@ -73,7 +92,15 @@ async def _measure(c: ChaosCluster, key: str, setting: str, lost_s: float, lease
         victim = sorted(hosts)[0]
         engines = sorted(set(view.engine_pids(victim).values()))
         traffic.start()
-        await asyncio.sleep(1.0)
+
+        async def victim_busy() -> float | None:
+            # Kill once the victim streams: the router may have sent it nothing for a while.
+            if sum(1 for r in traffic.records if r.ok) < 16:
+                return None
+            running = await streams_on(view, "chat", victim)
+            return running if running >= 4 else None
+
+        await poll("the victim streaming", victim_busy, 60, every=0.05)
         # 1. node loss
         t_kill = time.monotonic()
         c.procs[f"agent-{victim}"].signal(signal.SIGKILL)
@@ -106,15 +133,23 @@ async def _measure(c: ChaosCluster, key: str, setting: str, lost_s: float, lease
         await traffic.stop()
         after = traffic.started_after(t_kill)
         flying = traffic.in_flight_at(t_kill)
+        migrated = c.procs["router"].log_path.read_text(errors="replace").count("continuing on")
+        gaps = sorted((r.gap for r in flying.records), reverse=True)
+        moved, others = gaps[:migrated], gaps[migrated:]
         print(
             f"  {setting}: node loss -> replacement serving {node_loss_s:.1f}s; standby's first pass "
             f"{takeover_s:.2f}s after SIGKILL of the leader; {traffic.all().line()}; "
-            f"{after.line()}; in flight at the kill: {len(flying.failed)} failed",
+            f"{after.line()}; in flight at the kill: {len(flying.records)}, {len(flying.failed)} failed, "
+            f"{migrated} continued on the other replica; stream gap at the migration p50 "
+            f"{_pct(moved, 0.5) * 1000:.0f} ms p99 {_pct(moved, 0.99) * 1000:.0f} ms (largest gap of the "
+            f"others {max(others, default=0) * 1000:.0f} ms)",
             flush=True,
         )
         return Trial(
             setting, round(node_loss_s, 2), round(takeover_s, 2), len(traffic.records),
-            len(after.failed), len(flying.failed),
+            len(after.failed), len(flying.records), len(flying.failed), migrated,
+            round(_pct(moved, 0.5) * 1000, 1), round(_pct(moved, 0.99) * 1000, 1),
+            round(max(moved, default=0) * 1000, 1), round(max(others, default=0) * 1000, 1),
         )  # fmt: skip
     finally:
         await traffic.stop()
@@ -161,9 +196,14 @@ def main() -> None:
     print()
     print(
         f"{'setting':<11} {'node loss -> serving (s)':>25} {'standby takeover (s)':>21} {'failed after kill':>18}"
+        f" {'in flight: failed/all':>22} {'migrated':>9} {'gap p50/p99/max (ms)':>21} {'others max':>11}"
     )
     for t in rows:
-        print(f"{t.setting:<11} {t.node_loss_s:>25.1f} {t.takeover_s:>21.2f} {t.failed_after_kill:>18}")
+        print(
+            f"{t.setting:<11} {t.node_loss_s:>25.1f} {t.takeover_s:>21.2f} {t.failed_after_kill:>18}"
+            f" {f'{t.in_flight_failed}/{t.in_flight}':>22} {t.migrated:>9}"
+            f" {f'{t.gap_p50_ms:.0f}/{t.gap_p99_ms:.0f}/{t.gap_max_ms:.0f}':>21} {t.other_gap_max_ms:>11.0f}"
+        )
     print(f"total {time.monotonic() - t0:.0f}s")
     if args.json:
         args.json.write_text(json.dumps([asdict(t) for t in rows], indent=1))

@@ -4,17 +4,26 @@ Every request is recorded with its start and end (monotonic seconds), whether it
 and a stream that ended with ``[DONE]``) and, if not, why. A test splits the records around the
 moment it broke something: requests that started after it must all succeed; those in flight at that
 moment are counted and reported.
+
+With ``verify``, each client asks with its own words and every stream is checked against the simulated
+engine's uninterrupted answer to that request (text, one id, one finish_reason, usage); the largest gap
+between two of a stream's events, and when it began, are recorded (a migration's pause).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
+from chaos_bus import BusView
+
+from llmgw_sim import openai_api as oai
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +33,9 @@ class Record:
     end: float
     ok: bool
     why: str = ""
+    # The longest pause between two events of the stream, and when it began (verify mode only).
+    gap: float = 0.0
+    gap_at: float = 0.0
 
 
 @dataclass
@@ -59,11 +71,14 @@ class Traffic:
     clients: int = 4
     max_tokens: int = 12
     timeout_s: float = 20.0
+    verify: bool = False
     records: list[Record] = field(default_factory=list)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def one(self, http: httpx.AsyncClient, client: int) -> Record:
+        if self.verify:
+            return await self._verified(http, client)
         t0 = time.monotonic()
         body = {
             "model": self.model,
@@ -90,6 +105,42 @@ class Traffic:
         except httpx.HTTPError as e:
             return Record(client, t0, time.monotonic(), False, f"{type(e).__name__}: {e}"[:160])
         return Record(client, t0, time.monotonic(), True)
+
+    async def _verified(self, http: httpx.AsyncClient, client: int) -> Record:
+        t0 = time.monotonic()
+        n = len(self.records)
+        body = {
+            "model": self.model,
+            # Distinct words per request: a lost or repeated piece shifts the answer's cycle.
+            "messages": [{"role": "user", "content": f"chaos c{client} r{n} k{client * 7 + n}"}],
+            "max_tokens": self.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        g = oai.read_chat(body, 16)
+        want = oai.completion_tokens(g)
+        stamps: list[float] = []
+        events: list[dict[str, object] | str] = []
+        try:
+            async with http.stream(
+                "POST",
+                f"{self.base_url}/v1/chat/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {self.key}"},
+            ) as r:
+                if r.status_code != 200:
+                    text = (await r.aread()).decode("utf-8", "replace")[:160]
+                    return Record(client, t0, time.monotonic(), False, f"HTTP {r.status_code}: {text}")
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        stamps.append(time.monotonic())
+                        payload = line[6:]
+                        events.append("[DONE]" if payload == "[DONE]" else json.loads(payload))
+        except httpx.HTTPError as e:
+            return Record(client, t0, time.monotonic(), False, f"{type(e).__name__}: {e}"[:160])
+        gap, gap_at = max(((b - a, a) for a, b in itertools.pairwise(stamps)), default=(0.0, 0.0))
+        why = stream_problem(events, "".join(want), (g.prompt_tokens, len(want)))
+        return Record(client, t0, time.monotonic(), not why, why, gap, gap_at)
 
     async def _client(self, client: int) -> None:
         limits = httpx.Limits(max_connections=2, max_keepalive_connections=1)
@@ -132,6 +183,46 @@ class Traffic:
 
     def all(self, label: str = "all") -> Tally:
         return Tally(label, list(self.records))
+
+
+def stream_problem(events: list[dict[str, object] | str], text: str, usage: tuple[int, int]) -> str:
+    """What is wrong with a chat stream against the answer it should carry ("" when nothing)."""
+    if events.count("[DONE]") != 1 or events[-1] != "[DONE]":
+        return f"{events.count('[DONE]')} [DONE] events, the last one last: {events[-1:] == ['[DONE]']}"
+    chunks = [e for e in events if isinstance(e, dict)]
+    if len({(c.get("id"), c.get("created"), c.get("model")) for c in chunks}) != 1:
+        return "more than one id/created/model"
+    got = ""
+    finishes = []
+    for c in chunks:
+        for ch in c["choices"]:  # type: ignore[attr-defined]
+            got += ch["delta"].get("content") or ""
+            if ch["finish_reason"]:
+                finishes.append(ch["finish_reason"])
+    if got != text:
+        at = next(
+            (i for i, (a, b) in enumerate(zip(got, text, strict=False)) if a != b), min(len(got), len(text))
+        )
+        return f"text differs from the uninterrupted answer at char {at} ({len(got)} vs {len(text)} chars)"
+    if len(finishes) != 1:
+        return f"{len(finishes)} finish_reasons"
+    u = chunks[-1].get("usage")
+    if not isinstance(u, dict) or (u.get("prompt_tokens"), u.get("completion_tokens")) != usage:
+        return f"usage {u} is not {usage}"
+    return ""
+
+
+async def streams_on(view: BusView, model: str, node: str) -> float:
+    """Requests the node's engine for ``model`` is running now, from its own /metrics (0 if none)."""
+    eps = await view.endpoints()
+    urls = [e.url for e in (eps.endpoints.get(model, ()) if eps else ()) if e.node == node]
+    if not urls:
+        return 0.0
+    async with httpx.AsyncClient(timeout=2) as http:
+        text = (await http.get(urls[0] + "/metrics")).text
+    return next(
+        (float(x.split()[-1]) for x in text.splitlines() if x.startswith("vllm:num_requests_running")), 0.0
+    )
 
 
 async def wait_serving(base_url: str, key: str, model: str = "chat", timeout: float = 60.0) -> None:

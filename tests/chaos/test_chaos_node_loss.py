@@ -1,8 +1,10 @@
-"""Node loss under traffic: SIGKILL an agent and its engines while four clients stream.
+"""Node loss under traffic: SIGKILL an agent and its engines while sixteen clients stream 200 tokens.
 
-The lost node's replica is rebuilt on a survivor; requests that started after the kill all succeed
-(the router retries a dead endpoint before the first byte, and the other replica serves meanwhile);
-requests in flight on the killed node at the moment of the kill are counted and reported.
+The lost node's replica is rebuilt on a survivor. No request fails: those that started after the kill
+(the router retries a dead endpoint before the first byte, and the other replica serves meanwhile), and
+those in flight on the killed node at the moment of the kill (the router continues each stream on the
+other replica). Every stream's text is the uninterrupted answer (the simulator makes it checkable), with
+one id, one finish_reason, one [DONE], and usage that adds up.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 import pytest
 from chaos_bus import BusView, poll
 from chaos_harness import ChaosCluster, boot
-from chaos_traffic import Traffic, wait_serving
+from chaos_traffic import Traffic, streams_on, wait_serving
 
 pytestmark = [pytest.mark.xdist_group("chaos"), pytest.mark.e2e, pytest.mark.slow]
 
@@ -44,13 +46,22 @@ def kill_node(cluster: ChaosCluster, view: BusView, node: str) -> list[int]:
 async def test_node_loss_under_traffic(cluster: tuple[ChaosCluster, str]) -> None:
     c, key = cluster
     view = await BusView.connect(c.nats_url, c.prefix)
-    traffic = Traffic(c.router_url(), key, clients=4)
+    traffic = Traffic(c.router_url(), key, clients=16, max_tokens=200, verify=True)
     try:
         await wait_serving(c.router_url(), key)
         hosts, _ = await poll("two nodes host chat", lambda: _two(view.nodes_hosting("chat")), 15)
         victim = sorted(hosts)[0]
         traffic.start()
-        await traffic.run_for(2.0)
+
+        async def warm() -> float | None:
+            # Streams finished before the kill (a loaded box makes a fixed wait too short), and streams
+            # running on the victim (the router may have sent it nothing for a while).
+            if sum(1 for r in traffic.records if r.ok) < 8:
+                return None
+            running = await streams_on(view, "chat", victim)
+            return running if running >= 4 else None
+
+        await poll("streams finished before the kill", warm, 60)
         t_kill = time.monotonic()
         engines = kill_node(c, view, victim)
         assert engines, f"{victim} reported no engine to kill"
@@ -66,14 +77,22 @@ async def test_node_loss_under_traffic(cluster: tuple[ChaosCluster, str]) -> Non
         before = traffic.ended_before(t_kill, "finished before the kill")
         after = traffic.started_after(t_kill, "started after the kill")
         flying = traffic.in_flight_at(t_kill, "in flight at the kill")
+        migrations = c.procs["router"].log_path.read_text(errors="replace").count("continuing on")
+        gaps = sorted(r.gap for r in flying.records if r.gap_at <= t_kill + 1.0)
         report = (
             f"node loss: killed {victim} (engines {engines}); replacement serving after {took:.1f}s on "
-            f"{sorted(nodes)}\n  {before.line()}\n  {flying.line()}\n  {after.line()}"
+            f"{sorted(nodes)}\n  {before.line()}\n  {flying.line()}\n  {after.line()}\n"
+            f"  streams continued on another replica: {migrations}; longest pause of in-flight streams "
+            f"{gaps[-1:] or '-'} s"
         )
         print(report)
         assert before.ok > 0, report
         assert after.ok > 0, report
+        assert len(flying.records) >= 8, report
+        assert not flying.failed, report
         assert not after.failed, report
+        assert not traffic.all().failed, report
+        assert migrations > 0, report
         assert sorted(set(nodes)) != [victim] and all(n != victim for n in nodes), report
         assert not c.engine_pids() & set(engines), f"killed engines still alive\n{report}"
     finally:

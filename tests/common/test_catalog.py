@@ -145,3 +145,18 @@ def test_non_finite_numbers_are_refused(field: str, fragment: str) -> None:
     with pytest.raises(CatalogError) as e:
         parse_catalog(text)
     assert fragment in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"), [("", True), ("failover: false", False), ("failover: true", True)], ids=str
+)
+def test_failover_is_on_unless_turned_off(line: str, expected: bool) -> None:
+    cat = parse_catalog(f"models:\n  - name: m\n    engine: sim\n    {line}\n")
+    assert cat.get("m").failover is expected  # type: ignore[union-attr]
+    assert parse_catalog(catalog_to_yaml(cat)) == cat
+
+
+def test_failover_must_be_a_boolean() -> None:
+    with pytest.raises(CatalogError) as e:
+        parse_catalog("models:\n  - name: m\n    engine: sim\n    failover: maybe\n")
+    assert "failover" in str(e.value)

@@ -107,7 +107,8 @@ async def test_completions_plain_and_streamed(client: openai.AsyncOpenAI) -> Non
     r = await client.completions.create(model=MODEL, prompt="the quick fox", max_tokens=4)
     assert r.object == "text_completion"
     assert r.id.startswith("cmpl-")
-    assert r.choices[0].text == "the quick fox the"
+    # A completion continues the prompt's text: its first word comes after a space.
+    assert r.choices[0].text == " the quick fox the"
     assert r.choices[0].finish_reason == "length"
     assert r.usage is not None and (r.usage.prompt_tokens, r.usage.completion_tokens) == (3, 4)
 
@@ -115,7 +116,7 @@ async def test_completions_plain_and_streamed(client: openai.AsyncOpenAI) -> Non
         model=MODEL, prompt="the quick fox", max_tokens=4, stream=True, stream_options={"include_usage": True}
     )
     chunks = [c async for c in stream]
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == "the quick fox the"
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == " the quick fox the"
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.total_tokens == 7
 
@@ -238,4 +239,4 @@ async def test_stream_events_survive_quotes_and_unicode(client: openai.AsyncOpen
     text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     assert text == words
     comp = await client.completions.create(model=MODEL, prompt=words, max_tokens=5, stream=True)
-    assert "".join([c.choices[0].text async for c in comp if c.choices]) == words
+    assert "".join([c.choices[0].text async for c in comp if c.choices]) == " " + words

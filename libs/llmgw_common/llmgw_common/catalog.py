@@ -74,6 +74,9 @@ class ModelProfile(_Strict):
     max_concurrency: int | None = Field(default=None, ge=1)
     max_queue: int = Field(default=64, ge=0)
     queue_timeout_s: float = Field(default=30.0, ge=0)
+    # Mid-stream failover: a stream whose replica fails after its first byte is continued on another
+    # (the engine must continue a final assistant message). False: such a stream is cut, as before.
+    failover: bool = True
     watch: WatchSpec | None = None
     # Engine options, e.g. the simulator's timing: {ttft_ms: 50, tokens_per_s: 80, slots: 8}.
     options: dict[str, Any] = Field(default_factory=dict)

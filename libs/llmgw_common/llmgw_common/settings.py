@@ -197,6 +197,11 @@ class RouterSettings(BusSettings):
 
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0, description="Largest request body")
     retries: int = Field(default=2, ge=0, description="Other endpoints tried before the first byte")
+    max_migrations: int = Field(
+        default=2,
+        ge=0,
+        description="Times one stream that broke after its first byte is continued on another replica",
+    )
     connect_timeout_s: float = Field(default=5.0, gt=0)
     read_timeout_s: float = Field(default=600.0, gt=0)
     load_stale_s: float = Field(default=5.0, gt=0, description="Ignore agents' load reports older than this")

@@ -214,7 +214,7 @@ def _make_proxy_handler(ctx: RouterContext, path: str) -> Handler:
         status = CLIENT_GONE
         try:
             resp, status = await forward(
-                ctx, request, path, body, model, rec.id if rec is not None else ANONYMOUS, want_usage
+                ctx, request, path, body, model, rec.id if rec is not None else ANONYMOUS, want_usage, parsed
             )
             return resp
         finally:

@@ -22,6 +22,7 @@ from llmgw_router.usage import UsageTable
 class Limits:
     max_body_bytes: int = 8 * 1024 * 1024
     retries: int = 2
+    max_migrations: int = 2
     load_stale_s: float = 5.0
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0

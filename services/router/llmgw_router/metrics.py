@@ -144,6 +144,14 @@ class _Recorded(Collector):
             ("model",),
             {(k,): c for k, c in m._retries.items()},
         )
+        yield from _counter_family(
+            "llmgw_router_migrations",
+            "Streams that broke after their first byte, by outcome: ok (continued on another replica), "
+            "failed (no replica could continue it), unsupported (an answer that cannot be continued), "
+            "off (failover disabled for the model)",
+            ("model", "outcome"),
+            dict(m._migrations.items()),
+        )
 
 
 class RouterMetrics:
@@ -153,6 +161,7 @@ class RouterMetrics:
         self._lat: dict[str, _Hist] = {}
         self._ttft: dict[str, _Hist] = {}
         self._retries: dict[str, _Counter] = {}
+        self._migrations: dict[tuple[str, str], _Counter] = {}
         self.registry.register(_Recorded(self))
         self.registry.register(_Live(pool, gates, in_flight))
 
@@ -181,6 +190,17 @@ class RouterMetrics:
         if c is None:
             c = self._retries[model] = _Counter()
         c.value += 1
+
+    def migration(self, model: str, outcome: str) -> None:
+        c = self._migrations.get((model, outcome))
+        if c is None:
+            c = self._migrations[(model, outcome)] = _Counter()
+        c.value += 1
+
+    def migrations_count(self, model: str, outcome: str) -> int:
+        """How many broken streams of ``model`` ended with ``outcome`` (0 when none)."""
+        c = self._migrations.get((model, outcome))
+        return c.value if c is not None else 0
 
     def requests_count(self, model: str, status: int) -> int:
         """How many requests for ``model`` were answered with ``status`` (0 when none)."""

@@ -2,8 +2,9 @@
 
 A failure before the first byte reaches the client (connect error or refusal, the engine closing
 the connection, a 502/503 from the engine, a stream that dies before its first chunk) is retried on
-another endpoint, up to ``retries`` times. Once the first byte is sent, the client gets whatever the
-engine sends. In-flight counts are released in ``finally`` on every path, cancellation included.
+another endpoint, up to ``retries`` times. A stream that breaks after its first byte is continued on
+another endpoint (:mod:`llmgw_router.failover`). In-flight counts are released in ``finally`` on every
+path, cancellation included.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from multidict import CIMultiDict
 from llmgw_router.context import RouterContext
 from llmgw_router.endpoints import EndpointState
 from llmgw_router.errors import error_response
+from llmgw_router.failover import Migration
 from llmgw_router.scheduling import choose
 from llmgw_router.upstream import ReadTimeout, Response, UpstreamError
 from llmgw_router.usage import TAIL_BYTES, find_usage
@@ -85,10 +87,12 @@ async def forward(
     model: str,
     key_id: str,
     want_usage: bool,
+    req: dict[str, Any] | None = None,
 ) -> tuple[web.StreamResponse, int]:
-    """Proxy the request; return the response and the status to record."""
+    """Proxy the request (``req``: its parsed body); return the response and the status to record."""
     t0 = time.perf_counter()
-    tried: list[EndpointState] = []
+    mig = Migration.of(ctx, path, req, ctx.pool.profiles.get(model))
+    tried: list[EndpointState] = mig.tried if mig is not None else []
     problem = ""
     # Engine statuses of failed attempts (None: no answer at all).
     statuses: list[int | None] = []
@@ -106,7 +110,7 @@ async def forward(
         verdict: bool | None = None  # breaker outcome: True success, False failure, None unknown
         try:
             resp, status, verdict = await _attempt(
-                ctx, request, ep, path, body, model, key_id, want_usage, t0
+                ctx, request, ep, path, body, model, key_id, want_usage, t0, mig
             )
             return resp, status
         except _Retryable as e:
@@ -143,6 +147,7 @@ async def _attempt(
     key_id: str,
     want_usage: bool,
     t0: float,
+    mig: Migration | None,
 ) -> tuple[web.StreamResponse, int, bool | None]:
     assert ctx.upstream is not None
     try:
@@ -174,7 +179,7 @@ async def _attempt(
             if status < 300:
                 ctx.usage.add(key_id, model, find_usage(data))
             return web.Response(status=status, body=data, headers=_response_headers(up)), status, verdict
-        return await _stream(ctx, request, up, ep, model, key_id, want_usage, t0, verdict)
+        return await _stream(ctx, request, up, ep, model, key_id, want_usage, t0, verdict, mig)
     finally:
         up.close()  # no-op after a full read; drops the connection after a partial one
 
@@ -189,6 +194,7 @@ async def _stream(
     want_usage: bool,
     t0: float,
     verdict: bool,
+    mig: Migration | None,
 ) -> tuple[web.StreamResponse, int, bool | None]:
     status = up.status
     try:
@@ -211,22 +217,35 @@ async def _stream(
             return resp, CLIENT_GONE, None
         chunk: bytes = first
         while True:
+            out = chunk if mig is None or status != 200 else mig.relay_bytes(chunk)
             if want_usage:
-                tail = (tail + chunk)[-TAIL_BYTES:] if len(chunk) < TAIL_BYTES else chunk[-TAIL_BYTES:]
+                tail = (tail + out)[-TAIL_BYTES:] if len(out) < TAIL_BYTES else out[-TAIL_BYTES:]
             try:
                 if not chunk or up.at_eof():
+                    if mig is not None and status == 200 and not mig.complete():
+                        raise UpstreamError("the stream ended without [DONE]")
                     # Nothing more will come: the last bytes and the end of the stream in one write.
-                    await resp.write_eof(chunk)
+                    await resp.write_eof(out)
                     break
-                await resp.write(chunk)
+                if out:
+                    await resp.write(out)
             except ConnectionResetError:
                 # The client went away mid-stream; closing the upstream tells the engine to stop.
                 return resp, CLIENT_GONE, None
             chunk = await up.readany()
     except UpstreamError as e:
-        # The engine failed after the first byte: nothing to retry; end the client's stream.
-        log.warning("stream from %s broke after the first byte: %s", ep.replica_id, e)
-        return resp, 502, False
+        # The engine failed after the first byte: continue the stream elsewhere, or end the client's.
+        up.close()
+        if mig is None or status != 200:
+            log.warning("stream from %s broke after the first byte: %s", ep.replica_id, e)
+            return resp, 502, False
+        # Say so now, not when the continuation ends: others should not be sent to it meanwhile.
+        ep.breaker.failure(ctx.clock())
+        status = await mig.resume(ctx, resp, pick, f"{ep.replica_id}: {e}")
+        if status == 200:
+            used = mig.relay.sent.usage
+            ctx.usage.add(key_id, model, used if want_usage else None)
+        return resp, status, None
     ep.observe_latency(time.perf_counter() - t0)
     if status < 300:
         ctx.usage.add(key_id, model, find_usage(tail) if want_usage else None)

@@ -64,6 +64,7 @@ class Router:
             limits=Limits(
                 max_body_bytes=settings.max_body_bytes,
                 retries=settings.retries,
+                max_migrations=settings.max_migrations,
                 load_stale_s=settings.load_stale_s,
                 connect_timeout_s=settings.connect_timeout_s,
                 read_timeout_s=settings.read_timeout_s,

@@ -2,7 +2,11 @@
 
 Everything here is pure and cheap: the simulator must never be the bottleneck of a router benchmark,
 so streaming chunks are rendered from a pre-built prefix with one ``json.dumps`` per token.
-A token is a whitespace-separated word; the completion repeats the prompt's words.
+A token is a whitespace-separated word; the completion continues the prompt's words (its last
+``MAX_SOURCE_WORDS``, cycled by their shortest repeating pattern). The answer is a function of the text
+so far, so an answer continued from any point (a final assistant message with vLLM's
+``continue_final_message``, or a completion's prompt plus the text already generated) is exactly the
+rest of the uninterrupted answer: what a router's mid-stream failover is checked against.
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ class GenRequest:
     capped: bool
     stream: bool
     include_usage: bool
+    # Words of the answer already given (a final assistant message being continued): an uncapped
+    # answer ends where the uninterrupted one would.
+    answered: int = 0
+    # The first token needs a space: the text it continues ends in a word.
+    space_first: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -89,6 +98,25 @@ def _content_words(content: Any, where: str) -> list[str]:
     raise BadRequest(f"{where} must be a string or a list of content parts", "messages")
 
 
+def _continued_text(body: dict[str, Any], messages: list[Any]) -> str | None:
+    """The final assistant message's text when the request asks to continue it (vLLM's rules), else None."""
+    if body.get("continue_final_message") is not True:
+        return None
+    # vLLM's default add_generation_prompt is true, and it refuses the two together.
+    if body.get("add_generation_prompt", True) is not False:
+        raise BadRequest(
+            "'continue_final_message' cannot be used with 'add_generation_prompt' true (its default)",
+            "add_generation_prompt",
+        )
+    last = messages[-1]
+    if last.get("role") != "assistant":
+        raise BadRequest("'continue_final_message' needs the last message to be the assistant's", "messages")
+    content = last.get("content")
+    if isinstance(content, list):
+        return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return content if isinstance(content, str) else ""
+
+
 def read_chat(body: dict[str, Any], default_max_tokens: int) -> GenRequest:
     model = _model(body)
     messages = body.get("messages")
@@ -99,9 +127,21 @@ def read_chat(body: dict[str, Any], default_max_tokens: int) -> GenRequest:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a 'role'", "messages")
         words += _content_words(m.get("content"), f"messages[{i}].content")
+    continued = _continued_text(body, messages)
     max_tokens, capped = _max_tokens(body, default_max_tokens)
     stream, include_usage = _stream(body)
-    return GenRequest(model, tuple(words), max_tokens, capped, stream, include_usage)
+    if continued is None:
+        return GenRequest(model, tuple(words), max_tokens, capped, stream, include_usage)
+    return GenRequest(
+        model,
+        tuple(words),
+        max_tokens,
+        capped,
+        stream,
+        include_usage,
+        answered=len(continued.split()),
+        space_first=bool(continued) and not continued[-1].isspace(),
+    )
 
 
 def read_completion(body: dict[str, Any], default_max_tokens: int) -> GenRequest:
@@ -119,14 +159,41 @@ def read_completion(body: dict[str, Any], default_max_tokens: int) -> GenRequest
         raise BadRequest("'prompt' is required: a string, a list of strings or a list of token ids", "prompt")
     max_tokens, capped = _max_tokens(body, default_max_tokens)
     stream, include_usage = _stream(body)
-    return GenRequest(model, tuple(words), max_tokens, capped, stream, include_usage)
+    # A text prompt that ends in a word is continued after a space, as a real model's next token is.
+    space_first = isinstance(prompt, str) and bool(prompt) and not prompt[-1].isspace()
+    return GenRequest(model, tuple(words), max_tokens, capped, stream, include_usage, space_first=space_first)
+
+
+def shortest_period(words: tuple[str, ...]) -> int:
+    """The smallest p such that ``words[i] == words[i + p]`` throughout (``len(words)`` if none shorter)."""
+    n = len(words)
+    if len(set(words)) == n:  # the common case, at C speed
+        return n
+    # Knuth-Morris-Pratt's prefix function: the period is n minus the longest proper border.
+    border = [0] * n
+    k = 0
+    for i in range(1, n):
+        while k and words[i] != words[k]:
+            k = border[k - 1]
+        if words[i] == words[k]:
+            k += 1
+        border[i] = k
+    return n - border[-1]
 
 
 def completion_tokens(req: GenRequest) -> list[str]:
-    """The answer's tokens: the prompt's words repeated, each after a space but the first."""
+    """The answer's tokens, each after a space but the first of a new message.
+
+    The text's last ``MAX_SOURCE_WORDS`` words are continued by their shortest repeating pattern (for
+    distinct words: the words cycled). Appending the answer keeps that pattern, so a request for the
+    text so far plus part of the answer gets the rest of the answer.
+    """
     source = req.prompt_words[-MAX_SOURCE_WORDS:] or FILLER
-    n = len(source)
-    return [(source[i % n] if i == 0 else " " + source[i % n]) for i in range(req.max_tokens)]
+    p = shortest_period(source)
+    cycle = source[len(source) - p :]
+    count = req.max_tokens if req.capped else max(req.max_tokens - req.answered, 0)
+    first = " " if req.space_first else ""
+    return [(first if i == 0 else " ") + cycle[i % p] for i in range(count)]
 
 
 def finish_reason(req: GenRequest) -> str:

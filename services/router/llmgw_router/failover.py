@@ -1,0 +1,146 @@
+"""Mid-stream failover, the I/O part: continue a stream that broke after its first byte on another endpoint.
+
+:class:`Migration` rides along one streamed request: it relays the engine's bytes by whole events
+(:class:`llmgw_router.migration.Relay`) and, when the stream breaks, :meth:`Migration.resume` asks other
+endpoints for the rest (:func:`llmgw_router.migration.plan`) and writes it to the client's response, up
+to ``max_migrations`` times per request. Counted in ``llmgw_router_migrations_total{model,outcome}``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from llmgw_common.catalog import ModelProfile
+from llmgw_router.context import RouterContext
+from llmgw_router.endpoints import EndpointState
+from llmgw_router.migration import KINDS, Close, Kind, Refuse, Relay, plan, request_blocker
+from llmgw_router.upstream import UpstreamError
+
+log = logging.getLogger("llmgw.router.failover")
+
+Pick = Callable[[RouterContext, str, list[EndpointState], float], EndpointState | None]
+CLIENT_GONE = 499
+
+
+class Migration:
+    """The failover state of one streamed request."""
+
+    __slots__ = ("_path", "kind", "model", "off", "relay", "req", "tried")
+
+    def __init__(self, kind: Kind, path: str, model: str, req: dict[str, Any], off: str) -> None:
+        self.kind, self._path, self.model, self.req = kind, path, model, req
+        # Why this request's stream will not be continued ("" when it will): the metric's outcome.
+        self.off = off
+        self.relay = Relay()
+        self.tried: list[EndpointState] = []
+
+    @classmethod
+    def of(
+        cls, ctx: RouterContext, path: str, req: dict[str, Any] | None, profile: ModelProfile | None
+    ) -> Migration | None:
+        """A migration for a streamed chat or completion request; None for anything else."""
+        kind = KINDS.get(path)
+        if kind is None or req is None or req.get("stream") is not True:
+            return None
+        model = req["model"]
+        if (profile is not None and not profile.failover) or ctx.limits.max_migrations == 0:
+            return cls(kind, path, model, req, "off")
+        return cls(kind, path, model, req, "unsupported" if request_blocker(kind, req) else "")
+
+    def relay_bytes(self, data: bytes) -> bytes:
+        """What of an engine's bytes to send the client now (whole events only, unless never resumed)."""
+        return data if self.off else self.relay.relay(data)
+
+    def complete(self) -> bool:
+        """The stream being relayed ended as a stream should, with ``[DONE]``."""
+        return bool(self.off) or self.relay.ended or self.relay.through
+
+    async def resume(self, ctx: RouterContext, resp: web.StreamResponse, pick: Pick, why: str) -> int:
+        """Continue the broken stream into ``resp``; the status to record (200, 502, or 499)."""
+        if self.off:
+            ctx.metrics.migration(self.model, self.off)
+            log.warning(
+                "stream of %s broke after the first byte (%s); failover %s", self.model, why, self.off
+            )
+            return 502
+        assert ctx.upstream is not None
+        for n in range(ctx.limits.max_migrations):
+            step = plan(self.kind, self.req, self.relay.fold())
+            if isinstance(step, Refuse):
+                ctx.metrics.migration(self.model, "unsupported")
+                log.warning(
+                    "stream of %s broke (%s) and cannot be continued: %s", self.model, why, step.reason
+                )
+                return 502
+            if isinstance(step, Close):
+                return await self._close(ctx, resp, step.tail)
+            ep = pick(ctx, self.model, self.tried, ctx.clock())
+            if ep is None:
+                break
+            self.tried.append(ep)
+            log.info(
+                "stream of %s broke (%s): continuing on %s (migration %d)",
+                self.model,
+                why,
+                ep.replica_id,
+                n + 1,
+            )
+            ep.in_flight += 1
+            verdict: bool | None = None
+            told = False  # the breaker has heard the verdict already
+            up = None
+            try:
+                up = await ctx.upstream.post(ep.url, self._path, step.body)
+                if up.status != 200:
+                    verdict = up.status < 500
+                    why = f"{ep.replica_id} answered {up.status} to the continuation"
+                    continue
+                self.relay.splice()
+                while True:
+                    data = await up.readany()
+                    if verdict is None:
+                        verdict = told = True
+                        ep.breaker.success()  # as in proxy._stream: the endpoint answers
+                    out = self.relay.relay(data)
+                    if not data or up.at_eof():
+                        if not self.relay.ended:
+                            raise _Incomplete(f"{ep.replica_id}: the continuation ended without [DONE]")
+                        await resp.write_eof(out)
+                        ctx.metrics.migration(self.model, "ok")
+                        return 200
+                    if out:
+                        await resp.write(out)
+            except (UpstreamError, _Incomplete) as e:
+                verdict = False
+                why = str(e)
+            except ConnectionResetError:
+                return CLIENT_GONE
+            finally:
+                ep.in_flight -= 1
+                if up is not None:
+                    up.close()
+                if verdict is False:
+                    ep.breaker.failure(ctx.clock())
+                elif verdict is None:
+                    ep.breaker.abandon()
+                elif not told:
+                    ep.breaker.success()
+        ctx.metrics.migration(self.model, "failed")
+        log.warning("stream of %s broke and no replica continued it: %s", self.model, why)
+        return 502
+
+    async def _close(self, ctx: RouterContext, resp: web.StreamResponse, tail: bytes) -> int:
+        try:
+            await resp.write_eof(tail)
+        except ConnectionResetError:
+            return CLIENT_GONE
+        ctx.metrics.migration(self.model, "ok")
+        return 200
+
+
+class _Incomplete(Exception):
+    """A stream that ended cleanly at the HTTP level but without its ``[DONE]``."""

@@ -1,0 +1,266 @@
+"""Mid-stream failover through a real router: an engine process SIGKILLed while it streams.
+
+Two simulated engines as processes, a static router in-process, streaming clients. Every stream the
+killed engine was serving is continued on the other one: the client sees each answer whole, exactly the
+uninterrupted text (the simulator's answer continued from any point is the rest of it), one id, one
+finish_reason, one [DONE], and usage that adds up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+from router_helpers import poll
+
+from llmgw_sim import openai_api as oai
+from llmgw_sim.options import SimOptions
+
+pytestmark = pytest.mark.slow
+
+TOKENS = 120
+
+
+@pytest.fixture
+def engine_procs() -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
+    """Two sim engines as processes, each in its own session; 100 tokens/s."""
+    procs: list[tuple[subprocess.Popen[bytes], str]] = []
+    try:
+        for _ in range(2):
+            opts = SimOptions(port=0, model="m1", ttft_ms=20, tokens_per_s=100, slots=64)
+            p = subprocess.Popen(
+                [*opts.command(), "--log-level", "WARNING"], stdout=subprocess.PIPE, start_new_session=True
+            )
+            assert p.stdout is not None
+            line = p.stdout.readline().decode()
+            assert "listening on" in line, line
+            procs.append((p, line.split("listening on ", 1)[1].split()[0]))
+        yield procs
+    finally:
+        for p, _ in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            if p.stdout:
+                p.stdout.close()
+
+
+def _body(i: int) -> tuple[str, dict[str, Any]]:
+    words = f"w{i} alpha beta gamma"
+    if i % 4 == 3:
+        return "/v1/completions", {"model": "m1", "prompt": words, "max_tokens": TOKENS, "stream": True}
+    body: dict[str, Any] = {
+        "model": "m1",
+        "messages": [{"role": "user", "content": words}],
+        "max_tokens": TOKENS,
+        "stream": True,
+    }
+    if i % 2:
+        body["stream_options"] = {"include_usage": True}
+    return "/v1/chat/completions", body
+
+
+def _expected(path: str, body: dict[str, Any]) -> tuple[str, tuple[int, int]]:
+    read = oai.read_chat if path.endswith("chat/completions") else oai.read_completion
+    g = read(body, 16)
+    tokens = oai.completion_tokens(g)
+    return "".join(tokens), (g.prompt_tokens, len(tokens))
+
+
+async def _stream(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, list[Any]]:
+    async with s.post(url, json=body) as r:
+        raw = await r.read()
+    events: list[Any] = []
+    for e in raw.split(b"\n\n"):
+        if e:
+            payload = e.removeprefix(b"data: ")
+            events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    return r.status, events
+
+
+def _check(path: str, body: dict[str, Any], status: int, events: list[Any]) -> str:
+    """What is wrong with a stream the client received ("" when nothing)."""
+    if status != 200:
+        return f"HTTP {status}"
+    if events.count("[DONE]") != 1 or events[-1] != "[DONE]":
+        return f"{events.count('[DONE]')} [DONE], last {str(events[-1])[:80]}"
+    chunks = events[:-1]
+    if len({(c["id"], c["created"], c["model"]) for c in chunks}) != 1:
+        return "several ids"
+    key = "delta" if "chat" in path else None
+    text = "".join(
+        (ch["delta"].get("content") or "") if key else ch["text"] for c in chunks for ch in c["choices"]
+    )
+    finishes = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+    want_text, want_usage = _expected(path, body)
+    if text != want_text:
+        return f"text differs: {len(text)} chars vs {len(want_text)}: {text[:80]!r}"
+    if finishes != ["length"]:
+        return f"finishes {finishes}"
+    if "stream_options" in body:
+        u = chunks[-1].get("usage") or {}
+        if (u.get("prompt_tokens"), u.get("completion_tokens")) != want_usage:
+            return f"usage {u} vs {want_usage}"
+    return ""
+
+
+async def _kill_one_mid_stream(routers, static_file, engine_procs, **model: Any) -> tuple[Any, list[str]]:
+    static = static_file({"m1": [u for _, u in engine_procs]}, auth=False)
+    static["models"][0].update(model)
+    r = await routers(static)
+    base = f"http://127.0.0.1:{r.port}"
+    victim = engine_procs[0][1]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        bodies = [_body(i) for i in range(8)]
+        tasks = [asyncio.create_task(_stream(s, base + p, b)) for p, b in bodies]
+        on_victim = lambda: sum(e.in_flight for e in r.ctx.pool.by_key.values() if e.url == victim)  # noqa: E731
+        assert await poll(lambda: on_victim() >= 2, 10), "no stream went to the victim"
+        await asyncio.sleep(0.4)  # tokens flow
+        os.killpg(engine_procs[0][0].pid, signal.SIGKILL)
+        results = await asyncio.gather(*tasks)
+    problems = [_check(p, b, st, ev) for (p, b), (st, ev) in zip(bodies, results, strict=True)]
+    return r, problems
+
+
+async def test_streams_on_a_killed_engine_are_continued_whole(routers, static_file, engine_procs) -> None:
+    r, problems = await _kill_one_mid_stream(routers, static_file, engine_procs)
+    assert problems == [""] * 8, problems
+    ok = r.ctx.metrics.migrations_count("m1", "ok")
+    assert ok >= 2, ok
+    assert r.ctx.metrics.migrations_count("m1", "failed") == 0
+    assert await poll(
+        lambda: r.ctx.in_flight == 0 and all(e.in_flight == 0 for e in r.ctx.pool.by_key.values())
+    )
+    assert b'llmgw_router_migrations_total{model="m1",outcome="ok"}' in r.ctx.metrics.exposition()
+
+
+async def test_with_failover_off_the_streams_are_cut(routers, static_file, engine_procs) -> None:
+    r, problems = await _kill_one_mid_stream(routers, static_file, engine_procs, failover=False)
+    cut = [p for p in problems if p]
+    assert cut and all("[DONE]" in p for p in cut), problems
+    assert r.ctx.metrics.migrations_count("m1", "off") == len(cut)
+    assert r.ctx.metrics.migrations_count("m1", "ok") == 0
+
+
+# ---------------------------------------------------------------- engines that fail on purpose
+
+
+async def _faulty(handler: Any) -> tuple[asyncio.Server, str, list[int]]:
+    """A raw HTTP server that reads one request and runs ``handler(writer, body)``; counts requests."""
+    seen: list[int] = []
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            head = await r.readuntil(b"\r\n\r\n")
+            n = next(
+                int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length")
+            )
+            body = json.loads(await r.readexactly(n))
+            seen.append(1)
+            await handler(w, body)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            w.close()
+
+    srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return srv, f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}", seen
+
+
+def _sim_stream(path: str, body: dict[str, Any]) -> bytes:
+    read = oai.read_chat if path.endswith("chat/completions") else oai.read_completion
+    g = read(body, 16)
+    w = oai.ChunkWriter("chatcmpl-faulty", 7, g, path.endswith("chat/completions"))
+    tokens = oai.completion_tokens(g)
+    return (w.first() + "".join(map(w.token, tokens)) + w.end(len(tokens))).encode()
+
+
+async def test_answer_cut_short_is_retried_on_another_endpoint(engines, routers, static_file) -> None:
+    async def half_a_body(w: asyncio.StreamWriter, body: dict[str, Any]) -> None:
+        w.write(
+            b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 400\r\n\r\n{"id": "x", '
+        )
+        await w.drain()
+
+    srv, bad, seen = await _faulty(half_a_body)
+    good = await engines("m1")
+    r = await routers(static_file({"m1": [bad, good.url]}, auth=False))
+    body = {"model": "m1", "messages": [{"role": "user", "content": "a b"}], "max_tokens": 3}
+    async with aiohttp.ClientSession() as s:
+        for _ in range(12):
+            async with s.post(f"http://127.0.0.1:{r.port}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                assert (await resp.json())["choices"][0]["message"]["content"] == "a b a"
+    assert seen, "the faulty endpoint was never chosen"
+    assert r.ctx.metrics.retries_count("m1") >= 1
+    srv.close()
+
+
+@pytest.mark.parametrize("fault", ["closed-mid-event", "stalled"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_stream_cut_or_stalled_is_continued(
+    engines, routers, static_file, fault: str, path: str
+) -> None:
+    async def part_of_a_stream(w: asyncio.StreamWriter, body: dict[str, Any]) -> None:
+        whole = _sim_stream(path, body)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        part = whole[: len(whole) // 2 + 11]  # ends inside an event
+        w.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+        await w.drain()
+        if fault == "stalled":
+            await asyncio.sleep(30)
+
+    srv, bad, seen = await _faulty(part_of_a_stream)
+    good = await engines("m1")
+    r = await routers(static_file({"m1": [bad, good.url]}, auth=False), read_timeout_s=0.5)
+    # The faulty endpoint is chosen first: the good one looks loaded.
+    ep_good = next(e for e in r.ctx.pool.by_key.values() if e.url == good.url)
+    ep_good.in_flight += 100  # the lighter endpoint wins the choice
+    _, body = _body(1 if path.endswith("chat/completions") else 3)
+    async with aiohttp.ClientSession() as s:
+        status, events = await _stream(s, f"http://127.0.0.1:{r.port}{path}", body)
+    ep_good.in_flight -= 100
+    assert seen == [1]
+    assert _check(path, body, status, events) == ""
+    assert r.ctx.metrics.migrations_count("m1", "ok") == 1
+    srv.close()
+
+
+async def test_the_broken_endpoint_is_marked_failed_while_its_stream_is_continued(
+    engines, routers, static_file
+) -> None:
+    path = "/v1/chat/completions"
+
+    async def part_of_a_stream(w: asyncio.StreamWriter, body: dict[str, Any]) -> None:
+        whole = _sim_stream(path, body)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        part = whole[: len(whole) // 4]
+        w.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+        await w.drain()
+
+    srv, bad, _ = await _faulty(part_of_a_stream)
+    good = await engines("m1", ttft_ms=10, tokens_per_s=40)  # the continuation takes seconds
+    r = await routers(static_file({"m1": [bad, good.url]}, auth=False))
+    ep_bad = next(e for e in r.ctx.pool.by_key.values() if e.url == bad)
+    ep_good = next(e for e in r.ctx.pool.by_key.values() if e.url == good.url)
+    ep_good.in_flight += 100
+    _, body = _body(0)
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.create_task(_stream(s, f"http://127.0.0.1:{r.port}{path}", body))
+        assert await poll(
+            lambda: r.ctx.metrics.migrations_count("m1", "ok") == 0 and ep_good.in_flight == 101, 10
+        )
+        ep_good.in_flight -= 100
+        # The continuation is still streaming, and the breaker has heard of the failure already.
+        assert ep_bad.breaker.failures == 1 and not task.done()
+        status, events = await task
+    assert _check(path, body, status, events) == ""
+    assert ep_bad.breaker.failures == 1
+    srv.close()
