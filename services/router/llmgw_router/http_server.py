@@ -328,7 +328,7 @@ class Connection(asyncio.Protocol):
 
     def _done(self, req: Request, close: bool) -> None:
         """An answer is out: the next request, or keep-alive, or close."""
-        if close or self.closing or not req.keep_alive:
+        if close or self.closing or not req.keep_alive or self.server.draining:
             if not req.complete and self.transport is not None and not self.transport.is_closing():
                 # Read and drop the rest of its body for a while, so the client can read the answer.
                 self.closing = True
