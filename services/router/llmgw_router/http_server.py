@@ -249,7 +249,9 @@ class Connection(asyncio.Protocol):
             self._framing.append(name + b": " + value + b"\r\n")
 
     def on_headers_complete(self) -> None:
-        if self._synthetic:
+        if self._synthetic or self.closing:
+            # Not a request to serve: the head of the body parser past an Upgrade, or a request that
+            # follows one answered with "Connection: close" (the connection ends after that answer).
             return
         self.deadline = None
         self._head_bytes = 0
@@ -308,7 +310,7 @@ class Connection(asyncio.Protocol):
         try:
             try:
                 resp = await self.server.handler(req)
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, ConnectionResetError):
                 raise
             except Exception:
                 log.exception("handler failed for %s %s", req.method, req.path)

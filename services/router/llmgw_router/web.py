@@ -142,14 +142,11 @@ class Request:
         return self
 
     def is_eof(self) -> bool:
-        """The whole body has arrived."""
-        return self.complete
+        """The whole body has arrived (False past the size limit: then :meth:`read` raises at once)."""
+        return self.complete and not self._too_large
 
     def read_nowait(self) -> bytes:
         """What has arrived of the body (all of it when :meth:`is_eof`)."""
-        if self._too_large:
-            # Past the limit nothing was kept: a length over the limit is what the caller checks.
-            return b"\0" * (self._conn.max_body_bytes + 1)
         body = self._body
         if not body:
             return b""
