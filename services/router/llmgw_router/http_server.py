@@ -85,7 +85,6 @@ class Connection(asyncio.Protocol):
     __slots__ = (
         "_body_target",
         "_drain",
-        "_framing",
         "_head_bytes",
         "_headers",
         "_linger_until",
@@ -133,7 +132,6 @@ class Connection(asyncio.Protocol):
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._head_bytes = 0
-        self._framing: list[bytes] = []
         # Reading a body on past an Upgrade header: the synthetic head's callbacks are not a request.
         self._synthetic = False
         self._body_target: Request | None = None
@@ -177,10 +175,11 @@ class Connection(asyncio.Protocol):
                 data = data[offset:]
                 self.parser = httptools.HttpRequestParser(self)
                 req = self._body_target
-                if req is not None and self._framing:
+                framing = [k + b": " + v + b"\r\n" for k, v in self._headers if k.lower() in _FRAMING]
+                if req is not None and framing:
                     req.complete = False
                     self._synthetic = True
-                    data = b"POST / HTTP/1.1\r\n" + b"".join(self._framing) + b"\r\n" + data
+                    data = b"POST / HTTP/1.1\r\n" + b"".join(framing) + b"\r\n" + data
                 continue
             except httptools.HttpParserError as e:
                 self._bad_request(400, f"malformed HTTP request: {e}")
@@ -230,7 +229,6 @@ class Connection(asyncio.Protocol):
             return
         self._url = b""
         self._headers = []
-        self._framing = []
         self.idle_since = None
         if self.deadline is None:
             self.since = self.loop.time()
@@ -245,8 +243,6 @@ class Connection(asyncio.Protocol):
         if self._synthetic:
             return
         self._headers.append((name, value))
-        if name.lower() in _FRAMING:
-            self._framing.append(name + b": " + value + b"\r\n")
 
     def on_headers_complete(self) -> None:
         if self._synthetic or self.closing:
