@@ -205,3 +205,26 @@ async def test_stop_lets_a_stream_in_flight_finish_and_refuses_new_connections(
         raise AssertionError("a new connection was accepted after stop")
     writer.close()
     idle_writer.close()
+
+
+async def test_http_1_0_gets_no_chunked_framing_and_the_connection_closes(
+    engines, routers, static_file
+) -> None:
+    # An HTTP/1.0 client cannot read chunked encoding: a stream is sent as is, ended by the close.
+    eng = await engines("m1")
+    r = await routers(static_file({"m1": [eng.url]}, auth=False))
+    for body, streamed in ((_body(3), False), (_body(3, stream=True), True)):
+        reader, writer = await _open(r.port)
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.0\r\nHost: x\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        everything = await closed_by_peer(reader, 10.0)
+        head, _, payload = everything.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"Transfer-Encoding" not in head, head
+        if streamed:
+            assert payload.startswith(b"data: {") and payload.endswith(b"data: [DONE]\n\n"), payload[-40:]
+        else:
+            assert json.loads(payload)["usage"]["completion_tokens"] == 3
+        writer.close()
