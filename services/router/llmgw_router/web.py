@@ -253,7 +253,9 @@ class StreamResponse:
             return
         if request._conn.gone():
             raise ConnectionResetError("the client has gone")
-        self._head = self._build_head(request, None)
+        # A length the handler set is kept (no chunked framing then); the proxy drops the engine's.
+        cl = self.headers.popone("Content-Length", None)
+        self._head = self._build_head(request, int(cl) if cl is not None and cl.isdigit() else None)
 
     def _frame(self, data: bytes) -> bytes:
         if self._no_body:
