@@ -2,7 +2,7 @@
 
 Without them a client that connects and sends half a request line, or nothing, holds a file
 descriptor for ever, and 20,000 of them exhaust the process's descriptors (then nobody is served, and
-the upstream side cannot connect either). The connections are ``http_server.Connection`` objects; the
+the upstream side cannot connect either). The connections are ``http_connection.Connection`` objects; the
 server's sweep (a few times per timeout) calls :meth:`ConnectionGuard.sweep`:
 
 - **header deadline**: from the connection's start, and from the first byte of each later request,
@@ -73,7 +73,7 @@ def fit_to_fd_limit(max_connections: int) -> int:
 
 
 class Guarded(Protocol):
-    """What the guard needs of a connection (``http_server.Connection``)."""
+    """What the guard needs of a connection (``http_connection.Connection``)."""
 
     deadline: float | None
     since: float

@@ -6,7 +6,7 @@ They have the shape of the part of ``aiohttp.web`` the handlers use (``request.h
 not have is everything a proxy never uses: no cookies, no URL objects, no middleware, no per-request
 task-local state beyond a small dict.
 
-Bytes go to the client through the connection (``http_server.Connection``): a response's head is held
+Bytes go to the client through the connection (``http_connection.Connection``): a response's head is held
 back and sent with its first body bytes (one write, one syscall, for most answers), a stream is sent
 chunked, and ``write`` waits while the connection's transport says its buffer is full, so a client
 that reads slowly holds the stream back instead of the router buffering it.
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 from multidict import CIMultiDict
 
 if TYPE_CHECKING:
-    from llmgw_router.http_server import Connection
+    from llmgw_router.http_connection import Connection
 
 T = TypeVar("T")
 
