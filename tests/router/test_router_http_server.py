@@ -12,7 +12,10 @@ import socket
 
 from router_helpers import closed_by_peer, poll, read_response, router_sockets
 
+from llmgw_router import web
+from llmgw_router.connections import ConnectionGuard
 from llmgw_router.http_connection import MAX_HEAD_BYTES
+from llmgw_router.http_server import HttpServer
 
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 
@@ -228,3 +231,27 @@ async def test_http_1_0_gets_no_chunked_framing_and_the_connection_closes(
         else:
             assert json.loads(payload)["usage"]["completion_tokens"] == 3
         writer.close()
+
+
+async def test_an_answer_that_fails_to_send_closes_the_connection(caplog) -> None:
+    # A connection whose handler task ended without finishing its answer would otherwise keep its
+    # client (and any request queued behind) waiting for ever: it is closed, with one ERROR line.
+    class Broken(web.Response):
+        async def write_eof(self, data: bytes = b"") -> None:
+            raise RuntimeError("cannot send")
+
+    async def handler(_: web.Request) -> web.StreamResponse:
+        return Broken(text="never sent")
+
+    srv = HttpServer(handler, ConnectionGuard(10, 10.0, 10.0), 1024, 60.0)
+    port = await srv.listen("127.0.0.1", 0)
+    try:
+        reader, writer = await _open(port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert await closed_by_peer(reader, 5.0) == b""
+        writer.close()
+        assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+            "sending the answer to GET / failed"
+        ]
+    finally:
+        await srv.shutdown(1.0)

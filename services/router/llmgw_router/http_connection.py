@@ -292,6 +292,13 @@ class Connection(asyncio.Protocol):
             self._task = None
             self.abort()
             return
+        except Exception:
+            # Whatever failed while sending, the connection must not stay with a finished task and
+            # requests queued behind it (its client would wait for ever): drop it.
+            log.exception("sending the answer to %s %s failed", req.method, req.path)
+            self._task = None
+            self.abort()
+            return
         self._task = None
         self._done(req, close)
 
