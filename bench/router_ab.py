@@ -7,6 +7,7 @@ loads both. Prints each side's router CPU per request (min and median over round
 
     .venv/bin/python bench/router_ab.py --old a826ed9            # 12 rounds, about 1 minute
     .venv/bin/python bench/router_ab.py --old HEAD~3 --rounds 20
+    .venv/bin/python bench/router_ab.py --old HEAD~3 --stream       # 100-token streams
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def export_tree(rev: str, into: Path) -> str:
     return ":".join(str(into / p) for p in PACKAGES)
 
 
-async def main(old_rev: str, rounds: int, conc: int, seconds: float) -> None:
+async def main(old_rev: str, rounds: int, conc: int, seconds: float, stream: bool = False) -> None:
     procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory(prefix="llmgw-ab-") as tmp:
         old_path = export_tree(old_rev, Path(tmp) / "old")
@@ -66,13 +67,13 @@ async def main(old_rev: str, rounds: int, conc: int, seconds: float) -> None:
                 timeout=aiohttp.ClientTimeout(total=b.CLIENT_TIMEOUT_S),
             ) as s:
                 for _, url in routers.values():  # warm both
-                    await b.closed_loop(s, url, False, conc // 2, 0.5)
+                    await b.closed_loop(s, url, stream, conc // 2, 0.5)
                 names = list(routers)
                 for i in range(rounds):
                     for name in names if i % 2 == 0 else reversed(names):
                         p, url = routers[name]
                         c0 = b.cpu_s(p.pid)
-                        run = await b.closed_loop(s, url, False, conc, seconds)
+                        run = await b.closed_loop(s, url, stream, conc, seconds)
                         cpu[name].append((b.cpu_s(p.pid) - c0) * 1000 / max(run.ok, 1))
                         rate[name].append(run.rate)
                         errors[name] += run.errors
@@ -95,7 +96,8 @@ if __name__ == "__main__":
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--stream", action="store_true", help="100-token streams instead of small answers")
     a = ap.parse_args()
     import uvloop
 
-    uvloop.run(main(a.old, a.rounds, a.concurrency, a.seconds))
+    uvloop.run(main(a.old, a.rounds, a.concurrency, a.seconds, a.stream))

@@ -24,6 +24,12 @@ def router(
     ),
     no_auth: bool = typer.Option(False, "--no-auth", help="Serve without API keys (trusted networks only)"),
     router_id: str | None = typer.Option(None, help="This router's id in idle and usage reports"),
+    workers: int = typer.Option(
+        1,
+        min=1,
+        help="Router processes sharing the port (SO_REUSEPORT); worker i is <router-id>-w<i>, "
+        "its admin listener on admin-port + i",
+    ),
 ) -> None:
     """Run a router: the OpenAI-compatible API in front of the cluster's engines."""
     from pydantic import ValidationError
@@ -55,9 +61,16 @@ def router(
         except StaticConfigError as e:
             typer.echo(f"llmgw router: {e}", err=True)
             raise typer.Exit(2) from None
-    setup_logging(settings.log_level, name=f"router[{settings.router_id}]")
     # Static mode stays off the bus unless --nats is given too: then a pushed catalog replaces the seed.
     follow_bus = None if not settings.static_file else bool(urls)
+    if workers > 1:
+        if settings.port == 0:
+            typer.echo("llmgw router: --workers needs a fixed --port (0 would give each its own)", err=True)
+            raise typer.Exit(2)
+        from llmgw_router.workers import run_workers
+
+        raise typer.Exit(run_workers(settings, workers, follow_bus))
+    setup_logging(settings.log_level, name=f"router[{settings.router_id}]")
     run_service(lambda stop: serve(settings, stop, follow_bus=follow_bus))
 
 

@@ -1,4 +1,4 @@
-"""The router's HTTP surface: the OpenAI API, the landing page, health; metrics on the admin app.
+"""The router's HTTP surface: the OpenAI API, the landing page, health (metrics: ``admin.py``).
 
 Per request: auth (a dict lookup), the body read with a size limit, one JSON parse for ``model`` and
 ``stream``, the catalog check, admission, then :func:`llmgw_router.proxy.forward`. Nothing here
@@ -12,10 +12,8 @@ import json
 import time
 from collections.abc import Awaitable, Callable
 
-from aiohttp import web
-
 from llmgw_common.messages import ApiKeyRecord
-from llmgw_router import landing
+from llmgw_router import landing, web
 from llmgw_router.admission import AdmissionRefused
 from llmgw_router.auth import bearer_key
 from llmgw_router.context import RouterContext
@@ -23,7 +21,6 @@ from llmgw_router.errors import error_response
 from llmgw_router.keys import allows_model
 from llmgw_router.proxy import CLIENT_GONE, forward, parse_request
 
-CTX = web.AppKey("ctx", RouterContext)
 KEY_RECORD = web.RequestKey("key", ApiKeyRecord)
 # Requests without auth (static mode with auth off) count their usage under this key id.
 ANONYMOUS = "-"
@@ -70,43 +67,45 @@ def _not_in_api(status: int) -> Handler:
     return answer
 
 
-def build_app(ctx: RouterContext) -> web.Application:
-    """The OpenAI listener's app.
+def build_app(ctx: RouterContext) -> Handler:
+    """The OpenAI listener's one handler: dispatch on the path, then the method.
 
-    No aiohttp middleware: with one, aiohttp wraps every handler in two more coroutine layers (ours and
-    its ``_fix_request_current_app``), measurable per request. Instead every handler checks the key
-    first (the same check for every path, exemptions included), and unknown paths and methods reach
-    routes of their own: ``*`` on each known path answers 405, a catch-all answers 404, both after the
-    key check, as a middleware would have ordered them.
+    Every route checks the key first (the same check for every path, exemptions included), and unknown
+    paths and methods are answered after it too (405 for a known path with another method, else 404),
+    as a middleware in front of the routes would order them. HEAD is answered as GET, without a body.
     """
-    app = web.Application(client_max_size=ctx.limits.max_body_bytes)
-    app[CTX] = ctx
-    r = app.router
     wrong_method = _guarded(ctx, _not_in_api(405))
+    not_found = _guarded(ctx, _not_in_api(404))
+    routes: dict[str, dict[str, Handler]] = {}
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
-        r.add_post(path, _make_proxy_handler(ctx, path))
-        r.add_route("*", path, wrong_method)
+        routes[path] = {"POST": _make_proxy_handler(ctx, path)}
     for path, handler in (
         ("/v1/models", _make_models_handler(ctx)),
-        ("/v1/models/{model:.+}", _make_model_handler(ctx)),
         ("/", _landing),
         ("/health", _health),
         ("/healthz", _health),
     ):
-        r.add_get(path, _guarded(ctx, handler))
-        r.add_route("*", path, wrong_method)
-    r.add_route("*", "/{tail:.*}", _guarded(ctx, _not_in_api(404)))
-    return app
+        g = _guarded(ctx, handler)
+        routes[path] = {"GET": g, "HEAD": g}
+    model = _guarded(ctx, _make_model_handler(ctx))
+    models_prefix = "/v1/models/"
 
+    async def dispatch(request: web.Request) -> web.StreamResponse:
+        path = request.path
+        methods = routes.get(path)
+        if methods is None:
+            if path.startswith(models_prefix) and len(path) > len(models_prefix):
+                if request.method not in ("GET", "HEAD"):
+                    return await wrong_method(request)
+                request.match_info["model"] = path[len(models_prefix) :]
+                return await model(request)
+            return await not_found(request)
+        handler = methods.get(request.method)
+        if handler is None:
+            return await wrong_method(request)
+        return await handler(request)
 
-def build_admin_app(ctx: RouterContext) -> web.Application:
-    async def metrics(_: web.Request) -> web.Response:
-        return web.Response(body=ctx.metrics.exposition(), content_type="text/plain", charset="utf-8")
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/health", _health)
-    return app
+    return dispatch
 
 
 async def _health(_: web.Request) -> web.Response:

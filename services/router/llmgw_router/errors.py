@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from aiohttp import web
+from llmgw_router import web
 
 # status -> (type, code) as OpenAI's API names them.
 _KINDS: dict[int, tuple[str, str | None]] = {

@@ -14,9 +14,9 @@ import logging
 import time
 from typing import Any
 
-from aiohttp import web
 from multidict import CIMultiDict
 
+from llmgw_router import web
 from llmgw_router.context import RouterContext
 from llmgw_router.endpoints import EndpointState
 from llmgw_router.errors import error_response

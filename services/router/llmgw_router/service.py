@@ -25,13 +25,14 @@ from llmgw_common.messages import LoadReport, RoutingCatalog, RoutingEndpoints
 from llmgw_common.runtime import PassGuard, until_stopped
 from llmgw_common.settings import RouterSettings
 from llmgw_common.subjects import ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
-from llmgw_router.app import build_admin_app, build_app
+from llmgw_router.admin import build_admin_app
+from llmgw_router.app import build_app
 from llmgw_router.auth import Exemptions
-from llmgw_router.connections import ConnectionGuard, ConnectionMetrics, GuardedSite, fit_to_fd_limit
+from llmgw_router.connections import ConnectionGuard, ConnectionMetrics, fit_to_fd_limit
 from llmgw_router.context import Limits, RouterContext
 from llmgw_router.endpoints import Pool
+from llmgw_router.http_server import HttpServer
 from llmgw_router.keys import KeyTable
-from llmgw_router.server_log import server_logger
 from llmgw_router.static import load_static
 
 log = logging.getLogger("llmgw.router")
@@ -42,8 +43,12 @@ class Router:
     """One router: ``await start()``, then ``port``/``admin_port`` are bound; ``await run(stop)`` (which
     raises :class:`~llmgw_common.runtime.TaskDied` if a loop of the router ends); ``await stop()``."""
 
-    def __init__(self, settings: RouterSettings, *, follow_bus: bool | None = None) -> None:
+    def __init__(
+        self, settings: RouterSettings, *, follow_bus: bool | None = None, reuse_port: bool = False
+    ) -> None:
         self.settings = settings
+        # SO_REUSEPORT on the OpenAI listener: `llmgw router --workers N` runs N routers on one port.
+        self.reuse_port = reuse_port
         self.static = load_static(settings.static_file) if settings.static_file else None
         self.follow_bus = (self.static is None) if follow_bus is None else follow_bus
         pool = Pool()
@@ -78,6 +83,7 @@ class Router:
         self.port = 0
         self.admin_port = 0
         self._runners: list[web.AppRunner] = []
+        self.http: HttpServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._followers: list[bus.KvFollower] = []
         self.synced = asyncio.Event()
@@ -98,20 +104,9 @@ class Router:
         if s.admin_port and s.admin_host not in _ADMIN_LOOPBACK:
             raise ValueError(f"admin listener must be on loopback, not {s.admin_host}")
         self.ctx.upstream = self.ctx.new_upstream()
-        runner = web.AppRunner(
-            build_app(self.ctx),
-            handler_cancellation=True,
-            access_log=None,
-            shutdown_timeout=self.shutdown_grace_s,
-            keepalive_timeout=s.idle_timeout_s,
-            logger=server_logger(),
-        )
-        await runner.setup()
-        # Header deadline and connection cap (aiohttp has neither): see connections.py.
-        site = GuardedSite(runner, s.host, s.port, self.connections, backlog=4096, reuse_address=True)
-        await site.start()
-        self._runners.append(runner)
-        self.port = _bound_port(runner)
+        # The router's own HTTP/1.1 server (http_server.py), with the deadlines and cap of connections.py.
+        self.http = HttpServer(build_app(self.ctx), self.connections, s.max_body_bytes, s.idle_timeout_s)
+        self.port = await self.http.listen(s.host, s.port, backlog=4096, reuse_port=self.reuse_port)
         if s.admin_port:
             admin = web.AppRunner(build_admin_app(self.ctx), access_log=None)
             await admin.setup()
@@ -144,6 +139,9 @@ class Router:
                 await self._publish_reports()
                 await self.nc.drain()
             self.nc = None
+        if self.http is not None:
+            await self.http.shutdown(self.shutdown_grace_s)
+            self.http = None
         for r in self._runners:
             await r.shutdown()
             await r.cleanup()
@@ -231,9 +229,11 @@ def _bound_port(runner: web.AppRunner) -> int:
     return 0
 
 
-async def serve(settings: RouterSettings, stop: asyncio.Event, *, follow_bus: bool | None = None) -> None:
+async def serve(
+    settings: RouterSettings, stop: asyncio.Event, *, follow_bus: bool | None = None, reuse_port: bool = False
+) -> None:
     """Run a router until ``stop`` is set."""
-    router = Router(settings, follow_bus=follow_bus)
+    router = Router(settings, follow_bus=follow_bus, reuse_port=reuse_port)
     await router.start()
     # Everything allocated so far lives as long as the process: keep it out of the collector's scans.
     gc.freeze()

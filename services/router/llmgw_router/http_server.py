@@ -1,0 +1,142 @@
+"""The OpenAI listener's HTTP/1.1 server: one ``asyncio.Protocol`` per connection, httptools' parser.
+
+Why not aiohttp.web: in the router's profile aiohttp.web was the largest single cost (43% of the
+Python time per request), and a second parse of every request in front of it (for the header deadline
+and the connection cap it lacks) cost 9% more. A raw protocol with httptools (the C parser uvicorn
+uses, llhttp) serves 2-3 times aiohttp.web's rate on these machines (shared/design/HTTP-NOTES.md), and
+the deadlines live in the same object that parses, so nothing is parsed twice.
+
+This module is the listener: it accepts connections (``http_connection.Connection``), runs the sweep
+that keeps the deadlines (header and write: the :class:`~llmgw_router.connections.ConnectionGuard`;
+idle keep-alive and lingering closes: here), and drains on shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from email.utils import formatdate
+
+from llmgw_router.connections import ConnectionGuard
+from llmgw_router.http_connection import Connection, error_head
+from llmgw_router.web import Request, StreamResponse
+
+Handler = Callable[[Request], Awaitable[StreamResponse]]
+
+
+class _Clock:
+    """The ``Date`` header, formatted once a second (the guard's sweep ticks it)."""
+
+    __slots__ = ("header", "second")
+
+    def __init__(self) -> None:
+        self.second = -1
+        self.header = b""
+        self.tick()
+
+    def tick(self) -> None:
+        now = int(time.time())
+        if now != self.second:
+            self.second = now
+            self.header = b"Date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
+
+
+class HttpServer:
+    """The listener: accepts connections into :class:`Connection`, runs the guard's sweep, drains."""
+
+    def __init__(
+        self, handler: Handler, guard: ConnectionGuard, max_body_bytes: int, idle_timeout_s: float
+    ) -> None:
+        self.handler = handler
+        self.guard = guard
+        self.max_body_bytes = max_body_bytes
+        self.idle_timeout_s = idle_timeout_s
+        self.loop = asyncio.get_running_loop()
+        self.clock = _Clock()
+        self.connections: set[Connection] = set()
+        self.draining = False
+        self.refused = error_head(503, "too many connections to this router; retry shortly").replace(
+            b"Connection: close\r\n", b"Retry-After: 1\r\nConnection: close\r\n"
+        )
+        self._servers: list[asyncio.AbstractServer] = []
+        self._sweeper: asyncio.Task[None] | None = None
+        self._idle_event = asyncio.Event()
+
+    def _make(self) -> Connection:
+        c = Connection(self)
+        self.connections.add(c)
+        return c
+
+    async def listen(self, host: str, port: int, *, backlog: int = 4096, reuse_port: bool = False) -> int:
+        """Start listening; the bound port."""
+        srv = await self.loop.create_server(
+            self._make, host, port, backlog=backlog, reuse_address=True, reuse_port=reuse_port or None
+        )
+        self._servers.append(srv)
+        if self._sweeper is None:
+            self._sweeper = asyncio.create_task(self._sweep_loop(), name="router-connection-sweep")
+        for s in srv.sockets:
+            if s.family in (socket.AF_INET, socket.AF_INET6):
+                return int(s.getsockname()[1])
+        return 0
+
+    async def _sweep_loop(self) -> None:
+        g = self.guard
+        every = min(1.0, g.header_timeout_s / 4, g.write_timeout_s / 4, self.idle_timeout_s / 4)
+        while True:
+            await asyncio.sleep(every)
+            now = self.loop.time()
+            self.clock.tick()
+            g.sweep(now)
+            self.sweep_idle(now)
+
+    def sweep_idle(self, now: float) -> None:
+        """Close keep-alive connections idle past the idle timeout, and lingering ones past their time."""
+        limit = self.idle_timeout_s
+        for c in [
+            c
+            for c in self.connections
+            if (c.idle_since is not None and now - c.idle_since >= limit) or c.lingered_out(now)
+        ]:
+            c.close()
+
+    def idle_changed(self) -> None:
+        if self.draining:
+            self._idle_event.set()
+
+    def busy(self) -> int:
+        return sum(1 for c in self.connections if c._task is not None or c._pipeline)
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Stop accepting; let requests in flight finish for up to ``grace_s``; close everything."""
+        self.draining = True
+        for srv in self._servers:
+            srv.close()
+        # Idle keep-alive connections and connections with no request yet are closed now; busy ones
+        # get "Connection: close" on their answer (draining) and close when it is out.
+        for c in list(self.connections):
+            if c._task is None and not c._pipeline:
+                c.close()
+        deadline = self.loop.time() + grace_s
+        while self.busy() and self.loop.time() < deadline:
+            self._idle_event.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._idle_event.wait(), min(0.1, max(0.0, deadline - self.loop.time()))
+                )
+        for c in list(self.connections):
+            if c._task is not None:
+                c._task.cancel()
+            c.abort()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+        for srv in self._servers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(srv.wait_closed(), 1.0)
+        self._servers = []
