@@ -12,9 +12,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from aiohttp import web
-
 from llmgw_common.catalog import ModelProfile
+from llmgw_router import web
 from llmgw_router.context import RouterContext
 from llmgw_router.endpoints import EndpointState
 from llmgw_router.migration import KINDS, Close, Kind, Refuse, Relay, plan, request_blocker
