@@ -51,6 +51,7 @@ class Leadership:
         settling: Settling,
         new_tenure: Callable[[], None],
         clock: Callable[[], float],
+        dirty: asyncio.Event,
     ) -> None:
         self.lease = lease
         self.nc = nc
@@ -65,6 +66,7 @@ class Leadership:
         # The reconcile loop forgets what it wrote in an earlier tenure (it is built after this object).
         self.new_tenure = new_tenure
         self.clock = clock
+        self.dirty = dirty
         self.leader = False
 
     @property
@@ -116,6 +118,7 @@ class Leadership:
             len(current),
             max(0.0, self.settling.until - now),
         )
+        self.dirty.set()
 
     async def step_down(self) -> None:
         if self.leader:

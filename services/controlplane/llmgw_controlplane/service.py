@@ -145,6 +145,7 @@ class ControlPlane:
             # The loop is built next, from this object: its reset is looked up when a takeover runs.
             new_tenure=lambda: self.loop.new_tenure(),
             clock=self.clock,
+            dirty=self.dirty,
         )
         self.loop = ReconcileLoop(
             self.s,
