@@ -15,16 +15,16 @@ from typing import Any
 
 def arm(fault: str, trigger: Path) -> None:
     if fault == "reconcile-raises":
-        from llmgw_controlplane import service
+        from llmgw_controlplane import reconcile_loop
 
-        real = service.reconcile
+        real = reconcile_loop.reconcile
 
         def reconcile(*a: Any, **kw: Any) -> Any:
             if trigger.exists():
                 raise RuntimeError("injected fault: reconcile raises")
             return real(*a, **kw)
 
-        service.reconcile = reconcile
+        reconcile_loop.reconcile = reconcile
     elif fault == "router-tick-ends":
         from llmgw_router.service import Router
 

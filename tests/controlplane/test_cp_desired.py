@@ -106,7 +106,7 @@ class FirstFinishesLast(DesiredStore):
 async def test_verbs_finishing_out_of_order_leave_the_latest_marks_in_force(nats_server, prefix, bus_nc):
     run = await start_cp(cp_settings(nats_server.url, prefix))
     beating = await _fleet(bus_nc, prefix, run)
-    run.cp.desired = FirstFinishesLast(run.cp.kv_desired, run.cp.drops)
+    run.cp.desired.store = FirstFinishesLast(run.cp.kv_desired, run.cp.drops)
     try:
         await asyncio.gather(
             CtlClient(bus_nc, prefix).cordon("gpu-0"), CtlClient(bus_nc, prefix).drain("gpu-1")

@@ -43,7 +43,7 @@ async def test_huge_shard_errors_leave_routing_working_for_every_model(nats_serv
             await agent.report(s.replica_id, 0, m, ShardState.FAILED, s.port, error=m.upper() * 600_000)
 
         async def backing_off() -> bool:
-            return {"a", "b"} <= set(run.cp.backoff)
+            return {"a", "b"} <= set(run.cp.verdicts.backoff)
 
         await eventually(backing_off, timeout=1.0)
         for key, rep in agent.shards.items():

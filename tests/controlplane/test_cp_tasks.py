@@ -13,7 +13,7 @@ from llmgw_common import bus
 from llmgw_common.ctl import CtlClient, LeaseRecord
 from llmgw_common.runtime import FailedPasses, TaskDied
 from llmgw_common.subjects import LEADER_KEY, Subjects
-from llmgw_controlplane import service
+from llmgw_controlplane import reconcile_loop
 from llmgw_controlplane.reconciler import reconcile as real_reconcile
 from llmgw_controlplane.service import MAX_FAILED_PASSES
 
@@ -36,7 +36,7 @@ async def test_one_failing_pass_is_counted_and_reconciling_goes_on(nats_server, 
             raise ZeroDivisionError("one bad input")
         return real_reconcile(*a, **kw)
 
-    monkeypatch.setattr(service, "reconcile", flaky)
+    monkeypatch.setattr(reconcile_loop, "reconcile", flaky)
     run = await start_cp(cp_settings(nats_server.url, prefix, lease_ttl_s=30.0))
     try:
         await eventually(lambda: _true(run.cp.passes >= 3))
@@ -54,7 +54,7 @@ async def test_passes_that_keep_failing_end_the_run_and_release_the_lease(
     def broken(*a: Any, **kw: Any) -> Any:
         raise ZeroDivisionError("every pass")
 
-    monkeypatch.setattr(service, "reconcile", broken)
+    monkeypatch.setattr(reconcile_loop, "reconcile", broken)
     s = cp_settings(nats_server.url, prefix, lease_ttl_s=3.0)
     a = await start_cp(s, holder="a")
     await eventually(lambda: _true(a.cp.leader))

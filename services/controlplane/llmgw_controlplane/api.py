@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import nats.errors
 from nats.aio.client import Client as NATS
@@ -42,13 +42,20 @@ from llmgw_common.ctl import (
     endpoint_name,
 )
 from llmgw_common.messages import Marks, Message
+from llmgw_common.settings import ControlPlaneSettings
+from llmgw_common.subjects import Subjects
 from llmgw_controlplane import desired, views
-from llmgw_controlplane.autoscale import idle_lookup
+from llmgw_controlplane.autoscale import Autoscaler, idle_lookup
 from llmgw_controlplane.desired import DesiredConflict
 from llmgw_controlplane.placement import explain
 
 if TYPE_CHECKING:
-    from llmgw_controlplane.service import ControlPlane
+    from llmgw_controlplane.desired import DesiredState
+    from llmgw_controlplane.failures import FailureBook
+    from llmgw_controlplane.idle import IdleMerger
+    from llmgw_controlplane.reconcile_loop import Verdicts
+    from llmgw_controlplane.snapshot import Snapshot
+    from llmgw_controlplane.state import ClusterState
 
 log = logging.getLogger("llmgw.controlplane.api")
 Q = TypeVar("Q", bound=Message)
@@ -58,15 +65,50 @@ def _err(code: int, text: str) -> ServiceError:
     return ServiceError(str(code), text)
 
 
+class CtlReads(Protocol):
+    """What the ctl verbs read of the control plane, and nothing more (they change the desired state
+    through :class:`DesiredState` only). The service's ``ControlPlane`` is one."""
+
+    @property
+    def state(self) -> ClusterState: ...
+    @property
+    def idle(self) -> IdleMerger: ...
+    @property
+    def failures(self) -> FailureBook: ...
+    @property
+    def verdicts(self) -> Verdicts:
+        """The last pass's reasons, unplaceable models and crash-loop back-offs."""
+        ...
+
+    @property
+    def autoscale(self) -> Autoscaler:
+        """Scale-to-zero state: cold and waking models, cold starts, evictions (issue 13)."""
+        ...
+
+    @property
+    def leader(self) -> bool: ...
+    @property
+    def fence(self) -> int: ...
+    def now(self) -> float: ...
+    def snapshot(self) -> Snapshot: ...
+    def unplaceable_since(self, model: str) -> float | None: ...
+    def debug_stats(self) -> DebugStatsReply: ...
+
+
 class CtlApi:
-    def __init__(self, cp: ControlPlane) -> None:
-        self.cp = cp
+    def __init__(
+        self, reads: CtlReads, desired_state: DesiredState, subjects: Subjects, settings: ControlPlaneSettings
+    ) -> None:
+        self.reads = reads
+        self.desired_state = desired_state
+        self.subjects = subjects
+        self.settings = settings
         self.service: Service | None = None
 
     async def start(self, nc: NATS) -> None:
         if self.service is not None:
             return
-        subj = self.cp.subjects
+        subj = self.subjects
         svc = await add_service(nc, name=subj.ctl_service, version="0.1.0", description="llmgw control plane")
         routes: list[tuple[str, type[Message], Callable[[Message], Awaitable[Message]]]] = [
             ("nodes", Empty, self.nodes),
@@ -102,61 +144,61 @@ class CtlApi:
     # ------------------------------------------------------------ read verbs
 
     async def nodes(self, _: Message) -> NodesReply:
-        cp = self.cp
-        return NodesReply(nodes=views.nodes_info(cp.state, cp.snapshot()))
+        r = self.reads
+        return NodesReply(nodes=views.nodes_info(r.state, r.snapshot()))
 
     async def replicas(self, req: ReplicasRequest) -> ReplicasReply:
-        cp = self.cp
-        snap = cp.snapshot()
+        r = self.reads
+        snap = r.snapshot()
         return ReplicasReply(
-            replicas=views.replicas_info(cp.state, snap, cp.idle, req.model),
-            failed=cp.failures.replicas(snap.now, req.model),
+            replicas=views.replicas_info(r.state, snap, r.idle, req.model),
+            failed=r.failures.replicas(snap.now, req.model),
         )
 
     async def models(self, _: Message) -> ModelsReply:
-        cp = self.cp
-        snap = cp.snapshot()
-        models = views.models_info(snap, cp.reasons, cp.unplaceable, cp.backoff)
-        return ModelsReply(models=cp.failures.on_models(models, snap.now))
+        r = self.reads
+        snap = r.snapshot()
+        v = r.verdicts
+        models = views.models_info(snap, v.reasons, v.unplaceable, v.backoff)
+        return ModelsReply(models=r.failures.on_models(models, snap.now))
 
     async def status(self, _: Message) -> StatusReply:
-        cp = self.cp
-        snap = cp.snapshot()
-        models = views.models_info(snap, cp.reasons, cp.unplaceable, cp.backoff)
-        settings = await cp.read_settings()
+        r = self.reads
+        snap = r.snapshot()
+        v = r.verdicts
+        models = views.models_info(snap, v.reasons, v.unplaceable, v.backoff)
+        settings = await self.desired_state.read_settings()
         reply = views.status_info(
-            cp.state,
+            r.state,
             snap,
-            cp.idle,
+            r.idle,
             models=models,
-            unplaceable=cp.unplaceable,
-            unplaceable_since={
-                m: t for m in cp.unplaceable if (t := cp.detector.unplaceable_since(m)) is not None
-            },
+            unplaceable=v.unplaceable,
+            unplaceable_since={m: t for m in v.unplaceable if (t := r.unplaceable_since(m)) is not None},
             settings=settings,
-            idle_threshold_s=cp.s.idle_threshold_s,
-            leader=cp.leader,
-            fence=cp.lease.fence if cp.lease else 0,
-            catalog_version=cp.state.catalog_version,
+            idle_threshold_s=self.settings.idle_threshold_s,
+            leader=r.leader,
+            fence=r.fence,
+            catalog_version=r.state.catalog_version,
         )
-        return reply.model_copy(update=cp.autoscale.status())
+        return reply.model_copy(update=r.autoscale.status())
 
     async def explain(self, req: ModelRequest) -> ExplainReply:
-        cp = self.cp
-        profile = cp.state.catalog.get(req.model)
+        r = self.reads
+        profile = r.state.catalog.get(req.model)
         if profile is None:
-            known = ", ".join(cp.state.catalog.names) or "none"
+            known = ", ".join(r.state.catalog.names) or "none"
             raise _err(404, f"model {req.model!r} is not in the catalog (models: {known})")
-        snap = cp.snapshot()
+        snap = r.snapshot()
         reply = views.explain_info(explain(profile, snap))
         if reply.placeable:
             return reply
         # What eviction would make room (issue 13): said here, placement itself knows nothing of it.
-        why = cp.autoscale.explain(profile, snap, idle_lookup(cp.idle, snap.now))
+        why = r.autoscale.explain(profile, snap, idle_lookup(r.idle, snap.now))
         return reply.model_copy(update={"eviction": why})
 
     async def debug_stats(self, _: Message) -> DebugStatsReply:
-        return self.cp.debug_stats()
+        return self.reads.debug_stats()
 
     # ------------------------------------------------------------ catalog
 
@@ -167,16 +209,16 @@ class CtlApi:
             raise _err(400, f"catalog refused, the current one stays. {e}") from None
 
     async def catalog_diff(self, req: CatalogRequest) -> CatalogDiff:
-        return views.catalog_diff(self.cp.state.catalog, self._parse(req.yaml))
+        return views.catalog_diff(self.reads.state.catalog, self._parse(req.yaml))
 
     async def catalog_apply(self, req: CatalogRequest) -> CatalogApplyReply:
         new = self._parse(req.yaml)
-        old, version = await self.cp.apply_catalog(new)
+        old, version = await self.desired_state.apply_catalog(new)
         # Against what the write replaced: another writer may have stored a catalog since we last read one.
         return CatalogApplyReply(version=version, diff=views.catalog_diff(old, new))
 
     async def catalog_show(self, _: Message) -> CatalogShowReply:
-        st = self.cp.state
+        st = self.reads.state
         return CatalogShowReply(
             version=st.catalog_version, catalog=st.catalog, yaml=catalog_to_yaml(st.catalog)
         )
@@ -184,7 +226,7 @@ class CtlApi:
     # ------------------------------------------------------------ marks
 
     def _known(self, node: str) -> None:
-        if node not in self.cp.state.nodes:
+        if node not in self.reads.state.nodes:
             raise _err(404, f"no node named {node!r} has reported (`llmgw ctl nodes` lists them)")
 
     async def cordon(self, req: NodeRequest) -> MarksReply:
@@ -197,22 +239,22 @@ class CtlApi:
 
     async def drain(self, req: DrainRequest) -> MarksReply:
         self._known(req.node)
-        grace = self.cp.s.drain_grace_s if req.grace_s is None else req.grace_s
+        grace = self.settings.drain_grace_s if req.grace_s is None else req.grace_s
         if grace < 0:
             raise _err(400, f"drain grace must not be negative (got {grace:g}s)")
-        return await self._marks(req.node, desired.drain(req.node, self.cp.clock() + grace))
+        return await self._marks(req.node, desired.drain(req.node, self.reads.now() + grace))
 
     async def _marks(self, node: str, change: Callable[[Marks | None], Marks]) -> MarksReply:
         # Verbs run concurrently (one handler per endpoint): the change applies to the stored marks.
-        return MarksReply(node=node, marks=await self.cp.change_marks(change))
+        return MarksReply(node=node, marks=await self.desired_state.change_marks(change))
 
     # ------------------------------------------------------------ settings
 
     async def settings_get(self, _: Message) -> SettingsReply:
-        return SettingsReply(settings=await self.cp.read_settings())
+        return SettingsReply(settings=await self.desired_state.read_settings())
 
     async def settings_set(self, req: SettingsSetRequest) -> SettingsReply:
-        await self.cp.store_settings(req.settings)
+        await self.desired_state.store_settings(req.settings)
         return SettingsReply(settings=req.settings)
 
 

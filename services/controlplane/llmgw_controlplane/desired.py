@@ -14,16 +14,23 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
+from llmgw_common import bus
 from llmgw_common.backoff import jittered_delay
 from llmgw_common.bus import DropLog
+from llmgw_common.catalog import Catalog, load_catalog_file
 from llmgw_common.codec import DecodeError, decode, encode
-from llmgw_common.messages import Marks
+from llmgw_common.messages import ClusterSettings, Marks
+from llmgw_common.subjects import DESIRED_CATALOG, DESIRED_MARKS, DESIRED_SETTINGS
+
+if TYPE_CHECKING:
+    from llmgw_controlplane.apply import RoutingPublisher
+    from llmgw_controlplane.state import ClusterState
 
 log = logging.getLogger("llmgw.controlplane.desired")
 M = TypeVar("M", bound=BaseModel)
@@ -108,6 +115,82 @@ class DesiredStore:
             f"{key} in {self.kv._name} changed under every one of {self.attempts} attempts "
             "(other writers are busy); nothing was changed, try again"
         )
+
+
+class DesiredState:
+    """The desired state as this process holds it: read from ``<prefix>_desired`` at start and takeover,
+    changed by ctl verbs through :class:`DesiredStore`, and mirrored into the tables the loop reads."""
+
+    def __init__(
+        self,
+        kv: KeyValue,
+        store: DesiredStore,
+        *,
+        state: ClusterState,
+        routing: RoutingPublisher,
+        dirty: asyncio.Event,
+        drops: DropLog,
+    ) -> None:
+        self.kv = kv
+        self.store = store
+        self.state = state
+        self.routing = routing
+        self.dirty = dirty
+        self.drops = drops
+        self._marks_revision = 0
+
+    async def load_catalog(self, catalog_file: str | None) -> None:
+        """The bus's catalog if there is one, else the file's (stored). Raises :class:`CatalogError` for
+        an invalid file."""
+        stored, _ = await bus.kv_get(self.kv, DESIRED_CATALOG, Catalog, self.drops)
+        if stored is not None:
+            self.state.set_catalog(stored, 1)
+            log.info("catalog from %s: %d model(s)", self.kv._name, len(stored.models))
+            return
+        if not catalog_file:
+            log.warning("no catalog in %s and no catalog file: serving nothing", self.kv._name)
+            return
+        cat = load_catalog_file(catalog_file)
+        # If another control plane stored one meanwhile, that one is the desired state.
+        cat = (await self.store.change(DESIRED_CATALOG, Catalog, lambda cur: cat if cur is None else cur)).new
+        self.state.set_catalog(cat, 1)
+        log.info("catalog from %s: %d model(s)", catalog_file, len(cat.models))
+
+    async def reload_catalog(self) -> None:
+        """Take the stored catalog when it differs from ours (a takeover: another leader may have changed it)."""
+        stored, _ = await bus.kv_get(self.kv, DESIRED_CATALOG, Catalog, self.drops)
+        if stored is not None and stored != self.state.catalog:
+            self.state.set_catalog(stored, self.state.catalog_version + 1)
+
+    async def load_marks(self) -> None:
+        marks, self._marks_revision = await bus.kv_get(self.kv, DESIRED_MARKS, Marks, self.drops)
+        self.state.marks = marks or Marks()
+
+    async def apply_catalog(self, catalog: Catalog) -> tuple[Catalog, int]:
+        """Store ``catalog``; returns the one it replaced (as stored, not as this process last saw it)."""
+        old = (await self.store.change(DESIRED_CATALOG, Catalog, lambda _: catalog)).old
+        self.state.set_catalog(catalog, self.state.catalog_version + 1)
+        await self.routing.publish_catalog(catalog)
+        log.info("catalog v%d applied: %d model(s)", self.state.catalog_version, len(catalog.models))
+        self.dirty.set()
+        return old or Catalog(), self.state.catalog_version
+
+    async def change_marks(self, change: Callable[[Marks | None], Marks]) -> Marks:
+        """Apply ``change`` (pure) to the stored marks, compare-and-set; returns the marks now stored."""
+        ch = await self.store.change(DESIRED_MARKS, Marks, change)
+        if ch.revision >= self._marks_revision:
+            # Verbs finish in any order: never step back to a value an overlapping verb has superseded.
+            self._marks_revision = ch.revision
+            self.state.marks = ch.new
+        self.dirty.set()
+        return ch.new
+
+    async def read_settings(self) -> ClusterSettings:
+        cur, _ = await bus.kv_get(self.kv, DESIRED_SETTINGS, ClusterSettings, self.drops)
+        return cur or ClusterSettings()
+
+    async def store_settings(self, settings: ClusterSettings) -> None:
+        await self.store.change(DESIRED_SETTINGS, ClusterSettings, lambda _: settings)
 
 
 # ---------------------------------------------------------------- marks, as pure functions of the stored ones

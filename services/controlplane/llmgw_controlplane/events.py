@@ -19,9 +19,9 @@ from nats.js import JetStreamContext
 from llmgw_common.codec import encode
 from llmgw_common.messages import Event
 from llmgw_common.subjects import Subjects
+from llmgw_controlplane.nodes import Transition
 from llmgw_controlplane.routing import serving
 from llmgw_controlplane.snapshot import NodeState, Snapshot
-from llmgw_controlplane.state import Transition
 
 log = logging.getLogger("llmgw.controlplane.events")
 

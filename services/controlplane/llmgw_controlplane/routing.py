@@ -11,8 +11,8 @@ from collections.abc import Iterable, Mapping
 from llmgw_common.durations import format_duration
 from llmgw_common.messages import Endpoint, ShardState
 from llmgw_common.names import clipped
+from llmgw_controlplane.phase import ReplicaPhase, replica_phase
 from llmgw_controlplane.snapshot import NodeState, ReplicaView, Snapshot
-from llmgw_controlplane.state import ReplicaPhase, replica_phase
 
 # The most of one model's "why not" that routers (and events) are given.
 REASON_CHARS = 2000

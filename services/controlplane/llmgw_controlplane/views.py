@@ -26,10 +26,12 @@ from llmgw_common.ctl import (
 )
 from llmgw_common.messages import ClusterSettings
 from llmgw_controlplane.idle import IdleMerger
+from llmgw_controlplane.nodes import NodeRecord
+from llmgw_controlplane.phase import ReplicaPhase, replica_phase
 from llmgw_controlplane.placement import Explanation, Placement
 from llmgw_controlplane.routing import endpoint_url, serving
 from llmgw_controlplane.snapshot import GpuView, NodeState, NodeView, ReplicaView, Snapshot
-from llmgw_controlplane.state import ClusterState, NodeRecord, ReplicaPhase, replica_phase
+from llmgw_controlplane.state import ClusterState
 
 USED, FREE, HELD, UNHEALTHY = "used", "free", "held", "unhealthy"
 

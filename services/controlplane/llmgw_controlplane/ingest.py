@@ -1,0 +1,111 @@
+"""Reports off the bus into the tables: nodes' heartbeats, inventories and statuses; routers' idle
+and usage reports.
+
+Cheap by design: each callback updates a table and marks the reconcile loop dirty only when something
+it cares about changed (a heartbeat repeating the same state does not). A standby ingests exactly as
+the leader does, so its tables are warm when it takes over. What a report claims is judged in
+:mod:`state` (times, boots, seqs); here only whether it came from the sender it names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from llmgw_common import bus
+from llmgw_common.messages import Heartbeat, IdleReport, Inventory, ShardStatus, UsageReport
+from llmgw_common.subjects import Subjects
+from llmgw_controlplane.console.usage import UsageBook
+from llmgw_controlplane.idle import IdleMerger
+from llmgw_controlplane.state import ClusterState
+
+log = logging.getLogger("llmgw.controlplane")
+
+
+class Ingest:
+    """The control plane's subscriptions and what each message does to the tables."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        subjects: Subjects,
+        *,
+        state: ClusterState,
+        idle: IdleMerger,
+        usage: UsageBook,
+        drops: bus.DropLog,
+        clock: Callable[[], float],
+        dirty: asyncio.Event,
+        heartbeat_interval_s: float,
+    ) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self.state = state
+        self.idle = idle
+        self.usage = usage
+        self.drops = drops
+        self.clock = clock
+        self.dirty = dirty
+        self.heartbeat_interval_s = heartbeat_interval_s
+        # node -> when we last asked it for its inventory (own clock).
+        self._inventory_asked: dict[str, float] = {}
+
+    async def subscribe(self) -> list[Subscription]:
+        """Subscribe to every report subject; the caller owns (and unsubscribes) what comes back."""
+        sub, nc = self.subjects, self.nc
+        return [
+            await bus.subscribe(nc, sub.all_nodes("heartbeat"), Heartbeat, self.on_heartbeat, self.drops),
+            await bus.subscribe(nc, sub.all_nodes("inventory"), Inventory, self.on_inventory, self.drops),
+            await bus.subscribe(nc, sub.all_nodes("status"), ShardStatus, self.on_status, self.drops),
+            await bus.subscribe(nc, sub.all_idle(), IdleReport, self.on_idle, self.drops),
+            await bus.subscribe(nc, sub.all_usage(), UsageReport, self.on_usage, self.drops),
+        ]
+
+    def forget(self, node: str) -> None:
+        """``node`` was forgotten by the tables: so is when we last asked it for an inventory."""
+        self._inventory_asked.pop(node, None)
+
+    def _from_its_subject(self, msg: Msg, sender: str, what: str = "node") -> bool:
+        """Whether the node or router a message names is the one its subject names (``<prefix>.<kind>s
+        .<sender>.<verb>``): permissions are per subject, so that one is the sender's."""
+        parts = msg.subject.split(".")
+        if len(parts) < 2 or parts[-2] != sender:
+            self.drops.drop(msg.subject, f"claims {what} {sender!r}, not the subject's")
+            return False
+        return True
+
+    async def on_heartbeat(self, hb: Heartbeat, msg: Msg) -> None:
+        if not self._from_its_subject(msg, hb.node):
+            return
+        now = self.clock()
+        if self.state.on_heartbeat(hb, now):
+            self.dirty.set()
+        if self.state.wants_inventory(hb.node):
+            # Its inventory went out before we listened (our restart, or a start race), or it claims a
+            # new boot that only an inventory proves: ask, at most once per few heartbeats, instead of
+            # holding the node back until its next periodic send.
+            asked = self._inventory_asked.get(hb.node, float("-inf"))
+            if now - asked >= 3 * self.heartbeat_interval_s:
+                self._inventory_asked[hb.node] = now
+                await self.nc.publish(self.subjects.inventory_request(hb.node))
+
+    def on_inventory(self, inv: Inventory, msg: Msg) -> None:
+        if self._from_its_subject(msg, inv.node) and self.state.on_inventory(inv, self.clock()):
+            self.dirty.set()
+
+    def on_status(self, st: ShardStatus, msg: Msg) -> None:
+        if self._from_its_subject(msg, st.node) and self.state.on_status(st, self.clock()):
+            self.dirty.set()
+
+    def on_usage(self, rep: UsageReport, msg: Msg) -> None:
+        if self._from_its_subject(msg, rep.router, "router"):
+            self.usage.add(rep, self.clock())
+
+    def on_idle(self, rep: IdleReport, msg: Msg) -> None:
+        if self._from_its_subject(msg, rep.router, "router"):
+            self.idle.add(rep, self.clock())
