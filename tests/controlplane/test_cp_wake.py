@@ -219,7 +219,7 @@ async def test_unknown_idle_scales_nothing_down(nats_server, prefix, bus_nc):
         await eventually(lambda: endpoints(bus_nc, prefix))
         rid = await _woken_and_ready(run, bus_nc, prefix, agent, "a")
         # No router reports: an hour later (3600 times idle_after) nothing is known idle, nothing stops.
-        await run.cp.pass_once(time.time() + 3600)
+        await run.cp.loop.pass_once(time.time() + 3600)
         assert replicas_of(run.cp, "a") == [rid]
         assert await events(bus_nc, prefix, "model.scaled_to_zero") == []
     finally:
@@ -252,7 +252,7 @@ async def test_known_idle_scales_a_watched_model_to_zero_and_cold_is_not_down(na
 
         await eventually(cold)
         # Far past its watch budget with no ready replica: cold, not down.
-        await run.cp.pass_once(time.time() + 60)
+        await run.cp.loop.pass_once(time.time() + 60)
         assert [e for e in await events(bus_nc, prefix, "model.down") if e.subject == "w"] == []
     finally:
         await router.stop()
@@ -293,7 +293,7 @@ async def test_a_wake_evicts_the_idle_model_when_there_is_no_room(nats_server, p
         await eventually(lambda: asyncio.sleep(0, replicas_of(run.cp, "b")))
         assert replicas_of(run.cp, "a") == []
         # a is not placed back: its target went down with the eviction.
-        await run.cp.pass_once(time.time())
+        await run.cp.loop.pass_once(time.time())
         assert replicas_of(run.cp, "a") == [] and len(replicas_of(run.cp, "b")) == 1
         st = await ctl.status()
         assert [(e.replica_id, e.model, e.for_model) for e in st.evictions] == [(a_id, "a", "b")]
