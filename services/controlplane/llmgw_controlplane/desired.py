@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from llmgw_common.backoff import jittered_delay
 from llmgw_common.bus import DropLog
 from llmgw_common.codec import DecodeError, decode, encode
+from llmgw_common.errors import Conflict
 from llmgw_common.messages import Marks
 
 log = logging.getLogger("llmgw.controlplane.desired")
@@ -33,7 +34,7 @@ BACKOFF_S = 0.01
 BACKOFF_MAX_S = 0.2
 
 
-class DesiredConflict(Exception):
+class DesiredConflict(Conflict):
     """The key kept changing between our read and our write: nothing was written."""
 
 

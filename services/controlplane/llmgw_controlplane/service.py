@@ -27,6 +27,7 @@ from llmgw_common import bus
 from llmgw_common.catalog import Catalog, CatalogError, load_catalog_file
 from llmgw_common.clockcheck import Doubts
 from llmgw_common.ctl import DebugStatsReply
+from llmgw_common.errors import InvalidInput
 from llmgw_common.messages import (
     Assignment,
     ClusterSettings,
@@ -77,7 +78,7 @@ WRITE_BATCH = 64
 MAX_FAILED_PASSES = 10
 
 
-class StartupError(RuntimeError):
+class StartupError(InvalidInput, RuntimeError):
     """The control plane cannot start (e.g. its catalog is invalid); the message says every reason."""
 
 
