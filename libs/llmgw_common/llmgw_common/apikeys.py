@@ -16,6 +16,7 @@ from nats.js.kv import KeyValue
 
 from llmgw_common import bus
 from llmgw_common.codec import encode
+from llmgw_common.errors import InvalidInput
 from llmgw_common.messages import ApiKeyRecord
 from llmgw_common.subjects import Subjects
 
@@ -35,7 +36,7 @@ def new_key_id() -> str:
     return "k-" + secrets.token_hex(6)
 
 
-class KeyOpError(Exception):
+class KeyOpError(InvalidInput):
     """A key operation that cannot be done, said in the operator's terms."""
 
 

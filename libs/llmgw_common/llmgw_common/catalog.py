@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llmgw_common.durations import parse_duration
+from llmgw_common.errors import InvalidInput
 from llmgw_common.names import check_model_name
 from llmgw_common.validation import validate_named
 from llmgw_common.yamlsafe import load_yaml
@@ -26,7 +27,7 @@ CPU_ENGINES = frozenset({"llamacpp", "sim"})
 PARALLEL_ENGINES = frozenset({"vllm", "sim"})
 
 
-class CatalogError(ValueError):
+class CatalogError(InvalidInput):
     """A catalog that cannot be accepted; ``problems`` lists every reason."""
 
     def __init__(self, problems: list[str]) -> None:

@@ -14,6 +14,8 @@ it: an error, never a silently short answer.
 
 from __future__ import annotations
 
+from llmgw_common.errors import BadMessage
+
 CHUNK_HEADER = "Llmgw-Chunk"
 # Room for the headers, which count against max_payload along with the data.
 HEADROOM = 1024
@@ -21,7 +23,7 @@ HEADROOM = 1024
 MAX_CHUNKS = 4096
 
 
-class ChunkError(ValueError):
+class ChunkError(BadMessage):
     """A chunk header that does not fit the sequence being read."""
 
 

@@ -11,6 +11,8 @@ from typing import Any, TypeVar
 import msgpack
 from pydantic import BaseModel, ValidationError
 
+from llmgw_common.errors import BadMessage
+
 SCHEMA_VERSION = 1
 VERSION_KEY = "_v"
 # A payload larger than this is refused before unpacking (NATS' own default max_payload is 1 MiB).
@@ -19,7 +21,7 @@ MAX_PAYLOAD = 8 * 1024 * 1024
 M = TypeVar("M", bound=BaseModel)
 
 
-class DecodeError(ValueError):
+class DecodeError(BadMessage):
     """A payload that is not a valid message of the expected type and schema version."""
 
 

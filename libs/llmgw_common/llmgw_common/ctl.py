@@ -22,6 +22,7 @@ from nats.aio.subscription import Subscription
 from llmgw_common import chunks
 from llmgw_common.catalog import Catalog
 from llmgw_common.codec import MAX_PAYLOAD, DecodeError, decode, encode
+from llmgw_common.errors import LlmgwError, Unavailable
 from llmgw_common.messages import ClusterSettings, Marks, Message
 from llmgw_common.subjects import Subjects
 
@@ -54,7 +55,7 @@ def endpoint_name(verb: str) -> str:
     return verb.replace(".", "_")
 
 
-class CtlError(Exception):
+class CtlError(LlmgwError):
     """The control plane answered with an error; ``message`` is meant for the user."""
 
     def __init__(self, message: str, code: str = "") -> None:
@@ -63,7 +64,7 @@ class CtlError(Exception):
         self.code = code
 
 
-class CtlUnavailable(CtlError):
+class CtlUnavailable(CtlError, Unavailable):
     """No control plane answered."""
 
 

@@ -21,6 +21,8 @@ from typing import Annotated
 
 from pydantic import AfterValidator
 
+from llmgw_common.errors import InvalidInput
+
 _TOKEN = re.compile(r"[A-Za-z0-9_-]+")
 _MODEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]*")
 # Cc: C0/C1 controls (ESC, BEL, CR, ...). Cf: format characters (bidi overrides, zero-width joiners).
@@ -30,17 +32,18 @@ _SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 def check_token(value: str, what: str = "name") -> str:
-    """A single NATS subject token: no dots, spaces, wildcards or control characters. ValueError otherwise."""
+    """A single NATS subject token: no dots, spaces, wildcards or control characters. InvalidInput
+    (a ValueError) otherwise."""
     if not _TOKEN.fullmatch(value):
         shown = value if len(value) <= 80 else f"{value[:80]}... ({len(value)} characters)"
-        raise ValueError(f"{what} {visible(repr(shown))} may contain only letters, digits, '-' and '_'")
+        raise InvalidInput(f"{what} {visible(repr(shown))} may contain only letters, digits, '-' and '_'")
     return value
 
 
 def check_model_name(value: str) -> str:
     """A catalog model name: letters, digits and ``. _ : / -``, starting with a letter or digit."""
     if not _MODEL.fullmatch(value):
-        raise ValueError(
+        raise InvalidInput(
             f"model name {visible(repr(value))} may contain only letters, digits and . _ : / - "
             "(starting with a letter or digit)"
         )

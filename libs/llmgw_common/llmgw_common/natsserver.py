@@ -17,8 +17,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from llmgw_common.errors import Unavailable
 
-class NatsServerError(RuntimeError):
+
+class NatsServerError(Unavailable, RuntimeError):
     pass
 
 

@@ -24,13 +24,15 @@ from typing import IO, Any
 
 import yaml
 
+from llmgw_common.errors import InvalidInput
+
 # Larger than any catalog, fleet or settings file we know of; NATS refuses payloads over 1 MiB anyway.
 MAX_BYTES = 1024 * 1024
 # Nodes after alias expansion. A 1000-model catalog is ~60 000; validating 200 000 takes ~0.1 s.
 MAX_NODES = 200_000
 
 
-class YamlError(yaml.YAMLError):
+class YamlError(yaml.YAMLError, InvalidInput):
     """A document refused by :func:`load_yaml`: too large, expands too far, or nests too deep."""
 
 

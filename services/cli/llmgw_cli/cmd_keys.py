@@ -27,13 +27,18 @@ def _run(
 ) -> T:
     """Connect (once, no endless retries), run ``op(nc, prefix)``, close; exit 1 when NATS is away."""
     from nats.errors import Error as NatsError
+    from pydantic import ValidationError
 
     from llmgw_common import bus
+    from llmgw_common.errors import InvalidInput
     from llmgw_common.settings import BusSettings, load_settings
     from llmgw_common.subjects import Subjects
 
     urls = [u.strip() for v in nats for u in v.split(",") if u.strip()] or None
-    settings = load_settings(BusSettings, config, nats_urls=urls, prefix=prefix)
+    try:
+        settings = load_settings(BusSettings, config, nats_urls=urls, prefix=prefix)
+    except ValidationError as e:
+        raise InvalidInput(f"bad settings: {e}") from None
 
     # The bus client's reconnect warnings would repeat what the one error line below says.
     logging.getLogger("llmgw.bus").setLevel(logging.ERROR)

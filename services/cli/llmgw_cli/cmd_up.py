@@ -46,6 +46,7 @@ from llmgw_cli.upkeep import supervise
 from llmgw_cli.upopts import LOOPBACK, option_errors, reach_host
 from llmgw_common.bus import connect, ensure_all
 from llmgw_common.catalog import Catalog, CatalogError, load_catalog_file
+from llmgw_common.errors import LlmgwError
 from llmgw_common.natsserver import NatsServer, NatsServerError, ensure_on_path
 from llmgw_common.settings import BusSettings
 from llmgw_common.subjects import DESIRED_CATALOG, Subjects, check_token
@@ -54,7 +55,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 STATE_FILE = "up.json"
 
 
-class UpError(Exception):
+class UpError(LlmgwError):
     """A reason ``llmgw up`` cannot go on, in the user's terms."""
 
 

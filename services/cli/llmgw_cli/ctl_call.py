@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from llmgw_cli.ctl_options import fail
-from llmgw_common.ctl import CtlClient, CtlError
+from llmgw_common.ctl import CtlClient, CtlError, CtlUnavailable
 from llmgw_common.messages import Message
 
 T = TypeVar("T", bound=Message)
@@ -38,7 +38,7 @@ def call(
         try:
             nc = await bus.connect(s, "llmgw-ctl", connect_timeout=timeout, wait=False)
         except (nats.errors.Error, OSError, TimeoutError) as e:
-            raise CtlError(
+            raise CtlUnavailable(
                 f"cannot reach NATS at {', '.join(s.nats_urls)}: {e or type(e).__name__}"
             ) from None
         try:

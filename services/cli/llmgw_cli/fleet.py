@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from llmgw_common.errors import InvalidInput
 from llmgw_common.gpuspec import parse_sim_gpus
 from llmgw_common.subjects import check_token
 from llmgw_common.validation import validate_named
@@ -31,7 +32,7 @@ from llmgw_common.yamlsafe import load_yaml
 _GPU_SPEC = re.compile(r"^\s*(\d+)\s*[xX]\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*$")
 
 
-class FleetError(ValueError):
+class FleetError(InvalidInput):
     """A fleet file that cannot be used; ``problems`` lists every reason."""
 
     def __init__(self, problems: list[str]) -> None:

@@ -12,6 +12,8 @@ import sys
 
 import typer
 
+from llmgw_common.errors import LlmgwError, exit_status
+
 # Command name -> module, in the order of `llmgw --help`.
 COMMANDS: dict[str, str] = {
     "up": "cmd_up",
@@ -56,5 +58,18 @@ def __getattr__(name: str) -> typer.Typer:
 
 
 def main() -> None:
+    """Run the command named on the command line.
+
+    An :class:`LlmgwError` escaping a command is reported as ``error: <message>`` with an exit status
+    by kind (2: fix the input, 69: retry later, else 1), not as a traceback; anything else is a bug
+    and keeps its traceback.
+    """
     only = sys.argv[1] if len(sys.argv) > 1 else None
-    build_app(only)()
+    try:
+        build_app(only)()
+    except LlmgwError as e:
+        from llmgw_common.names import visible  # pydantic: not worth importing before a failure
+
+        # Control characters in a message (text from a file or a reply) are shown, not obeyed.
+        print("error: " + visible(str(e), keep="\n"), file=sys.stderr, flush=True)
+        raise SystemExit(exit_status(e)) from None

@@ -42,6 +42,7 @@ from llmgw_common.ctl import (
     ReplicasRequest,
     StatusReply,
 )
+from llmgw_common.errors import InvalidInput, Unavailable
 from llmgw_common.messages import ClusterSettings
 from llmgw_controlplane.console import format as fmt
 from llmgw_controlplane.console.usage import UsageBook, UsageView
@@ -72,11 +73,11 @@ _HEADERS = {
 }
 
 
-class SourceUnavailable(Exception):
+class SourceUnavailable(Unavailable):
     """The control plane could not read its own state (e.g. NATS storage did not answer)."""
 
 
-class AdminBindError(RuntimeError):
+class AdminBindError(InvalidInput, RuntimeError):
     """The admin listener cannot bind as configured; the message says why and what to change."""
 
 

@@ -25,6 +25,7 @@ from llmgw_common.backoff import jittered_delay
 from llmgw_common.bus import DropLog
 from llmgw_common.catalog import Catalog, load_catalog_file
 from llmgw_common.codec import DecodeError, decode, encode
+from llmgw_common.errors import Conflict
 from llmgw_common.messages import ClusterSettings, Marks
 from llmgw_common.subjects import DESIRED_CATALOG, DESIRED_MARKS, DESIRED_SETTINGS
 
@@ -40,7 +41,7 @@ BACKOFF_S = 0.01
 BACKOFF_MAX_S = 0.2
 
 
-class DesiredConflict(Exception):
+class DesiredConflict(Conflict):
     """The key kept changing between our read and our write: nothing was written."""
 
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 import zlib
 from collections.abc import Set as AbstractSet
 
+from llmgw_common.errors import Refused
 from llmgw_controlplane.snapshot import Snapshot
 
 PORT_LO = 20000
 PORT_HI = 29999
 
 
-class PortsExhausted(RuntimeError):
+class PortsExhausted(Refused, RuntimeError):
     """Every port of the range is taken on one address."""
 
     def __init__(self, lo: int, hi: int) -> None:

@@ -29,6 +29,7 @@ from llmgw_common import bus
 from llmgw_common.catalog import CatalogError
 from llmgw_common.clockcheck import Doubts
 from llmgw_common.ctl import DebugStatsReply
+from llmgw_common.errors import InvalidInput
 from llmgw_common.messages import WakeReply, WakeRequest, WakeState
 from llmgw_common.runtime import PassGuard, until_stopped
 from llmgw_common.settings import ControlPlaneSettings
@@ -59,7 +60,7 @@ log = logging.getLogger("llmgw.controlplane")
 IDLE_STALE_TICKS = 5
 
 
-class StartupError(RuntimeError):
+class StartupError(InvalidInput, RuntimeError):
     """The control plane cannot start (e.g. its catalog is invalid); the message says every reason."""
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import collections
 
+from llmgw_common.errors import Refused
 
-class AdmissionRefused(Exception):
+
+class AdmissionRefused(Refused):
     """The request could not be admitted; ``reason`` in the user's terms, ``retry_after`` in seconds."""
 
     def __init__(self, reason: str, retry_after: int) -> None:

@@ -24,13 +24,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
 from llmgw_common.catalog import Catalog, ModelProfile, identity_problems
+from llmgw_common.errors import InvalidInput
 from llmgw_common.messages import ApiKeyRecord, Endpoint, RoutingEndpoints
 from llmgw_common.urls import http_url_problem
 from llmgw_common.validation import describe, validate_named
 from llmgw_common.yamlsafe import load_yaml
 
 
-class StaticConfigError(ValueError):
+class StaticConfigError(InvalidInput):
     """A static file that cannot be used; ``problems`` lists every reason."""
 
     def __init__(self, problems: list[str]) -> None:

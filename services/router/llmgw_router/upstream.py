@@ -18,11 +18,13 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from llmgw_common.errors import Unavailable
+
 # Pause reading from an engine while this much of its answer is buffered and not yet relayed.
 _HIGH_WATER = 256 * 1024
 
 
-class UpstreamError(Exception):
+class UpstreamError(Unavailable):
     """The exchange with the engine failed. ``responded``: whether any byte of an answer arrived."""
 
     responded = False

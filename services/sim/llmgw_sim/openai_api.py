@@ -18,12 +18,14 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from llmgw_common.errors import InvalidInput
+
 FILLER = ("lorem", "ipsum", "dolor", "sit", "amet")
 # Words of the prompt that the completion cycles through: enough for variety, bounded for cost.
 MAX_SOURCE_WORDS = 64
 
 
-class BadRequest(ValueError):
+class BadRequest(InvalidInput):
     """The request body is not something this endpoint accepts; the message names what was wrong."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
