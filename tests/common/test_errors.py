@@ -26,6 +26,7 @@ OUTSIDE = {
     "llmgw_common.runtime.FailedPasses",
     "llmgw_sim.engine.FaultExit",
     "llmgw_router.proxy._Retryable",
+    "llmgw_router.failover._Incomplete",
     "llmgw_router.admission._Expired",
     "llmgw_agent.weight_files._Truncated",
 }

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
 from multidict import CIMultiDict
 
+from llmgw_common.errors import Refused
+
 if TYPE_CHECKING:
     from llmgw_router.http_connection import Connection
 
@@ -39,7 +41,7 @@ def status_line(status: int) -> bytes:
     return line
 
 
-class HTTPRequestEntityTooLarge(Exception):
+class HTTPRequestEntityTooLarge(Refused):
     """The request body grew past the server's limit while it was read (a chunked body)."""
 
 
