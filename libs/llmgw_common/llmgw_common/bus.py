@@ -104,6 +104,34 @@ async def connect(
     return await nats.connect(**opts)
 
 
+async def connect_unless_stopped(
+    s: BusSettings,
+    name: str,
+    stop: asyncio.Event,
+    **kw: Any,
+) -> NATS | None:
+    """:func:`connect` for a service, or None when ``stop`` is set first.
+
+    With NATS unreachable the first connection is retried forever, and a SIGTERM only sets ``stop``:
+    without this race a service asked to stop before NATS answered kept retrying, deaf to it.
+    """
+    connecting = asyncio.create_task(connect(s, name, **kw), name=f"{name}-connect")
+    stopping = asyncio.create_task(stop.wait(), name=f"{name}-stop-early")
+    await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    await asyncio.gather(stopping, return_exceptions=True)
+    if connecting.done():
+        return connecting.result()
+    # nats-py can swallow one cancellation inside its retry loop: cancel until it is over.
+    while not connecting.done():
+        connecting.cancel()
+        await asyncio.wait({connecting}, timeout=0.5)
+    if not connecting.cancelled() and connecting.exception() is None:
+        await connecting.result().close()
+    log.info("nats (%s): stopped before NATS answered", name)
+    return None
+
+
 async def ensure_kv(
     js: JetStreamContext,
     bucket: str,

@@ -28,7 +28,7 @@ from llmgw_agent.engines import LaunchSpec, Refusal, launch_spec
 from llmgw_agent.metrics import extract_load, parse_prometheus
 from llmgw_agent.statefile import EngineRecord
 from llmgw_agent.supervisor import Shard, Supervisor
-from llmgw_common.bus import DropLog, KvFollower, connect, ensure_kv
+from llmgw_common.bus import DropLog, KvFollower, connect_unless_stopped, ensure_kv
 from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.messages import (
     Assignment,
@@ -327,25 +327,11 @@ async def serve(
     if collect is None:
         collect, close_probe = _nvml_collect(s)
     check_token(s.node, "node id")
-    # A stop while NATS is still unreachable must not wait for NATS (connect retries forever).
-    connecting = asyncio.create_task(connect(s, name=f"llmgw-agent-{s.node}"), name="agent-connect")
-    stopping = asyncio.create_task(stop.wait(), name="agent-stop-early")
-    await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    stopping.cancel()
-    if not connecting.done():
-        # nats-py can swallow one cancellation inside its retry loop: cancel until it is over.
-        while not connecting.done():
-            connecting.cancel()
-            await asyncio.wait({connecting}, timeout=0.5)
-        await asyncio.gather(stopping, return_exceptions=True)
-        if not connecting.cancelled() and connecting.exception() is None:
-            await connecting.result().close()
-        log.info("stopped before NATS answered")
+    nc = await connect_unless_stopped(s, f"llmgw-agent-{s.node}", stop)
+    if nc is None:
         if close_probe is not None:
             close_probe()
         return
-    await asyncio.gather(stopping, return_exceptions=True)
-    nc = connecting.result()
     try:
         agent = Agent(s, nc, collect=collect, clock=clock)
         log.info("agent %s up (boot %s, state in %s)", s.node, agent.boot_id, s.state_dir)

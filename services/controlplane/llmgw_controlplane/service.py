@@ -330,7 +330,9 @@ async def serve(s: ControlPlaneSettings, stop: asyncio.Event) -> None:
         for cp in running:
             cp.bus_back()
 
-    nc = await bus.connect(s, "controlplane", on_disconnect=lost, on_reconnect=back)
+    nc = await bus.connect_unless_stopped(s, "controlplane", stop, on_disconnect=lost, on_reconnect=back)
+    if nc is None:
+        return
     try:
         cp = ControlPlane(s, nc)
         running.append(cp)

@@ -17,7 +17,7 @@ import logging
 import httpx
 import nats.errors
 
-from llmgw_common.bus import DropLog, KvFollower, connect, ensure_all
+from llmgw_common.bus import DropLog, KvFollower, connect_unless_stopped, ensure_all
 from llmgw_common.runtime import PassGuard, until_stopped
 from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import DESIRED_SETTINGS, ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
@@ -39,7 +39,9 @@ async def serve(s: NotifierSettings, stop: asyncio.Event, stats: NotifierStats |
     stats = stats if stats is not None else NotifierStats()
     subjects = Subjects(s.prefix)
     drops = DropLog(log)
-    nc = await connect(s, "llmgw-notifier")
+    nc = await connect_unless_stopped(s, "llmgw-notifier", stop)
+    if nc is None:
+        return
     http = httpx.AsyncClient(follow_redirects=False, limits=httpx.Limits(max_connections=32))
     probe_http = httpx.AsyncClient(follow_redirects=False, limits=httpx.Limits(max_connections=32))
     followers: list[KvFollower] = []
