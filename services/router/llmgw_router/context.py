@@ -11,6 +11,7 @@ from llmgw_common.catalog import ModelProfile
 from llmgw_router.admission import Gate
 from llmgw_router.auth import Exemptions
 from llmgw_router.endpoints import Pool
+from llmgw_router.holding import Holding
 from llmgw_router.idle import IdleMap
 from llmgw_router.keys import KeyTable
 from llmgw_router.metrics import RouterMetrics
@@ -45,11 +46,13 @@ class RouterContext:
     idle: IdleMap = field(init=False)
     usage: UsageTable = field(init=False)
     metrics: RouterMetrics = field(init=False)
+    holding: Holding = field(init=False)
 
     def __post_init__(self) -> None:
         self.idle = IdleMap(self.started)
         self.usage = UsageTable(self.started)
         self.metrics = RouterMetrics(self.pool, self.gates, lambda: self.in_flight)
+        self.holding = Holding(self.pool, self.metrics, self.router_id, self.clock)
 
     def gate(self, profile: ModelProfile) -> Gate:
         g = self.gates.get(profile.name)

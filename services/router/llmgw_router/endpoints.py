@@ -79,6 +79,11 @@ class Pool:
         self.by_key: dict[tuple[str, str], EndpointState] = {}
         self.by_replica: dict[str, list[EndpointState]] = {}
         self.unavailable: dict[str, str] = {}
+        # Models with an endpoint that takes new requests (not draining): the request path's one check.
+        self.ready: set[str] = set()
+        # From the control plane: what is on its way per model, and the models scaled to zero.
+        self.coming: dict[str, str] = {}
+        self.cold: frozenset[str] = frozenset()
         self._breaker_threshold = breaker_threshold
         self._breaker_cooldown_s = breaker_cooldown_s
 
@@ -91,6 +96,8 @@ class Pool:
 
     def set_endpoints(self, routing: RoutingEndpoints) -> None:
         self._apply(routing.endpoints.values(), routing.unavailable)
+        self.coming = dict(routing.coming)
+        self.cold = frozenset(routing.cold)
         self.endpoints_version = routing.version
 
     def _apply(self, groups: Iterable[Iterable[Endpoint]], unavailable: dict[str, str]) -> None:
@@ -110,6 +117,7 @@ class Pool:
                 by_model.setdefault(ep.model, []).append(st)
                 by_replica.setdefault(ep.replica_id, []).append(st)
         self.by_key, self.by_model, self.by_replica = by_key, by_model, by_replica
+        self.ready = {m for m, eps in by_model.items() if any(not e.draining for e in eps)}
         self.unavailable = dict(unavailable)
 
     def apply_load(self, report: LoadReport, now: float) -> None:

@@ -85,8 +85,10 @@ async def forward(
     model: str,
     key_id: str,
     want_usage: bool,
+    started: web.StreamResponse | None = None,
 ) -> tuple[web.StreamResponse, int]:
-    """Proxy the request; return the response and the status to record."""
+    """Proxy the request; return the response and the status to record. ``started``: a held stream's
+    answer already begun (holding.py): a streamed answer continues it."""
     t0 = time.perf_counter()
     tried: list[EndpointState] = []
     problem = ""
@@ -106,7 +108,7 @@ async def forward(
         verdict: bool | None = None  # breaker outcome: True success, False failure, None unknown
         try:
             resp, status, verdict = await _attempt(
-                ctx, request, ep, path, body, model, key_id, want_usage, t0
+                ctx, request, ep, path, body, model, key_id, want_usage, t0, started
             )
             return resp, status
         except _Retryable as e:
@@ -143,6 +145,7 @@ async def _attempt(
     key_id: str,
     want_usage: bool,
     t0: float,
+    started: web.StreamResponse | None = None,
 ) -> tuple[web.StreamResponse, int, bool | None]:
     assert ctx.upstream is not None
     try:
@@ -174,7 +177,7 @@ async def _attempt(
             if status < 300:
                 ctx.usage.add(key_id, model, find_usage(data))
             return web.Response(status=status, body=data, headers=_response_headers(up)), status, verdict
-        return await _stream(ctx, request, up, ep, model, key_id, want_usage, t0, verdict)
+        return await _stream(ctx, request, up, ep, model, key_id, want_usage, t0, verdict, started)
     finally:
         up.close()  # no-op after a full read; drops the connection after a partial one
 
@@ -189,6 +192,7 @@ async def _stream(
     want_usage: bool,
     t0: float,
     verdict: bool,
+    started: web.StreamResponse | None = None,
 ) -> tuple[web.StreamResponse, int, bool | None]:
     status = up.status
     try:
@@ -202,11 +206,12 @@ async def _stream(
         # The engine answers: say so now, not when the stream ends. A half-open breaker lets one probe
         # through at a time, so a long stream as the probe would keep the endpoint shut for its length.
         ep.breaker.success()
-    resp = web.StreamResponse(status=status, headers=_response_headers(up))
+    resp = started or web.StreamResponse(status=status, headers=_response_headers(up))
     tail = b""
     try:
         try:
-            await resp.prepare(request)
+            if started is None:
+                await resp.prepare(request)
         except ConnectionResetError:
             return resp, CLIENT_GONE, None
         chunk: bytes = first

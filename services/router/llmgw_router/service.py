@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 
 from llmgw_common import bus
 from llmgw_common.codec import DecodeError, decode, encode
-from llmgw_common.messages import LoadReport, RoutingCatalog, RoutingEndpoints
+from llmgw_common.messages import LoadReport, RoutingCatalog, RoutingEndpoints, WakeReply, WakeRequest
 from llmgw_common.runtime import PassGuard, until_stopped
 from llmgw_common.settings import RouterSettings
 from llmgw_common.subjects import ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
@@ -89,6 +89,7 @@ class Router:
         self._closing = asyncio.Event()
         # On stop, requests in flight (streams included) get this long to finish.
         self.shutdown_grace_s = 10.0
+        self.ctx.holding.ask = self._ask_wake
 
     # ------------------------------------------------------------ lifecycle
 
@@ -135,6 +136,7 @@ class Router:
         # A loop that died was reported by run(); stopping goes on regardless.
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        await self.ctx.holding.close()
         for f in self._followers:
             await f.stop()
         self._followers = []
@@ -215,6 +217,24 @@ class Router:
                 self.ctx.pool.set_endpoints(decode(value, RoutingEndpoints))
         except DecodeError as e:
             self.drops.drop(where, str(e))
+            return
+        # Held requests go on the update that brings their endpoint (or learn nothing is coming).
+        self.ctx.holding.update()
+
+    async def _ask_wake(self, req: WakeRequest, timeout: float) -> WakeReply | None:
+        """Ask the control plane to wake a cold model; None when no answer came."""
+        nc = self.nc
+        if nc is None or not nc.is_connected:
+            return None
+        subject = self.subjects.wake(self.settings.router_id)
+        try:
+            msg = await nc.request(subject, encode(req), timeout=timeout)
+            return decode(msg.data, WakeReply)
+        except (nats.errors.Error, TimeoutError) as e:  # no responder, no answer in time, NATS away
+            log.debug("wake request for %s: %s", req.model, e or type(e).__name__)
+        except DecodeError as e:
+            self.drops.drop(subject, str(e))
+        return None
 
     def _on_key(self, key: str, value: bytes | None, revision: int) -> None:
         try:
