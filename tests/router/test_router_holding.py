@@ -152,7 +152,8 @@ async def test_burst_for_a_cold_model_makes_one_wake_in_flight_and_all_are_answe
     await routing.endpoints(cold=("m1",), unavailable={"m1": "scaled to zero"})
     cp = FakeControlPlane(WakeState.WAKING, delay_s=0.3)
     await _control_plane(nc, prefix, "rh", cp)
-    r = await _router(routers, nats_server.url, prefix)
+    # The ask's timeout well above the answer's delay: a late answer on a busy box is not a second ask.
+    r = await _router(routers, nats_server.url, prefix, ask_timeout_s=3.0)
     await _wait_synced(r, 1)
     url = f"http://127.0.0.1:{r.port}/v1/chat/completions"
     clients = [asyncio.create_task(_post(url, CHAT)) for _ in range(20)]

@@ -250,6 +250,7 @@ class Holding:
     async def _wake(self, model: str, state: _ModelHolds) -> None:
         """Ask for a wake, one request in flight, again every ``wake_every_s`` while requests are held."""
         assert self.ask is not None
+        log.info("asking the control plane to wake model %s (%d requests held)", model, len(state.waiters))
         try:
             while state.waiters:
                 req = WakeRequest(model=model, router=self.router_id, sent_at=self.clock())
