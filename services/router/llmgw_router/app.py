@@ -17,6 +17,7 @@ from aiohttp import web
 from llmgw_common.messages import ApiKeyRecord
 from llmgw_router import landing
 from llmgw_router.admission import AdmissionRefused
+from llmgw_router.affinity import prompt_key
 from llmgw_router.auth import bearer_key
 from llmgw_router.context import RouterContext
 from llmgw_router.errors import error_response
@@ -217,8 +218,10 @@ def _make_proxy_handler(ctx: RouterContext, path: str) -> Handler:
                 return refused if started is None else await ctx.holding.finish(started, refused)
         status = CLIENT_GONE
         try:
+            key_id = rec.id if rec is not None else ANONYMOUS
+            affinity = prompt_key(parsed) if ctx.limits.prefix_affinity else None
             resp, status = await forward(
-                ctx, request, path, body, model, rec.id if rec is not None else ANONYMOUS, want_usage, started
+                ctx, request, path, body, model, key_id, want_usage, started, affinity
             )
             return resp if started is None else await ctx.holding.finish(started, resp)
         finally:

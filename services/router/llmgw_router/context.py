@@ -27,6 +27,8 @@ class Limits:
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
     body_timeout_s: float = 60.0
+    prefix_affinity: bool = False
+    prefix_load_factor: float = 1.25
 
 
 @dataclass(eq=False)

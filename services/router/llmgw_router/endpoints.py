@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from llmgw_common.catalog import Catalog, ModelProfile
 from llmgw_common.messages import Endpoint, LoadReport, RoutingEndpoints
 from llmgw_router.breaker import Breaker, BreakerState
+from llmgw_router.scheduling import stable_id
 
 # Weight of the newest sample in the latency average.
 EWMA_ALPHA = 0.2
@@ -22,6 +23,7 @@ class EndpointState:
     """One endpoint and what this router knows about it right now."""
 
     __slots__ = (
+        "affinity_id",
         "breaker",
         "draining",
         "ewma_latency_s",
@@ -38,6 +40,8 @@ class EndpointState:
 
     def __init__(self, ep: Endpoint, breaker: Breaker) -> None:
         self.replica_id = ep.replica_id
+        # The replica's place in prefix-affinity orders: the same in every router.
+        self.affinity_id = stable_id(ep.replica_id)
         self.model = ep.model
         self.url = ep.url.rstrip("/")
         self.node = ep.node

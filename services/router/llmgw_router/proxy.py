@@ -19,7 +19,7 @@ from multidict import CIMultiDict
 from llmgw_router.context import RouterContext
 from llmgw_router.endpoints import EndpointState
 from llmgw_router.errors import error_response
-from llmgw_router.scheduling import choose
+from llmgw_router.scheduling import choose, choose_affine
 from llmgw_router.upstream import ReadTimeout, Response, UpstreamError
 from llmgw_router.usage import TAIL_BYTES, find_usage
 
@@ -53,7 +53,9 @@ class _Retryable(Exception):
         self.status = status
 
 
-def pick(ctx: RouterContext, model: str, tried: list[EndpointState], now: float) -> EndpointState | None:
+def pick(
+    ctx: RouterContext, model: str, tried: list[EndpointState], now: float, affinity: int | None = None
+) -> EndpointState | None:
     eps = ctx.pool.by_model.get(model)
     if not eps:
         return None
@@ -62,7 +64,10 @@ def pick(ctx: RouterContext, model: str, tried: list[EndpointState], now: float)
         # Every endpoint was tried: a second go at one whose breaker still allows it (a stale
         # keep-alive connection is the common cause of a one-off failure).
         cands = [e for e in eps if not e.draining and e.breaker.allows(now)]
-    ep = choose(cands, now, ctx.limits.load_stale_s, ctx.rng)
+    if affinity is None:
+        ep = choose(cands, now, ctx.limits.load_stale_s, ctx.rng)
+    else:
+        ep = choose_affine(cands, affinity, ctx.limits.prefix_load_factor)
     if ep is None or not ep.breaker.acquire(now):
         return None
     return ep
@@ -86,9 +91,11 @@ async def forward(
     key_id: str,
     want_usage: bool,
     started: web.StreamResponse | None = None,
+    affinity: int | None = None,
 ) -> tuple[web.StreamResponse, int]:
     """Proxy the request; return the response and the status to record. ``started``: a held stream's
-    answer already begun (holding.py): a streamed answer continues it."""
+    answer already begun (holding.py): a streamed answer continues it. ``affinity``: the request's prefix
+    key (affinity.py), when prefix-aware routing is on."""
     t0 = time.perf_counter()
     tried: list[EndpointState] = []
     problem = ""
@@ -96,7 +103,7 @@ async def forward(
     statuses: list[int | None] = []
     for attempt in range(ctx.limits.retries + 1):
         now = ctx.clock()
-        ep = pick(ctx, model, tried, now)
+        ep = pick(ctx, model, tried, now, affinity)
         if ep is None:
             break
         if attempt:

@@ -68,6 +68,8 @@ class Router:
                 connect_timeout_s=settings.connect_timeout_s,
                 read_timeout_s=settings.read_timeout_s,
                 body_timeout_s=settings.body_timeout_s,
+                prefix_affinity=settings.prefix_affinity,
+                prefix_load_factor=settings.prefix_load_factor,
             ),
             started=time.time(),
         )
