@@ -32,6 +32,7 @@ from llmgw_common.messages import (
     WakeState,
 )
 from llmgw_common.subjects import Subjects
+from llmgw_router.admission import AdmissionRefused, Gate
 from llmgw_router.service import Router
 
 CHAT: dict[str, Any] = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -328,3 +329,17 @@ async def test_a_held_stream_refused_after_it_started_ends_with_an_sse_error_eve
     assert events[0] == b": waking model m1"
     assert events[-1].startswith(b'data: {"error": ') and b"no node has 80 GB free" in events[-1]
     assert r.ctx.metrics.requests_count("m1", 503) == 1
+
+
+async def test_held_requests_take_places_in_the_admission_queue():
+    """Requests held for a model and requests queued at its concurrency limit share one bound."""
+    gate = Gate("m1", limit=1, max_queue=2, queue_timeout_s=5.0)
+    assert gate.try_enter()
+    gate.held = 2
+    with pytest.raises(AdmissionRefused, match="queue of 2 is full"):
+        await gate.enter()
+    gate.held = 1
+    waiting = asyncio.create_task(gate.enter())
+    assert await poll(lambda: gate.queued == 1)
+    gate.leave()
+    await asyncio.wait_for(waiting, 5.0)
