@@ -117,9 +117,12 @@ async def turn(
 
 
 async def phase(
-    url: str, seed: int, conversations: int, turns: int, words: int, max_tokens: int
+    url: str, seed: int, conversations: int, turns: int, words: int, max_tokens: int, think_s: float = 0.0
 ) -> list[tuple[int, float]]:
-    """(turn index, ttft) of every request of ``conversations`` concurrent conversations."""
+    """(turn index, ttft) of every request of ``conversations`` concurrent conversations; a user thinks
+    between 0.5 and 1.5 x ``think_s`` before each next turn. Without think time least-loaded routing is
+    sticky by accident: a conversation's next turn follows the moment its last one left its replica,
+    which is then the less loaded one."""
     out: list[tuple[int, float]] = []
 
     async def conversation(i: int, s: aiohttp.ClientSession) -> None:
@@ -130,22 +133,24 @@ async def phase(
             ttft, reply = await turn(s, url, msgs, max_tokens)
             out.append((t, ttft))
             msgs.append({"role": "assistant", "content": reply})
+            await asyncio.sleep(think_s * rng.uniform(0.5, 1.5))
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
         await asyncio.gather(*(conversation(i, s) for i in range(conversations)))
     return out
 
 
-async def prompt_tokens(urls: list[str]) -> float:
-    """Prompt tokens the engines computed so far (llama.cpp's counter: cached tokens are not in it)."""
-    total = 0.0
+async def prompt_tokens(urls: list[str]) -> list[float]:
+    """Prompt tokens each engine computed so far (llama.cpp's counter: cached tokens are not in it)."""
+    out = []
     async with aiohttp.ClientSession() as s:
         for u in urls:
             async with s.get(f"{u}/metrics") as r:
-                for line in (await r.text()).splitlines():
-                    if line.startswith("llamacpp:prompt_tokens_total"):
-                        total += float(line.split()[-1])
-    return total
+                lines = (await r.text()).splitlines()
+            out.append(
+                sum(float(x.split()[-1]) for x in lines if x.startswith("llamacpp:prompt_tokens_total"))
+            )
+    return out
 
 
 def pct(values: list[float], q: float) -> float:
@@ -181,16 +186,19 @@ async def main(a: argparse.Namespace) -> None:
             # Warm both engines (first-request costs) before measuring.
             await phase(routers[False], 999, 2, 1, 20, 4)
             results: dict[bool, list[tuple[int, float]]] = {False: [], True: []}
-            computed: dict[bool, float] = {False: 0.0, True: 0.0}
+            computed: dict[bool, list[float]] = {False: [0.0, 0.0], True: [0.0, 0.0]}
             seed = 0
             for r in range(a.rounds):
                 for on in (False, True) if r % 2 == 0 else (True, False):
                     seed += 1
                     t0 = time.monotonic()
                     tok0 = await prompt_tokens(urls)
-                    res = await phase(routers[on], seed, a.conversations, a.turns, a.words, a.max_tokens)
+                    res = await phase(
+                        routers[on], seed, a.conversations, a.turns, a.words, a.max_tokens, a.think_s
+                    )
                     results[on] += res
-                    computed[on] += await prompt_tokens(urls) - tok0
+                    tok1 = await prompt_tokens(urls)
+                    computed[on] = [c + b - a for c, a, b in zip(computed[on], tok0, tok1, strict=True)]
                     later = [x for t, x in res if t > 0]
                     print(
                         f"round {r} affinity={'on ' if on else 'off'}: {len(res)} requests in "
@@ -203,7 +211,7 @@ async def main(a: argparse.Namespace) -> None:
                 every = [x for _, x in res]
                 summary["on" if on else "off"] = {
                     "requests": len(res),
-                    "prompt_tokens_computed": round(computed[on]),
+                    "prompt_tokens_computed_per_engine": [round(x) for x in computed[on]],
                     "ttft_p50_later_ms": round(pct(later, 0.5) * 1000),
                     "ttft_p90_later_ms": round(pct(later, 0.9) * 1000),
                     "ttft_p50_all_ms": round(pct(every, 0.5) * 1000),
@@ -222,6 +230,7 @@ if __name__ == "__main__":
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--words", type=int, default=500, help="words of each conversation's system prompt")
     ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--think-s", type=float, default=2.0, help="mean pause between a reply and the next turn")
     ap.add_argument("--ctx", type=int, default=16384, help="llama-server context (split over its slots)")
     ap.add_argument("--slots", type=int, default=4, help="llama-server parallel slots")
     asyncio.run(main(ap.parse_args()))
