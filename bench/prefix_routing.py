@@ -7,8 +7,9 @@ with its own long system prompt, each turn sending the whole conversation so far
 time to the first ``data:`` chunk). Phases alternate (off, on, off, on, ...) with fresh conversations
 each, so one phase's KV caches cannot help another and a busy machine loads both modes alike.
 
-    .venv/bin/python bench/prefix_routing.py                 # about 3-5 minutes on 2 busy cores
-    .venv/bin/python bench/prefix_routing.py --rounds 1 --conversations 4 --turns 4
+    make llama                                               # llama-server and the GGUF, once
+    .venv/bin/python bench/prefix_routing.py                 # about 5 minutes on 2 busy cores
+    .venv/bin/python bench/prefix_routing.py --rounds 1 --think-s 0   # without users' pauses
 
 Prints TTFT p50/p90 of turns after the first (the first turn of a conversation is a cache miss in both
 modes), and of all turns, per mode.
@@ -226,9 +227,9 @@ async def main(a: argparse.Namespace) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2, help="pairs of phases (off and on)")
-    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--conversations", type=int, default=6)
     ap.add_argument("--turns", type=int, default=5)
-    ap.add_argument("--words", type=int, default=500, help="words of each conversation's system prompt")
+    ap.add_argument("--words", type=int, default=400, help="words of each conversation's system prompt")
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--think-s", type=float, default=2.0, help="mean pause between a reply and the next turn")
     ap.add_argument("--ctx", type=int, default=16384, help="llama-server context (split over its slots)")
