@@ -7,6 +7,7 @@ here that answers WakeRequest; engines are real (a sim engine process for the bu
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import re
 import signal
@@ -200,6 +201,29 @@ async def test_no_control_plane_answer_gives_503_after_the_wake_timeout(nats_ser
     assert status == 503
     assert "the control plane did not answer the wake request" in body["error"]["message"]
     assert time.monotonic() - t0 >= 1.0
+
+
+async def test_a_control_plane_that_never_answers_is_asked_again_until_the_wake_timeout(
+    nats_server, prefix, nc, routers
+):
+    routing = Routing(nc, prefix)
+    await routing.catalog(wake_timeout_s=2.0)
+    await routing.endpoints(cold=("m1",))
+    asked: list[float] = []
+
+    async def silent(msg: Msg) -> None:  # hears the request, never answers (a leader that hangs)
+        asked.append(time.monotonic())
+
+    await nc.subscribe(Subjects(prefix).wake("rh"), cb=silent)
+    await bus.sent(nc)
+    r = await _router(routers, nats_server.url, prefix, ask_timeout_s=0.3, wake_every_s=0.2)
+    await _wait_synced(r, 1)
+    status, body = await _post(f"http://127.0.0.1:{r.port}/v1/chat/completions", CHAT)
+    assert status == 503
+    assert "the control plane did not answer the wake request within 2s" in body["error"]["message"]
+    assert len(asked) >= 3
+    # One at a time: each ask begins after the previous one's timeout and the pause.
+    assert all(b - a >= 0.45 for a, b in itertools.pairwise(asked))
 
 
 async def test_held_past_queue_timeout_gets_503_naming_what_was_coming(nats_server, prefix, nc, routers):

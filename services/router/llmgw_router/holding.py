@@ -31,6 +31,7 @@ from aiohttp import web
 
 from llmgw_common.catalog import ModelProfile
 from llmgw_common.messages import WakeReply, WakeRequest, WakeState
+from llmgw_common.runtime import cancel_and_wait
 from llmgw_router.admission import Gate
 from llmgw_router.endpoints import Pool
 from llmgw_router.errors import error_body, error_response
@@ -199,10 +200,8 @@ class Holding:
 
     async def close(self) -> None:
         """Cancel the wakes being asked for (on the router's stop)."""
-        tasks = [s.wake for s in self._models.values() if s.wake is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Not one cancel: a wake's nc.request can swallow it (see cancel_and_wait).
+        await cancel_and_wait([s.wake for s in self._models.values() if s.wake is not None])
 
     # ------------------------------------------------------------ internals
 

@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from llmgw_common import bus
 from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.messages import LoadReport, RoutingCatalog, RoutingEndpoints, WakeReply, WakeRequest
-from llmgw_common.runtime import PassGuard, until_stopped
+from llmgw_common.runtime import PassGuard, cancel_and_wait, until_stopped
 from llmgw_common.settings import RouterSettings
 from llmgw_common.subjects import ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
 from llmgw_router.app import build_admin_app, build_app
@@ -133,10 +133,9 @@ class Router:
 
     async def stop(self) -> None:
         self._closing.set()
-        for t in self._tasks:
-            t.cancel()
-        # A loop that died was reported by run(); stopping goes on regardless.
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # A loop that died was reported by run(); stopping goes on regardless. Not one cancel: the
+        # tick's flush can swallow it (see cancel_and_wait).
+        await cancel_and_wait(self._tasks)
         self._tasks = []
         await self.ctx.holding.close()
         for f in self._followers:
