@@ -332,6 +332,22 @@ async def test_a_held_stream_gets_sse_comments_before_its_first_token(
     assert all(e == b": waking model m1" for e in events if not e.startswith(b"data: "))
 
 
+async def test_a_held_stream_whose_client_leaves_after_the_first_comment_frees_its_place(
+    nats_server, prefix, nc, routers
+):
+    routing = Routing(nc, prefix)
+    await routing.catalog(queue_timeout_s=60.0)
+    await routing.endpoints(coming={"m1": "replica r1 starting"})
+    r = await _router(routers, nats_server.url, prefix, stream_after_s=0.1, comment_every_s=0.1)
+    await _wait_synced(r, 1)
+    url = f"http://127.0.0.1:{r.port}/v1/chat/completions"
+    async with aiohttp.ClientSession() as s, s.post(url, json={**CHAT, "stream": True}) as resp:
+        first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 10.0)
+        assert first == b": waiting for model m1\n\n" and _held(r) == 1
+    assert await poll(lambda: _held(r) == 0, 10.0)
+    assert await poll(lambda: r.ctx.metrics.requests_count("m1", 499) == 1, 10.0)
+
+
 async def test_a_held_stream_refused_after_it_started_ends_with_an_sse_error_event(
     nats_server, prefix, nc, routers
 ):

@@ -149,13 +149,17 @@ class Holding:
         started: web.StreamResponse | None = None
         try:
             if stream:
-                started = await self._wait_streaming(request, fut, model, waking)
+                started, gone = await self._wait_streaming(request, fut, model, waking)
+                if gone:
+                    # A held stream's comment could not be written: the client has gone.
+                    self.metrics.request(model, CLIENT_GONE, loop.time() - t0)
+                    return Held(answer=started)
             else:
                 await fut
-        except ConnectionResetError:
-            # A held stream's comment could not be written: the client has gone.
+        except asyncio.CancelledError:
+            # The client hung up (aiohttp cancels its handler): counted as 499, like a proxied one.
             self.metrics.request(model, CLIENT_GONE, loop.time() - t0)
-            return Held(answer=started)
+            raise
         finally:
             timer.cancel()
             state.waiters.discard(fut)
@@ -213,19 +217,23 @@ class Holding:
 
     async def _wait_streaming(
         self, request: web.Request, fut: asyncio.Future[str | None], model: str, waking: bool
-    ) -> web.StreamResponse | None:
-        """Wait for ``fut``; past ``stream_after_s`` begin the answer and send SSE comments."""
+    ) -> tuple[web.StreamResponse | None, bool]:
+        """Wait for ``fut``; past ``stream_after_s`` begin the answer and send SSE comments. Returns the
+        begun answer (None if it was not begun) and whether the client has gone."""
         comment = f": {'waking' if waking else 'waiting for'} model {model}\n\n".encode()
         started: web.StreamResponse | None = None
         delay = self.stream_after_s
         while True:
             await asyncio.wait((fut,), timeout=delay)
             if fut.done():
-                return started
-            if started is None:
-                started = web.StreamResponse(status=200, headers=SSE_HEADERS)
-                await started.prepare(request)
-            await started.write(comment)
+                return started, False
+            try:
+                if started is None:
+                    started = web.StreamResponse(status=200, headers=SSE_HEADERS)
+                    await started.prepare(request)
+                await started.write(comment)
+            except ConnectionResetError:
+                return started, True
             delay = self.comment_every_s
 
     def _expire(
