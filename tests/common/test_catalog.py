@@ -136,6 +136,8 @@ def test_any_structure_parses_or_raises_catalog_error(models: list) -> None:
         ("startup_timeout_s: .inf", "startup_timeout_s"),
         ("queue_timeout_s: .nan", "queue_timeout_s"),
         ("min_memory_gb: .inf", "min_memory_gb"),
+        ("wake_timeout_s: .inf", "wake_timeout_s"),
+        ("wake_timeout_s: 0", "wake_timeout_s"),
     ],
 )
 def test_non_finite_numbers_are_refused(field: str, fragment: str) -> None:
@@ -160,3 +162,13 @@ def test_failover_must_be_a_boolean() -> None:
     with pytest.raises(CatalogError) as e:
         parse_catalog("models:\n  - name: m\n    engine: sim\n    failover: maybe\n")
     assert "failover" in str(e.value)
+
+
+def test_wake_timeout_is_the_start_bound_unless_set() -> None:
+    """A cold model may be held as long as its engine may take to start, or its own bound."""
+    m = parse_catalog("models:\n  - name: m\n    engine: sim\n    startup_timeout_s: 90\n").models[0]
+    assert (m.wake_timeout_s, m.wake_timeout) == (None, 90.0)
+    m = parse_catalog(
+        "models:\n  - {name: m, engine: sim, startup_timeout_s: 90, wake_timeout_s: 20}\n"
+    ).models[0]
+    assert m.wake_timeout == 20.0

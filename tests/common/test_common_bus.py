@@ -191,3 +191,34 @@ async def test_kv_follower_retries_a_delete_whose_callback_raised(nats_server, p
         assert seen == [("n1", b"1"), ("n1", None)] and "n1" not in f.revisions
     finally:
         await nc.close()
+
+
+async def test_stop_ends_a_loop_that_swallowed_a_cancel(nats_server, prefix):
+    """Python 3.11's asyncio.wait_for, inside nats-py's request and so inside resync()'s kv.get, returns
+    the answer and drops a cancel that lands as the answer arrives (CPython gh-86296): the resync loop
+    goes on, and a stop() that cancels once waits for ever (a router's stop hung so in a test)."""
+    s = BusSettings(nats_urls=[nats_server.url], prefix=prefix)
+    nc = await bus.connect(s, "t", wait=False)
+    try:
+        kv = await bus.ensure_kv(nc.jetstream(), f"{prefix}_s")
+        f = bus.KvFollower(kv, lambda k, v, r: None, resync_s=3600)
+        await f.start()
+
+        async def loop_that_swallows_one_cancel() -> None:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                pass  # what 3.11's wait_for does when its answer and the cancel arrive together
+            while True:
+                await asyncio.sleep(3600)
+
+        stubborn = asyncio.create_task(loop_that_swallows_one_cancel())
+        f._tasks.append(stubborn)
+        await asyncio.sleep(0)
+        stopping = asyncio.create_task(f.stop())
+        # Not wait_for: it would cancel stop(), whose own suppress would swallow that cancel too.
+        done, _ = await asyncio.wait({stopping}, timeout=5)
+        stubborn.cancel()  # (only needed when the assertion below fails)
+        assert stopping in done and stubborn.done()
+    finally:
+        await nc.close()

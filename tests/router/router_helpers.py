@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -102,3 +104,29 @@ class CountingUpstream:
     async def __aexit__(self, *exc: object) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
+
+
+def start_engine_process(model: str) -> tuple[subprocess.Popen[bytes], str]:
+    """A ``llmgw sim-engine --zero`` process in its own session, and its URL once it listens."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "llmgw_cli",
+            "sim-engine",
+            "--port",
+            "0",
+            "--model",
+            model,
+            "--zero",
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    assert "listening on" in line, line
+    url = line.split("listening on ", 1)[1].split()[0]
+    return proc, url

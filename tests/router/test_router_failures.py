@@ -5,13 +5,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import aiohttp
 import pytest
-from router_helpers import CountingUpstream
+from router_helpers import CountingUpstream, start_engine_process
 
 from llmgw_router.breaker import BreakerState
 
@@ -135,37 +133,12 @@ async def test_client_disconnect_before_first_byte_releases_everything(engines, 
     assert ep.in_flight == 0 and ep.breaker.state is BreakerState.CLOSED
 
 
-def _start_engine_process(model: str) -> tuple[subprocess.Popen[bytes], str]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "llmgw_cli",
-            "sim-engine",
-            "--port",
-            "0",
-            "--model",
-            model,
-            "--zero",
-            "--log-level",
-            "WARNING",
-        ],
-        stdout=subprocess.PIPE,
-        start_new_session=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline().decode()
-    assert "listening on" in line, line
-    url = line.split("listening on ", 1)[1].split()[0]
-    return proc, url
-
-
 @pytest.mark.slow
 async def test_killing_one_of_two_engines_fails_no_request_started_after_the_kill(routers, static_file):
     procs = []
     try:
         for _ in range(2):
-            procs.append(await asyncio.to_thread(_start_engine_process, "m1"))
+            procs.append(await asyncio.to_thread(start_engine_process, "m1"))
         r = await routers(static_file({"m1": [u for _, u in procs]}, auth=False))
         url = f"http://127.0.0.1:{r.port}/v1/chat/completions"
         killed_at: list[float] = []

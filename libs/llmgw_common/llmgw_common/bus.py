@@ -27,6 +27,7 @@ from pydantic import BaseModel
 
 from llmgw_common.codec import DecodeError, decode
 from llmgw_common.names import visible
+from llmgw_common.runtime import cancel_and_wait
 from llmgw_common.settings import BusSettings
 from llmgw_common.subjects import Subjects
 
@@ -319,11 +320,8 @@ class KvFollower:
         ]
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        # Not one cancel: resync()'s kv.get can swallow it (see cancel_and_wait).
+        await cancel_and_wait(self._tasks)
         self._tasks = []
 
     @property

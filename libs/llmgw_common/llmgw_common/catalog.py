@@ -101,6 +101,15 @@ class ModelProfile(_Strict):
         """True when idle replicas of this model may be stopped (its floor is below its count)."""
         return self.floor < self.replicas and self.idle_after is not None
 
+    # How long a router holds a request for this model while it wakes from zero replicas (scale to
+    # zero): unset means the model's ``startup_timeout_s``, the longest its engine may take to start.
+    wake_timeout_s: float | None = Field(default=None, gt=0)
+
+    @property
+    def wake_timeout(self) -> float:
+        """Seconds a request may be held while the model wakes (``wake_timeout_s`` or the start bound)."""
+        return self.startup_timeout_s if self.wake_timeout_s is None else self.wake_timeout_s
+
     @property
     def weights_name(self) -> str:
         return self.weights or self.name

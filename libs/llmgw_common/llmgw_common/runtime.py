@@ -87,6 +87,24 @@ async def until_stopped(stop: asyncio.Event, tasks: Iterable[asyncio.Task[Any]])
     raise TaskDied(dead[0])
 
 
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], again_s: float = 0.5) -> None:
+    """Cancel ``tasks`` and wait until each has ended, cancelling again every ``again_s``.
+
+    Python 3.11's ``asyncio.wait_for``, which nats-py's request and flush use, drops a cancel that lands
+    as its answer arrives (CPython gh-86296): a loop around such a call goes on, and a stop that cancels
+    once waits for it for ever. Their results and errors are dropped: the caller is stopping them.
+    """
+    pending = list(tasks)
+    for t in pending:
+        t.cancel()
+    for t in pending:
+        while not t.done():
+            await asyncio.wait((t,), timeout=again_s)
+            t.cancel()
+        if not t.cancelled():
+            t.exception()  # retrieved, so asyncio does not log it as never retrieved
+
+
 class FailedPasses(RuntimeError):
     """A loop's passes kept failing: the loop gives up so that the process exits (and is replaced)."""
 

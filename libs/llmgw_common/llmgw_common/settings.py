@@ -226,6 +226,14 @@ class RouterSettings(BusSettings):
     )
     tick_s: float = Field(default=1.0, gt=0)
     static_file: str | None = Field(default=None, description="Serve fixed endpoints from this file, no NATS")
+    prefix_affinity: bool = Field(
+        default=False, description="Send requests sharing a prompt prefix to the same replica (bounded load)"
+    )
+    prefix_load_factor: float = Field(
+        default=1.25,
+        ge=1.0,
+        description="With prefix affinity, no replica takes more than this times its share of in-flight requests",
+    )
 
 
 class NotifierSettings(BusSettings):

@@ -36,7 +36,7 @@ def _admitted(fut: asyncio.Future[None]) -> bool:
 
 
 class Gate:
-    __slots__ = ("active", "limit", "max_queue", "model", "queue_timeout_s", "waiters")
+    __slots__ = ("active", "held", "limit", "max_queue", "model", "queue_timeout_s", "waiters")
 
     def __init__(self, model: str, limit: int | None, max_queue: int, queue_timeout_s: float) -> None:
         self.model = model
@@ -44,6 +44,9 @@ class Gate:
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
         self.active = 0
+        # Requests held for this model while it has no ready endpoint (holding.py): they take places
+        # in the same bounded queue, so a burst while a replica starts cannot hold unbounded memory.
+        self.held = 0
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
     @property
@@ -65,7 +68,7 @@ class Gate:
         """Admit or wait in the queue; AdmissionRefused when the queue is full or the wait too long."""
         if self.try_enter():
             return
-        if len(self.waiters) >= self.max_queue:
+        if len(self.waiters) + self.held >= self.max_queue:
             raise AdmissionRefused(
                 f"model {self.model!r} is at its limit of {self.limit} concurrent requests and its "
                 f"queue of {self.max_queue} is full",

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from llmgw_common.messages import ApiKeyRecord
 from llmgw_router import landing, web
 from llmgw_router.admission import AdmissionRefused
+from llmgw_router.affinity import prompt_key
 from llmgw_router.auth import bearer_key
 from llmgw_router.context import RouterContext
 from llmgw_router.errors import error_response
@@ -199,23 +200,29 @@ def _make_proxy_handler(ctx: RouterContext, path: str) -> Handler:
         if parsed.get("stream") is True:
             so = parsed.get("stream_options")
             want_usage = isinstance(so, dict) and so.get("include_usage") is True
-        if not ctx.pool.by_model.get(model):
-            # Known model, no ready replica: 503 with the control plane's reason, never 429.
-            metrics.request(model, 503)
-            return error_response(503, ctx.pool.why_unavailable(model, ctx.clock()), retry_after=5)
         gate = ctx.gate(profile)
+        started = None
+        if model not in ctx.pool.ready:
+            # No ready replica: held while one is coming or waking (holding.py), else 503 with the reason.
+            held = await ctx.holding.hold(request, profile, gate, parsed.get("stream") is True)
+            if held.answer is not None:
+                return held.answer
+            started = held.started
         if not gate.try_enter():
             try:
                 await gate.enter()
             except AdmissionRefused as e:
                 metrics.request(model, 429)
-                return error_response(429, e.reason, retry_after=e.retry_after)
+                refused = error_response(429, e.reason, retry_after=e.retry_after)
+                return refused if started is None else await ctx.holding.finish(started, refused)
         status = CLIENT_GONE
         try:
+            key_id = rec.id if rec is not None else ANONYMOUS
+            affinity = prompt_key(parsed) if ctx.limits.prefix_affinity else None
             resp, status = await forward(
-                ctx, request, path, body, model, rec.id if rec is not None else ANONYMOUS, want_usage, parsed
+                ctx, request, path, body, model, key_id, want_usage, parsed, started, affinity
             )
-            return resp
+            return resp if started is None else await ctx.holding.finish(started, resp)
         finally:
             gate.leave()
             metrics.request(model, status, time.perf_counter() - t0)

@@ -11,6 +11,7 @@ from llmgw_common.catalog import ModelProfile
 from llmgw_router.admission import Gate
 from llmgw_router.auth import Exemptions
 from llmgw_router.endpoints import Pool
+from llmgw_router.holding import Holding
 from llmgw_router.idle import IdleMap
 from llmgw_router.keys import KeyTable
 from llmgw_router.metrics import RouterMetrics
@@ -27,6 +28,8 @@ class Limits:
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
     body_timeout_s: float = 60.0
+    prefix_affinity: bool = False
+    prefix_load_factor: float = 1.25
 
 
 @dataclass(eq=False)
@@ -46,11 +49,13 @@ class RouterContext:
     idle: IdleMap = field(init=False)
     usage: UsageTable = field(init=False)
     metrics: RouterMetrics = field(init=False)
+    holding: Holding = field(init=False)
 
     def __post_init__(self) -> None:
         self.idle = IdleMap(self.started)
         self.usage = UsageTable(self.started)
         self.metrics = RouterMetrics(self.pool, self.gates, lambda: self.in_flight)
+        self.holding = Holding(self.pool, self.metrics, self.router_id, self.clock)
 
     def gate(self, profile: ModelProfile) -> Gate:
         g = self.gates.get(profile.name)

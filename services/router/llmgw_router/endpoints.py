@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from llmgw_common.catalog import Catalog, ModelProfile
 from llmgw_common.messages import Endpoint, LoadReport, RoutingEndpoints
 from llmgw_router.breaker import Breaker, BreakerState
+from llmgw_router.scheduling import stable_id
 
 # Weight of the newest sample in the latency average.
 EWMA_ALPHA = 0.2
@@ -22,6 +23,7 @@ class EndpointState:
     """One endpoint and what this router knows about it right now."""
 
     __slots__ = (
+        "affinity_id",
         "breaker",
         "draining",
         "ewma_latency_s",
@@ -38,6 +40,8 @@ class EndpointState:
 
     def __init__(self, ep: Endpoint, breaker: Breaker) -> None:
         self.replica_id = ep.replica_id
+        # The replica's place in prefix-affinity orders: the same in every router.
+        self.affinity_id = stable_id(ep.replica_id)
         self.model = ep.model
         self.url = ep.url.rstrip("/")
         self.node = ep.node
@@ -79,6 +83,11 @@ class Pool:
         self.by_key: dict[tuple[str, str], EndpointState] = {}
         self.by_replica: dict[str, list[EndpointState]] = {}
         self.unavailable: dict[str, str] = {}
+        # Models with an endpoint that takes new requests (not draining): the request path's one check.
+        self.ready: set[str] = set()
+        # From the control plane: what is on its way per model, and the models scaled to zero.
+        self.coming: dict[str, str] = {}
+        self.cold: frozenset[str] = frozenset()
         self._breaker_threshold = breaker_threshold
         self._breaker_cooldown_s = breaker_cooldown_s
 
@@ -91,6 +100,8 @@ class Pool:
 
     def set_endpoints(self, routing: RoutingEndpoints) -> None:
         self._apply(routing.endpoints.values(), routing.unavailable)
+        self.coming = dict(routing.coming)
+        self.cold = frozenset(routing.cold)
         self.endpoints_version = routing.version
 
     def _apply(self, groups: Iterable[Iterable[Endpoint]], unavailable: dict[str, str]) -> None:
@@ -110,6 +121,7 @@ class Pool:
                 by_model.setdefault(ep.model, []).append(st)
                 by_replica.setdefault(ep.replica_id, []).append(st)
         self.by_key, self.by_model, self.by_replica = by_key, by_model, by_replica
+        self.ready = {m for m, eps in by_model.items() if any(not e.draining for e in eps)}
         self.unavailable = dict(unavailable)
 
     def apply_load(self, report: LoadReport, now: float) -> None:

@@ -28,6 +28,8 @@ from llmgw_router.endpoints import Pool
 _go_float: Callable[[float], str] = _untyped_go_float
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# Holds last from a moment (a replica already coming) to a cold start (minutes).
+_HOLD_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200)
 
 
 class _Live(Collector):
@@ -53,11 +55,18 @@ class _Live(Collector):
         yield br
         q = GaugeMetricFamily("llmgw_router_queue_depth", "Requests waiting for admission", labels=["model"])
         a = GaugeMetricFamily("llmgw_router_admitted", "Requests admitted and running", labels=["model"])
+        h = GaugeMetricFamily(
+            "llmgw_router_held",
+            "Requests held for a model with no ready replica while one is coming or waking",
+            labels=["model"],
+        )
         for name, gate in self.gates.items():
             q.add_metric([name], gate.queued)
             a.add_metric([name], gate.active)
+            h.add_metric([name], gate.held)
         yield q
         yield a
+        yield h
 
 
 class _Hist:
@@ -138,6 +147,13 @@ class _Recorded(Collector):
             _TTFT_BUCKETS,
             m._ttft,
         )
+        yield from _histogram_family(
+            "llmgw_router_hold_seconds",
+            "Time a request was held for a model with no ready replica (coming or waking)",
+            "model",
+            _HOLD_BUCKETS,
+            m._hold,
+        )
         yield from _counter_family(
             "llmgw_router_retries",
             "Requests retried on another endpoint before the first byte",
@@ -162,6 +178,7 @@ class RouterMetrics:
         self._ttft: dict[str, _Hist] = {}
         self._retries: dict[str, _Counter] = {}
         self._migrations: dict[tuple[str, str], _Counter] = {}
+        self._hold: dict[str, _Hist] = {}
         self.registry.register(_Recorded(self))
         self.registry.register(_Live(pool, gates, in_flight))
 
@@ -183,6 +200,13 @@ class RouterMetrics:
         if h is None:
             h = self._ttft[model] = _Hist(len(_TTFT_BUCKETS))
         h.counts[bisect_left(_TTFT_BUCKETS, seconds)] += 1
+        h.sum += seconds
+
+    def hold(self, model: str, seconds: float) -> None:
+        h = self._hold.get(model)
+        if h is None:
+            h = self._hold[model] = _Hist(len(_HOLD_BUCKETS))
+        h.counts[bisect_left(_HOLD_BUCKETS, seconds)] += 1
         h.sum += seconds
 
     def retry(self, model: str) -> None:

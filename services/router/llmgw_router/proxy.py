@@ -21,7 +21,7 @@ from llmgw_router.context import RouterContext
 from llmgw_router.endpoints import EndpointState
 from llmgw_router.errors import error_response
 from llmgw_router.failover import Migration
-from llmgw_router.scheduling import choose
+from llmgw_router.scheduling import choose, choose_affine
 from llmgw_router.upstream import ReadTimeout, Response, UpstreamError
 from llmgw_router.usage import TAIL_BYTES, find_usage
 
@@ -55,7 +55,9 @@ class _Retryable(Exception):
         self.status = status
 
 
-def pick(ctx: RouterContext, model: str, tried: list[EndpointState], now: float) -> EndpointState | None:
+def pick(
+    ctx: RouterContext, model: str, tried: list[EndpointState], now: float, affinity: int | None = None
+) -> EndpointState | None:
     eps = ctx.pool.by_model.get(model)
     if not eps:
         return None
@@ -64,7 +66,10 @@ def pick(ctx: RouterContext, model: str, tried: list[EndpointState], now: float)
         # Every endpoint was tried: a second go at one whose breaker still allows it (a stale
         # keep-alive connection is the common cause of a one-off failure).
         cands = [e for e in eps if not e.draining and e.breaker.allows(now)]
-    ep = choose(cands, now, ctx.limits.load_stale_s, ctx.rng)
+    if affinity is None:
+        ep = choose(cands, now, ctx.limits.load_stale_s, ctx.rng)
+    else:
+        ep = choose_affine(cands, affinity, ctx.limits.prefix_load_factor)
     if ep is None or not ep.breaker.acquire(now):
         return None
     return ep
@@ -88,8 +93,12 @@ async def forward(
     key_id: str,
     want_usage: bool,
     req: dict[str, Any] | None = None,
+    started: web.StreamResponse | None = None,
+    affinity: int | None = None,
 ) -> tuple[web.StreamResponse, int]:
-    """Proxy the request (``req``: its parsed body); return the response and the status to record."""
+    """Proxy the request (``req``: its parsed body); return the response and the status to record.
+    ``started``: a held stream's answer already begun (holding.py): a streamed answer continues it.
+    ``affinity``: the request's prefix key (affinity.py), when prefix-aware routing is on."""
     t0 = time.perf_counter()
     mig = Migration.of(ctx, path, req, ctx.pool.profiles.get(model))
     tried: list[EndpointState] = mig.tried if mig is not None else []
@@ -98,7 +107,7 @@ async def forward(
     statuses: list[int | None] = []
     for attempt in range(ctx.limits.retries + 1):
         now = ctx.clock()
-        ep = pick(ctx, model, tried, now)
+        ep = pick(ctx, model, tried, now, affinity)
         if ep is None:
             break
         if attempt:
@@ -110,7 +119,7 @@ async def forward(
         verdict: bool | None = None  # breaker outcome: True success, False failure, None unknown
         try:
             resp, status, verdict = await _attempt(
-                ctx, request, ep, path, body, model, key_id, want_usage, t0, mig
+                ctx, request, ep, path, body, model, key_id, want_usage, t0, mig, started
             )
             return resp, status
         except _Retryable as e:
@@ -148,6 +157,7 @@ async def _attempt(
     want_usage: bool,
     t0: float,
     mig: Migration | None,
+    started: web.StreamResponse | None = None,
 ) -> tuple[web.StreamResponse, int, bool | None]:
     assert ctx.upstream is not None
     try:
@@ -179,7 +189,7 @@ async def _attempt(
             if status < 300:
                 ctx.usage.add(key_id, model, find_usage(data))
             return web.Response(status=status, body=data, headers=_response_headers(up)), status, verdict
-        return await _stream(ctx, request, up, ep, model, key_id, want_usage, t0, verdict, mig)
+        return await _stream(ctx, request, up, ep, model, key_id, want_usage, t0, verdict, mig, started)
     finally:
         up.close()  # no-op after a full read; drops the connection after a partial one
 
@@ -195,6 +205,7 @@ async def _stream(
     t0: float,
     verdict: bool,
     mig: Migration | None,
+    started: web.StreamResponse | None = None,
 ) -> tuple[web.StreamResponse, int, bool | None]:
     status = up.status
     try:
@@ -208,11 +219,12 @@ async def _stream(
         # The engine answers: say so now, not when the stream ends. A half-open breaker lets one probe
         # through at a time, so a long stream as the probe would keep the endpoint shut for its length.
         ep.breaker.success()
-    resp = web.StreamResponse(status=status, headers=_response_headers(up))
+    resp = started or web.StreamResponse(status=status, headers=_response_headers(up))
     tail = b""
     try:
         try:
-            await resp.prepare(request)
+            if started is None:
+                await resp.prepare(request)
         except ConnectionResetError:
             return resp, CLIENT_GONE, None
         chunk: bytes = first

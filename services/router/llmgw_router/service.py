@@ -21,8 +21,8 @@ from nats.aio.msg import Msg
 
 from llmgw_common import bus
 from llmgw_common.codec import DecodeError, decode, encode
-from llmgw_common.messages import LoadReport, RoutingCatalog, RoutingEndpoints
-from llmgw_common.runtime import PassGuard, until_stopped
+from llmgw_common.messages import LoadReport, RoutingCatalog, RoutingEndpoints, WakeReply, WakeRequest
+from llmgw_common.runtime import PassGuard, cancel_and_wait, until_stopped
 from llmgw_common.settings import RouterSettings
 from llmgw_common.subjects import ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
 from llmgw_router.admin import build_admin_app
@@ -74,6 +74,8 @@ class Router:
                 connect_timeout_s=settings.connect_timeout_s,
                 read_timeout_s=settings.read_timeout_s,
                 body_timeout_s=settings.body_timeout_s,
+                prefix_affinity=settings.prefix_affinity,
+                prefix_load_factor=settings.prefix_load_factor,
             ),
             started=time.time(),
         )
@@ -96,6 +98,7 @@ class Router:
         self._closing = asyncio.Event()
         # On stop, requests in flight (streams included) get this long to finish.
         self.shutdown_grace_s = 10.0
+        self.ctx.holding.ask = self._ask_wake
 
     # ------------------------------------------------------------ lifecycle
 
@@ -126,11 +129,11 @@ class Router:
 
     async def stop(self) -> None:
         self._closing.set()
-        for t in self._tasks:
-            t.cancel()
-        # A loop that died was reported by run(); stopping goes on regardless.
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # A loop that died was reported by run(); stopping goes on regardless. Not one cancel: the
+        # tick's flush can swallow it (see cancel_and_wait).
+        await cancel_and_wait(self._tasks)
         self._tasks = []
+        await self.ctx.holding.close()
         for f in self._followers:
             await f.stop()
         self._followers = []
@@ -214,6 +217,24 @@ class Router:
                 self.ctx.pool.set_endpoints(decode(value, RoutingEndpoints))
         except DecodeError as e:
             self.drops.drop(where, str(e))
+            return
+        # Held requests go on the update that brings their endpoint (or learn nothing is coming).
+        self.ctx.holding.update()
+
+    async def _ask_wake(self, req: WakeRequest, timeout: float) -> WakeReply | None:
+        """Ask the control plane to wake a cold model; None when no answer came."""
+        nc = self.nc
+        if nc is None or not nc.is_connected:
+            return None
+        subject = self.subjects.wake(self.settings.router_id)
+        try:
+            msg = await nc.request(subject, encode(req), timeout=timeout)
+            return decode(msg.data, WakeReply)
+        except (nats.errors.Error, TimeoutError) as e:  # no responder, no answer in time, NATS away
+            log.debug("wake request for %s: %s", req.model, e or type(e).__name__)
+        except DecodeError as e:
+            self.drops.drop(subject, str(e))
+        return None
 
     def _on_key(self, key: str, value: bytes | None, revision: int) -> None:
         try:

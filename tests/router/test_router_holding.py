@@ -1,0 +1,385 @@
+"""Requests held, not refused, while a replica is coming or a cold model wakes (issues 13 and 14).
+
+Real nats-server; the routing KV is written by the test; the control plane is a NATS responder written
+here that answers WakeRequest; engines are real (a sim engine process for the burst).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from router_helpers import poll, start_engine_process
+
+from llmgw_common import bus
+from llmgw_common.catalog import Catalog, ModelProfile
+from llmgw_common.codec import decode, encode
+from llmgw_common.messages import (
+    Endpoint,
+    RoutingCatalog,
+    RoutingEndpoints,
+    WakeReply,
+    WakeRequest,
+    WakeState,
+)
+from llmgw_common.subjects import Subjects
+from llmgw_router.admission import AdmissionRefused, Gate
+from llmgw_router.service import Router
+
+CHAT: dict[str, Any] = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+class Routing:
+    """The routing KV as a control plane would write it: catalog once, then endpoint updates."""
+
+    def __init__(self, nc: NATS, prefix: str) -> None:
+        self.nc, self.prefix, self.version = nc, prefix, 0
+
+    async def catalog(self, **profile: Any) -> None:
+        kv = await bus.ensure_kv(self.nc.jetstream(), Subjects(self.prefix).bucket_routing)
+        cat = Catalog(models=(ModelProfile(name="m1", engine="sim", **profile),))
+        await kv.put("catalog", encode(RoutingCatalog(version=1, catalog=cat)))
+
+    async def endpoints(
+        self,
+        urls: tuple[str, ...] = (),
+        *,
+        coming: dict[str, str] | None = None,
+        cold: tuple[str, ...] = (),
+        unavailable: dict[str, str] | None = None,
+        draining: bool = False,
+    ) -> None:
+        self.version += 1
+        eps = tuple(
+            Endpoint(replica_id=f"r{i}", model="m1", url=u, node="n1", draining=draining)
+            for i, u in enumerate(urls)
+        )
+        kv = await bus.ensure_kv(self.nc.jetstream(), Subjects(self.prefix).bucket_routing)
+        value = RoutingEndpoints(
+            version=self.version,
+            endpoints={"m1": eps} if eps else {},
+            unavailable=unavailable or {},
+            coming=coming or {},
+            cold=cold,
+        )
+        await kv.put("endpoints", encode(value))
+
+
+class FakeControlPlane:
+    """A real responder on the router's wake subject: records each WakeRequest and how many were
+    unanswered at once; answers ``state`` after ``delay_s``."""
+
+    def __init__(self, state: WakeState, reason: str = "", delay_s: float = 0.0) -> None:
+        self.state, self.reason, self.delay_s = state, reason, delay_s
+        self.asked: list[WakeRequest] = []
+        self.open = 0
+        self.max_open = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def on_request(self, msg: Msg) -> None:
+        self.asked.append(decode(msg.data, WakeRequest))
+        self.open += 1
+        self.max_open = max(self.max_open, self.open)
+        t = asyncio.create_task(self._answer(msg))
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _answer(self, msg: Msg) -> None:
+        await asyncio.sleep(self.delay_s)
+        self.open -= 1
+        await msg.respond(encode(WakeReply(model="m1", state=self.state, reason=self.reason)))
+
+
+async def _control_plane(nc: NATS, prefix: str, router_id: str, cp: FakeControlPlane) -> None:
+    await nc.subscribe(Subjects(prefix).wake(router_id), cb=cp.on_request)
+    await bus.sent(nc)
+
+
+async def _router(routers: Any, nats_url: str, prefix: str, **timing: float) -> Router:
+    r: Router = await routers(nats_urls=[nats_url], prefix=prefix, auth=False, router_id="rh")
+    await asyncio.wait_for(r.synced.wait(), 10)
+    h = r.ctx.holding
+    h.stream_after_s = timing.get("stream_after_s", 0.2)
+    h.comment_every_s = timing.get("comment_every_s", 0.2)
+    h.wake_every_s = timing.get("wake_every_s", 0.5)
+    h.ask_timeout_s = timing.get("ask_timeout_s", 0.5)
+    return r
+
+
+def _gauge(r: Router, name: str, model: str = "m1") -> float | None:
+    text = r.ctx.metrics.exposition().decode()
+    m = re.search(rf'^{name}{{model="{model}"}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def _held(r: Router) -> float | None:
+    return _gauge(r, "llmgw_router_held")
+
+
+async def _post(url: str, body: dict[str, Any], timeout: float = 30.0) -> tuple[int, Any]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s:
+        async with s.post(url, json=body) as resp:
+            return resp.status, await resp.json(content_type=None)
+
+
+async def _wait_synced(r: Router, version: int) -> None:
+    assert await poll(lambda: r.ctx.pool.endpoints_version >= version, 10.0)
+
+
+@pytest.fixture
+def engine_process() -> Iterator[list[Any]]:
+    procs: list[Any] = []
+    yield procs
+    for p in procs:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        p.stdout.close()
+
+
+async def test_burst_for_a_cold_model_makes_one_wake_in_flight_and_all_are_answered(
+    nats_server, prefix, nc, routers, engine_process
+):
+    routing = Routing(nc, prefix)
+    await routing.catalog()
+    await routing.endpoints(cold=("m1",), unavailable={"m1": "scaled to zero"})
+    cp = FakeControlPlane(WakeState.WAKING, delay_s=0.3)
+    await _control_plane(nc, prefix, "rh", cp)
+    # The ask's timeout well above the answer's delay: a late answer on a busy box is not a second ask.
+    r = await _router(routers, nats_server.url, prefix, ask_timeout_s=3.0)
+    await _wait_synced(r, 1)
+    url = f"http://127.0.0.1:{r.port}/v1/chat/completions"
+    clients = [asyncio.create_task(_post(url, CHAT)) for _ in range(20)]
+    assert await poll(lambda: _held(r) == 20, 10.0), _held(r)
+    # Held for a while: the router re-asks (a leader change may lose a wake), one at a time.
+    assert await poll(lambda: len(cp.asked) >= 2, 10.0)
+    proc, eng_url = await asyncio.to_thread(start_engine_process, "m1")
+    engine_process.append(proc)
+    await routing.endpoints((eng_url,))
+    answers = await asyncio.gather(*clients)
+    assert [st for st, _ in answers] == [200] * 20
+    assert cp.max_open == 1
+    assert {(a.model, a.router) for a in cp.asked} == {("m1", "rh")}
+    assert _held(r) == 0
+    text = r.ctx.metrics.exposition().decode()
+    assert 'llmgw_router_hold_seconds_count{model="m1"} 20.0' in text
+
+
+async def test_refused_wake_answers_503_with_the_control_planes_reason(nats_server, prefix, nc, routers):
+    routing = Routing(nc, prefix)
+    await routing.catalog()
+    await routing.endpoints(cold=("m1",))
+    reason = "needs 1 x A100 with 80 GB, none free (3 nodes checked)"
+    cp = FakeControlPlane(WakeState.REFUSED, reason=reason)
+    await _control_plane(nc, prefix, "rh", cp)
+    r = await _router(routers, nats_server.url, prefix)
+    await _wait_synced(r, 1)
+    url = f"http://127.0.0.1:{r.port}/v1/chat/completions"
+    answers = await asyncio.gather(*(_post(url, CHAT) for _ in range(3)))
+    for status, body in answers:
+        assert status == 503 and reason in body["error"]["message"]
+    assert _held(r) == 0
+
+
+async def test_no_control_plane_answer_gives_503_after_the_wake_timeout(nats_server, prefix, nc, routers):
+    routing = Routing(nc, prefix)
+    await routing.catalog(wake_timeout_s=1.0)
+    await routing.endpoints(cold=("m1",))
+    r = await _router(routers, nats_server.url, prefix)
+    await _wait_synced(r, 1)
+    t0 = time.monotonic()
+    status, body = await _post(f"http://127.0.0.1:{r.port}/v1/chat/completions", CHAT)
+    assert status == 503
+    assert "the control plane did not answer the wake request" in body["error"]["message"]
+    assert time.monotonic() - t0 >= 1.0
+
+
+async def test_a_control_plane_that_never_answers_is_asked_again_until_the_wake_timeout(
+    nats_server, prefix, nc, routers
+):
+    routing = Routing(nc, prefix)
+    await routing.catalog(wake_timeout_s=2.0)
+    await routing.endpoints(cold=("m1",))
+    asked: list[float] = []
+
+    async def silent(msg: Msg) -> None:  # hears the request, never answers (a leader that hangs)
+        asked.append(time.monotonic())
+
+    await nc.subscribe(Subjects(prefix).wake("rh"), cb=silent)
+    await bus.sent(nc)
+    r = await _router(routers, nats_server.url, prefix, ask_timeout_s=0.3, wake_every_s=0.2)
+    await _wait_synced(r, 1)
+    status, body = await _post(f"http://127.0.0.1:{r.port}/v1/chat/completions", CHAT)
+    assert status == 503
+    assert "the control plane did not answer the wake request within 2s" in body["error"]["message"]
+    assert len(asked) >= 3
+    # One at a time: each ask begins after the previous one's timeout and the pause.
+    assert all(b - a >= 0.45 for a, b in itertools.pairwise(asked))
+
+
+async def test_held_past_queue_timeout_gets_503_naming_what_was_coming(nats_server, prefix, nc, routers):
+    routing = Routing(nc, prefix)
+    await routing.catalog(queue_timeout_s=1.0)
+    await routing.endpoints(coming={"m1": "replica r7 starting on node n4"})
+    r = await _router(routers, nats_server.url, prefix)
+    await _wait_synced(r, 1)
+    t0 = time.monotonic()
+    status, body = await _post(f"http://127.0.0.1:{r.port}/v1/chat/completions", CHAT)
+    assert status == 503
+    msg = body["error"]["message"]
+    assert "replica r7 starting on node n4" in msg and "within 1s" in msg
+    assert time.monotonic() - t0 >= 1.0
+
+
+async def test_nothing_coming_is_refused_at_once(nats_server, prefix, nc, routers):
+    routing = Routing(nc, prefix)
+    await routing.catalog(queue_timeout_s=30.0)
+    await routing.endpoints(unavailable={"m1": "placement failing: needs 2 GPUs"})
+    r = await _router(routers, nats_server.url, prefix)
+    await _wait_synced(r, 1)
+    t0 = time.monotonic()
+    status, body = await _post(f"http://127.0.0.1:{r.port}/v1/chat/completions", CHAT)
+    assert status == 503 and "needs 2 GPUs" in body["error"]["message"]
+    assert time.monotonic() - t0 < 5.0
+
+
+async def test_held_requests_end_when_the_routing_says_nothing_is_coming_any_more(
+    nats_server, prefix, nc, routers
+):
+    routing = Routing(nc, prefix)
+    await routing.catalog(queue_timeout_s=60.0)
+    await routing.endpoints(coming={"m1": "replica r1 starting"})
+    r = await _router(routers, nats_server.url, prefix)
+    await _wait_synced(r, 1)
+    client = asyncio.create_task(_post(f"http://127.0.0.1:{r.port}/v1/chat/completions", CHAT))
+    assert await poll(lambda: _held(r) == 1, 10.0)
+    await routing.endpoints(unavailable={"m1": "replica r1 failed: out of memory"})
+    status, body = await asyncio.wait_for(client, 10.0)
+    assert status == 503 and "out of memory" in body["error"]["message"]
+
+
+async def test_all_endpoints_draining_with_a_replacement_coming_is_held_until_it_serves(
+    nats_server, prefix, nc, routers, engines
+):
+    eng = await engines("m1")
+    routing = Routing(nc, prefix)
+    await routing.catalog(queue_timeout_s=30.0)
+    await routing.endpoints((eng.url,), draining=True, coming={"m1": "replacement r9 starting"})
+    r = await _router(routers, nats_server.url, prefix)
+    await _wait_synced(r, 1)
+    client = asyncio.create_task(_post(f"http://127.0.0.1:{r.port}/v1/chat/completions", CHAT))
+    assert await poll(lambda: _held(r) == 1, 10.0)
+    await routing.endpoints((eng.url,))
+    status, _ = await asyncio.wait_for(client, 10.0)
+    assert status == 200
+
+
+async def test_held_requests_are_bounded_by_max_queue_and_a_client_that_leaves_frees_its_place(
+    nats_server, prefix, nc, routers
+):
+    routing = Routing(nc, prefix)
+    await routing.catalog(max_queue=2, queue_timeout_s=60.0)
+    await routing.endpoints(coming={"m1": "replica r1 starting"})
+    r = await _router(routers, nats_server.url, prefix)
+    await _wait_synced(r, 1)
+    url = f"http://127.0.0.1:{r.port}/v1/chat/completions"
+    staying = asyncio.create_task(_post(url, CHAT, timeout=60.0))
+    leaving = asyncio.create_task(_post(url, CHAT, timeout=60.0))
+    assert await poll(lambda: _held(r) == 2, 10.0)
+    status, body = await _post(url, CHAT)
+    assert status == 429 and "queue of 2" in body["error"]["message"]
+    leaving.cancel()  # the client hangs up
+    assert await poll(lambda: _held(r) == 1, 10.0)
+    again = asyncio.create_task(_post(url, CHAT, timeout=60.0))
+    assert await poll(lambda: _held(r) == 2, 10.0)
+    staying.cancel()
+    again.cancel()
+    assert await poll(lambda: _held(r) == 0, 10.0)
+
+
+async def test_a_held_stream_gets_sse_comments_before_its_first_token(
+    nats_server, prefix, nc, routers, engines
+):
+    eng = await engines("m1")
+    routing = Routing(nc, prefix)
+    await routing.catalog(wake_timeout_s=60.0)
+    await routing.endpoints(cold=("m1",))
+    cp = FakeControlPlane(WakeState.WAKING)
+    await _control_plane(nc, prefix, "rh", cp)
+    r = await _router(routers, nats_server.url, prefix, stream_after_s=0.2, comment_every_s=0.2)
+    await _wait_synced(r, 1)
+    url = f"http://127.0.0.1:{r.port}/v1/chat/completions"
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url, json={**CHAT, "stream": True}) as resp:
+            assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+            first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 10.0)
+            second = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 10.0)
+            assert first == second == b": waking model m1\n\n"
+            await routing.endpoints((eng.url,))
+            rest = await asyncio.wait_for(resp.content.read(), 10.0)
+    events = [e for e in rest.split(b"\n\n") if e]
+    data = [e for e in events if e.startswith(b"data: ")]
+    assert data[-1] == b"data: [DONE]" and any(b'"content"' in e for e in data)
+    assert all(e == b": waking model m1" for e in events if not e.startswith(b"data: "))
+
+
+async def test_a_held_stream_whose_client_leaves_after_the_first_comment_frees_its_place(
+    nats_server, prefix, nc, routers
+):
+    routing = Routing(nc, prefix)
+    await routing.catalog(queue_timeout_s=60.0)
+    await routing.endpoints(coming={"m1": "replica r1 starting"})
+    r = await _router(routers, nats_server.url, prefix, stream_after_s=0.1, comment_every_s=0.1)
+    await _wait_synced(r, 1)
+    url = f"http://127.0.0.1:{r.port}/v1/chat/completions"
+    async with aiohttp.ClientSession() as s, s.post(url, json={**CHAT, "stream": True}) as resp:
+        first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 10.0)
+        assert first == b": waiting for model m1\n\n" and _held(r) == 1
+    assert await poll(lambda: _held(r) == 0, 10.0)
+    assert await poll(lambda: r.ctx.metrics.requests_count("m1", 499) == 1, 10.0)
+
+
+async def test_a_held_stream_refused_after_it_started_ends_with_an_sse_error_event(
+    nats_server, prefix, nc, routers
+):
+    routing = Routing(nc, prefix)
+    await routing.catalog()
+    await routing.endpoints(cold=("m1",))
+    cp = FakeControlPlane(WakeState.REFUSED, reason="no node has 80 GB free", delay_s=0.8)
+    await _control_plane(nc, prefix, "rh", cp)
+    r = await _router(
+        routers, nats_server.url, prefix, stream_after_s=0.1, comment_every_s=0.2, ask_timeout_s=5.0
+    )
+    await _wait_synced(r, 1)
+    async with aiohttp.ClientSession() as s:
+        url = f"http://127.0.0.1:{r.port}/v1/chat/completions"
+        async with s.post(url, json={**CHAT, "stream": True}) as resp:
+            assert resp.status == 200
+            body = await asyncio.wait_for(resp.content.read(), 10.0)
+    events = [e for e in body.split(b"\n\n") if e]
+    assert events[0] == b": waking model m1"
+    assert events[-1].startswith(b'data: {"error": ') and b"no node has 80 GB free" in events[-1]
+    assert r.ctx.metrics.requests_count("m1", 503) == 1
+
+
+async def test_held_requests_take_places_in_the_admission_queue():
+    """Requests held for a model and requests queued at its concurrency limit share one bound."""
+    gate = Gate("m1", limit=1, max_queue=2, queue_timeout_s=5.0)
+    assert gate.try_enter()
+    gate.held = 2
+    with pytest.raises(AdmissionRefused, match="queue of 2 is full"):
+        await gate.enter()
+    gate.held = 1
+    waiting = asyncio.create_task(gate.enter())
+    assert await poll(lambda: gate.queued == 1)
+    gate.leave()
+    await asyncio.wait_for(waiting, 5.0)
