@@ -339,8 +339,10 @@ class ClusterSettings(Message):
 
 class Event(Message):
     id: str
-    kind: str  # node.lost, node.recovered, model.down, model.recovered, placement.failing
+    kind: str  # node.lost, model.down, ...: every kind is in llmgw_common.event_details.DETAILS
     subject: str  # the node or model it is about
     time: float
     summary: str = ""
+    # Open on the wire (a newer sender may add keys); built and read through the kind's typed model in
+    # llmgw_common.event_details, never with .get().
     details: dict[str, Any] = Field(default_factory=dict)

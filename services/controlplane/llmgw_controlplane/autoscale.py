@@ -16,6 +16,13 @@ from types import MappingProxyType
 
 from llmgw_common.catalog import ModelProfile
 from llmgw_common.ctl import EvictionInfo
+from llmgw_common.event_details import (
+    EventDetails,
+    ModelEvictedDetails,
+    ModelScaledToZeroDetails,
+    ModelWokenDetails,
+    event,
+)
 from llmgw_common.messages import Event, WakeReply, WakeRequest, WakeState
 from llmgw_controlplane.eviction import may_evict_any, plan_eviction
 from llmgw_controlplane.idle import IdleMerger
@@ -25,9 +32,11 @@ from llmgw_controlplane.scaling import IdleLookup, ScaleDecision, ScaleMemo, dec
 from llmgw_controlplane.snapshot import Snapshot
 from llmgw_controlplane.wakes import WakeBook, wake_answer
 
-MODEL_SCALED_TO_ZERO = "model.scaled_to_zero"
-MODEL_WOKEN = "model.woken"
-MODEL_EVICTED = "model.evicted"
+MODEL_SCALED_TO_ZERO = ModelScaledToZeroDetails.KIND
+MODEL_WOKEN = ModelWokenDetails.KIND
+MODEL_EVICTED = ModelEvictedDetails.KIND
+# Every kind this module emits.
+KINDS = (MODEL_SCALED_TO_ZERO, MODEL_WOKEN, MODEL_EVICTED)
 
 # Evictions kept for `ctl status`.
 RECENT_EVICTIONS = 32
@@ -49,14 +58,9 @@ def idle_lookup(idle: IdleMerger, now: float) -> IdleLookup:
     return lambda rid, created: idle.idle_for(rid, now, created)
 
 
-def _event(kind: str, subject: str, key: str, now: float, summary: str, **details: object) -> Event:
-    return Event(
-        id=f"{kind}:{key}:{int(now * 1000)}",
-        kind=kind,
-        subject=subject,
-        time=now,
-        summary=summary,
-        details=dict(details),
+def _event(subject: str, key: str, now: float, summary: str, details: EventDetails) -> Event:
+    return event(
+        details, id=f"{details.KIND}:{key}:{int(now * 1000)}", subject=subject, time=now, summary=summary
     )
 
 
@@ -88,12 +92,11 @@ class Autoscaler:
             after = p.idle_after if p is not None and p.idle_after is not None else 0.0
             self._pending_events.append(
                 _event(
-                    MODEL_SCALED_TO_ZERO,
                     m,
                     m,
                     snap.now,
                     f"model {m} scaled to zero: unused for longer than {after:g}s; a request wakes it",
-                    idle_after=after,
+                    ModelScaledToZeroDetails(idle_after=after),
                 )
             )
         return d
@@ -136,16 +139,14 @@ class Autoscaler:
                 )
                 self._pending_events.append(
                     _event(
-                        MODEL_EVICTED,
                         v.model,
                         v.replica_id,
                         snap.now,
                         f"replica {v.replica_id} of model {v.model} on {', '.join(v.nodes)} stopped to make "
                         f"room for model {model} ({v.reason})",
-                        replica=v.replica_id,
-                        nodes=list(v.nodes),
-                        for_model=model,
-                        idle_s=round(v.idle_s, 3),
+                        ModelEvictedDetails(
+                            replica=v.replica_id, nodes=v.nodes, for_model=model, idle_s=round(v.idle_s, 3)
+                        ),
                     )
                 )
         self.making_room = room
@@ -160,12 +161,11 @@ class Autoscaler:
         for model, took in self.book.served(ready, snap.catalog, snap.now):
             self._pending_events.append(
                 _event(
-                    MODEL_WOKEN,
                     model,
                     model,
                     snap.now,
                     f"model {model} woken: a replica serves {took:.1f}s after the first request for it",
-                    cold_start_s=round(took, 3),
+                    ModelWokenDetails(cold_start_s=round(took, 3)),
                 )
             )
         out, self._pending_events = self._pending_events, []

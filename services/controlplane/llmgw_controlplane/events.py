@@ -17,6 +17,15 @@ import nats.errors
 from nats.js import JetStreamContext
 
 from llmgw_common.codec import encode
+from llmgw_common.event_details import (
+    EventDetails,
+    ModelDownDetails,
+    ModelRecoveredDetails,
+    NodeLostDetails,
+    NodeRecoveredDetails,
+    PlacementFailingDetails,
+    event,
+)
 from llmgw_common.messages import Event
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane.nodes import Transition
@@ -25,21 +34,18 @@ from llmgw_controlplane.snapshot import NodeState, Snapshot
 
 log = logging.getLogger("llmgw.controlplane.events")
 
-NODE_LOST = "node.lost"
-NODE_RECOVERED = "node.recovered"
-MODEL_DOWN = "model.down"
-MODEL_RECOVERED = "model.recovered"
-PLACEMENT_FAILING = "placement.failing"
+NODE_LOST = NodeLostDetails.KIND
+NODE_RECOVERED = NodeRecoveredDetails.KIND
+MODEL_DOWN = ModelDownDetails.KIND
+MODEL_RECOVERED = ModelRecoveredDetails.KIND
+PLACEMENT_FAILING = PlacementFailingDetails.KIND
+# Every kind this module emits.
+KINDS = (NODE_LOST, NODE_RECOVERED, MODEL_DOWN, MODEL_RECOVERED, PLACEMENT_FAILING)
 
 
-def _event(kind: str, subject: str, now: float, summary: str, **details: object) -> Event:
-    return Event(
-        id=f"{kind}:{subject}:{int(now * 1000)}",
-        kind=kind,
-        subject=subject,
-        time=now,
-        summary=summary,
-        details=dict(details),
+def _event(subject: str, now: float, summary: str, details: EventDetails) -> Event:
+    return event(
+        details, id=f"{details.KIND}:{subject}:{int(now * 1000)}", subject=subject, time=now, summary=summary
     )
 
 
@@ -89,11 +95,13 @@ class EventDetector:
             if t.new is NodeState.LOST and t.node not in self.lost:
                 self.lost.add(t.node)
                 out.append(
-                    _event(NODE_LOST, t.node, now, f"node {t.node} stopped reporting: its replicas move")
+                    _event(
+                        t.node, now, f"node {t.node} stopped reporting: its replicas move", NodeLostDetails()
+                    )
                 )
             elif t.new is not NodeState.LOST and t.node in self.lost:
                 self.lost.discard(t.node)
-                out.append(_event(NODE_RECOVERED, t.node, now, f"node {t.node} reports again"))
+                out.append(_event(t.node, now, f"node {t.node} reports again", NodeRecoveredDetails()))
         return out
 
     def new_tenure(self) -> None:
@@ -128,11 +136,10 @@ class EventDetector:
                     since = self._down_since.pop(m)
                     out.append(
                         _event(
-                            MODEL_RECOVERED,
                             m,
                             now,
                             f"model {m} has {n} ready replica(s) again, after {now - since:.0f}s without",
-                            since=since,
+                            ModelRecoveredDetails(since=since),
                         )
                     )
                 continue
@@ -143,13 +150,10 @@ class EventDetector:
             reason = why.get(m, "no ready replica")
             out.append(
                 _event(
-                    MODEL_DOWN,
                     m,
                     now,
                     f"model {m} has had no ready replica for {now - last:.0f}s (budget {budget:g}s): {reason}",
-                    reason=reason,
-                    since=last,
-                    budget=budget,
+                    ModelDownDetails(reason=reason, since=last, budget=budget),
                 )
             )
         # A model no longer watched (or no longer in the catalog) is forgotten.
@@ -175,12 +179,10 @@ class EventDetector:
                 self._failing_said.add(m)
                 out.append(
                     _event(
-                        PLACEMENT_FAILING,
                         m,
                         now,
                         f"model {m} cannot be placed: {reason}",
-                        reason=reason,
-                        since=since,
+                        PlacementFailingDetails(reason=reason, since=since),
                     )
                 )
         return out

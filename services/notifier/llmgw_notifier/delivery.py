@@ -41,6 +41,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from llmgw_common import backoff
 from llmgw_common.bus import DropLog
 from llmgw_common.codec import DecodeError, decode
+from llmgw_common.event_details import parse_details
 from llmgw_common.messages import Event, Webhook
 from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import Subjects
@@ -71,7 +72,7 @@ class NotifierStats:
     gave_up_events: int = 0
     filtered_events: int = 0
     merged_events: int = 0  # model.* events acknowledged unsent: another source had said it
-    undecodable_events: int = 0
+    undecodable_events: int = 0  # not an Event, or details that do not fit its kind (event_details)
     unrenderable_events: int = 0  # terminated unsent: no message could be made of them
     events_emitted: int = 0
     up: bool = False  # settings and catalog read, workers started
@@ -313,6 +314,7 @@ class TargetWorker:
             return
         try:
             event = decode(msg.data, Event)
+            parse_details(event)  # known keys of the wrong type: dropped like any undecodable message
         except DecodeError as e:
             self.drops.drop(msg.subject, str(e))
             self.stats.undecodable_events += 1

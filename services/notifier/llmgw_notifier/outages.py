@@ -35,8 +35,15 @@ from dataclasses import dataclass, replace
 import nats.errors
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from pydantic import TypeAdapter, ValidationError
 
 from llmgw_common.codec import DecodeError, decode
+from llmgw_common.event_details import (
+    DetailsError,
+    ModelDownDetails,
+    ModelRecoveredDetails,
+    Timestamp,
+)
 from llmgw_common.messages import Event
 from llmgw_common.subjects import Subjects
 from llmgw_notifier.formats import utc
@@ -75,54 +82,87 @@ class Outage:
 
 
 @dataclass(frozen=True, slots=True)
+class OpenDown:
+    """A source's ``model.down`` not yet followed by its recovery; ``said.since`` is set."""
+
+    event: Event
+    said: ModelDownDetails
+
+
+@dataclass(frozen=True, slots=True)
 class Verdict:
     deliver: bool
     event: Event  # as it is to be delivered (details name the sources); the original when dropped
     reason: str = ""
 
 
-def source_of(ev: Event) -> str:
-    src = ev.details.get("source")
-    return src if isinstance(src, str) and src else CONTROLPLANE
+Said = ModelDownDetails | ModelRecoveredDetails
+_TIMESTAMP: TypeAdapter[float] = TypeAdapter(Timestamp)
 
 
-def since_of(ev: Event) -> float:
-    since = ev.details.get("since")
-    return float(since) if isinstance(since, int | float) else ev.time
+def said_of(ev: Event) -> Said:
+    """What a ``model.down`` or ``model.recovered`` says, typed, with ``since`` always set (absent: the
+    event's time). :class:`DetailsError` when its details do not fit, or when the outage's start would
+    be a time no clock can show (a forged event time): the summaries name that start."""
+    said: Said = ModelDownDetails.of(ev) if ev.kind == DOWN else ModelRecoveredDetails.of(ev)
+    if said.since is not None:
+        return said
+    try:
+        since = _TIMESTAMP.validate_python(ev.time)
+    except ValidationError:
+        raise DetailsError(
+            f"{ev.kind} event {ev.id!r}: no details.since, and time {ev.time!r} cannot be shown"
+        ) from None
+    return said.model_copy(update={"since": since})
+
+
+def source_of(said: Said) -> str:
+    return said.source or CONTROLPLANE
 
 
 def fold(outage: Outage | None, ev: Event) -> tuple[Outage | None, Verdict]:
-    """The model's outage after ``ev`` (a ``model.down`` or ``model.recovered``) and what to do with it."""
-    src = source_of(ev)
+    """The model's outage after ``ev`` (a ``model.down`` or ``model.recovered``) and what to do with it.
+    One whose details do not fit is not sent and changes nothing."""
+    if ev.kind not in KINDS:
+        return outage, Verdict(True, ev)
+    try:
+        said = said_of(ev)
+    except DetailsError as e:
+        return outage, Verdict(False, ev, str(e))
+    return _fold(outage, ev, said)
+
+
+def _fold(outage: Outage | None, ev: Event, said: Said) -> tuple[Outage | None, Verdict]:
+    src = source_of(said)
     open_sources = [c.source for c in outage.claims] if outage is not None else []
-    if ev.kind == DOWN:
-        claim = Claim(src, since_of(ev), ev.id)
+    if isinstance(said, ModelDownDetails):
+        assert said.since is not None  # said_of sets it
+        claim = Claim(src, said.since, ev.id)
         if outage is None or not outage.claims or src in open_sources:
-            details = {**ev.details, "sources": [src]}
-            if outage is not None and src in open_sources:
-                details["previous_down"] = outage.announced  # whose end was never reported
+            # The raw map keeps what a newer sender added; the merge's own keys are typed.
+            merged_down = (
+                ModelDownDetails(sources=(src,), previous_down=outage.announced)  # its end never reported
+                if outage is not None and src in open_sources
+                else ModelDownDetails(sources=(src,))
+            )
+            details = {**ev.details, **merged_down.wire()}
             new = Outage((claim,), (src,), claim.since, ev.id)
             return new, Verdict(True, ev.model_copy(update={"details": details}))
         sources = outage.sources if src in outage.sources else (*outage.sources, src)
         new = replace(outage, claims=(*outage.claims, claim), sources=sources)
         return new, Verdict(False, ev, f"already reported down by {', '.join(open_sources)}")
-    if ev.kind != RECOVERED:
-        return outage, Verdict(True, ev)
     if outage is None or src not in open_sources:
         return outage, Verdict(False, ev, f"no open model.down from {src}")
     left = () if src == PROBE else tuple(c for c in outage.claims if c.source != src)
     if left:
         still = ", ".join(c.source for c in left)
         return replace(outage, claims=left), Verdict(False, ev, f"still down according to {still}")
-    details = {
-        **ev.details,
-        "sources": list(outage.sources),
-        "down_since": outage.since,
-        "down_id": outage.announced,
-    }
-    cleared = [s for s in open_sources if s != src]
+    merged = ModelRecoveredDetails(sources=outage.sources, down_since=outage.since, down_id=outage.announced)
+    details = {**ev.details, **merged.wire()}
+    cleared = tuple(s for s in open_sources if s != src)
     if cleared:
-        details["cleared"] = cleared  # claims a real answer outlived (their own recovery is dropped)
+        # Claims a real answer outlived (their own recovery is dropped).
+        details.update(ModelRecoveredDetails(cleared=cleared).wire())
     summary = (
         f"{ev.summary} (reported down by {' and '.join(outage.sources)} since {utc(outage.since)})"
         if ev.summary
@@ -178,7 +218,7 @@ class OutageLedger:
         self.memory = memory
         self.outages: dict[str, Outage] = {}
         # Each source's own open model.down per (model, source), regardless of the merge.
-        self.open_downs: dict[tuple[str, str], Event] = {}
+        self.open_downs: dict[tuple[str, str], OpenDown] = {}
         self.verdicts: OrderedDict[int, Verdict] = OrderedDict()
         self.folded_to = 0  # the last stream sequence folded
         self._lock = asyncio.Lock()
@@ -208,9 +248,9 @@ class OutageLedger:
             return None
         return self.verdicts.get(seq)
 
-    def downs_by(self, source: str) -> dict[str, Event]:
+    def downs_by(self, source: str) -> dict[str, OpenDown]:
         """The open ``model.down`` of ``source`` per model."""
-        return {m: ev for (m, s), ev in self.open_downs.items() if s == source}
+        return {m: down for (m, s), down in self.open_downs.items() if s == source}
 
     def _fold(self, seq: int, data: bytes) -> None:
         if seq <= self.folded_to:
@@ -222,12 +262,16 @@ class OutageLedger:
             return  # the delivery workers drop (and log) it
         if ev.kind not in KINDS:
             return
-        key = (ev.subject, source_of(ev))
-        if ev.kind == DOWN:
-            self.open_downs[key] = ev
+        try:
+            said = said_of(ev)
+        except DetailsError:
+            return  # the delivery workers drop (and log) it
+        key = (ev.subject, source_of(said))
+        if isinstance(said, ModelDownDetails):
+            self.open_downs[key] = OpenDown(ev, said)
         else:
             self.open_downs.pop(key, None)
-        outage, verdict = fold(self.outages.get(ev.subject), ev)
+        outage, verdict = _fold(self.outages.get(ev.subject), ev, said)
         if outage is None:
             self.outages.pop(ev.subject, None)
         else:

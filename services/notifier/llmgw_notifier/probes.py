@@ -28,7 +28,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 import httpx
 import nats.errors
@@ -38,6 +37,7 @@ from llmgw_common.bus import DropLog
 from llmgw_common.catalog import WatchSpec
 from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.durations import format_duration
+from llmgw_common.event_details import ModelDownDetails, ModelRecoveredDetails, event
 from llmgw_common.messages import Event, RoutingCatalog, RoutingEndpoints
 from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
@@ -95,33 +95,34 @@ def event_id(kind: str, model: str, episode: float) -> str:
 def probe_event(
     model: str, tr: Transition, state: ProbeState, spec: WatchSpec, now: float, router_url: str
 ) -> Event:
-    details: dict[str, Any] = {
-        "source": SOURCE,
-        "since": tr.episode,
-        "budget_s": spec.budget,
-        "probe_every_s": spec.probe_every,
-        "router": router_url,
-    }
+    details: ModelDownDetails | ModelRecoveredDetails
     if tr.kind == DOWN:
-        details["failures"] = state.failures
-        details["last_error"] = state.last_error
+        details = ModelDownDetails(
+            source=SOURCE,
+            since=tr.episode,
+            budget_s=spec.budget,
+            probe_every_s=spec.probe_every,
+            router=router_url,
+            failures=state.failures,
+            last_error=state.last_error,
+        )
         summary = (
             f"model {model} is not answering: {state.failures} probe(s) in a row failed or took longer than "
             f"{spec.budget:g}s, since {utc(tr.episode)}; last: {state.last_error}"
         )
     else:
-        details["down_for_s"] = max(0.0, now - tr.episode)
+        details = ModelRecoveredDetails(
+            source=SOURCE,
+            since=tr.episode,
+            budget_s=spec.budget,
+            probe_every_s=spec.probe_every,
+            router=router_url,
+            down_for_s=max(0.0, now - tr.episode),
+        )
         summary = (
             f"model {model} answers again (down since {utc(tr.episode)}, {format_duration(now - tr.episode)})"
         )
-    return Event(
-        id=event_id(tr.kind, model, tr.episode),
-        kind=tr.kind,
-        subject=model,
-        time=now,
-        summary=summary,
-        details=details,
-    )
+    return event(details, id=event_id(tr.kind, model, tr.episode), subject=model, time=now, summary=summary)
 
 
 # ---------------------------------------------------------------- one probe (I/O)
@@ -211,14 +212,13 @@ class Prober:
 
     def restore(self, ledger: OutageLedger) -> None:
         """Take up the models this notifier had declared down from the probe events the ledger replayed."""
-        for model, ev in ledger.downs_by(SOURCE).items():
-            since = ev.details.get("since")
-            start = float(since) if isinstance(since, int | float) else ev.time
+        for model, open_down in ledger.downs_by(SOURCE).items():
+            said = open_down.said
             self.states[model] = ProbeState(
-                failures=int(ev.details.get("failures") or 0),
-                streak_start=start,
-                down_since=start,
-                last_error=ev.details.get("last_error"),
+                failures=said.failures or 0,
+                streak_start=said.since,
+                down_since=said.since,
+                last_error=said.last_error,
                 answered=True,
             )
         down = [m for m, st in self.states.items() if st.down_since is not None]
