@@ -3,7 +3,10 @@
 Routing updates (``RoutingEndpoints`` from the control plane, or a static file) replace the set of
 endpoints per model; each endpoint's live state (in-flight count, breaker, latency, last load report)
 is keyed by replica id + URL and carried across updates, so an unrelated change resets nothing. An
-endpoint that leaves the set is only dropped from the routing lists: requests holding it finish.
+endpoint that leaves the set is dropped from the routing lists and returned by :meth:`Pool.set_endpoints`:
+the control plane withdraws an endpoint whose node was lost or whose replica failed or was stopped, so
+the caller aborts the answers still in flight to it (they continue elsewhere, mid-stream failover). A
+``draining`` endpoint stays in the set: it takes no new requests and finishes what it holds.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Iterable
 from llmgw_common.catalog import Catalog, ModelProfile
 from llmgw_common.messages import Endpoint, LoadReport, RoutingEndpoints
 from llmgw_router.breaker import Breaker, BreakerState
+from llmgw_router.upstream import Response
 
 # Weight of the newest sample in the latency average.
 EWMA_ALPHA = 0.2
@@ -22,6 +26,7 @@ class EndpointState:
     """One endpoint and what this router knows about it right now."""
 
     __slots__ = (
+        "answers",
         "breaker",
         "draining",
         "ewma_latency_s",
@@ -43,6 +48,9 @@ class EndpointState:
         self.node = ep.node
         self.draining = ep.draining
         self.in_flight = 0
+        # The engine answers being read from this endpoint now, one per attempt (added once the answer's
+        # head arrived, removed in the attempt's ``finally``): what to abort when the endpoint is withdrawn.
+        self.answers: set[Response] = set()
         self.breaker = breaker
         self.ewma_latency_s: float | None = None
         self.running: float | None = None
@@ -89,9 +97,12 @@ class Pool:
         self.catalog_version = version
         self.profiles = {m.name: m for m in catalog.models}
 
-    def set_endpoints(self, routing: RoutingEndpoints) -> None:
+    def set_endpoints(self, routing: RoutingEndpoints) -> list[EndpointState]:
+        """Replace the endpoints; return those withdrawn (in the old set, not the new) that hold answers."""
+        old = self.by_key
         self._apply(routing.endpoints.values(), routing.unavailable)
         self.endpoints_version = routing.version
+        return [st for k, st in old.items() if k not in self.by_key and st.answers]
 
     def _apply(self, groups: Iterable[Iterable[Endpoint]], unavailable: dict[str, str]) -> None:
         by_key: dict[tuple[str, str], EndpointState] = {}
