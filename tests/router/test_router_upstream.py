@@ -11,7 +11,7 @@ from typing import cast
 import pytest
 import uvloop
 
-from llmgw_router.upstream import Aborted, ConnectFailed, Disconnected, ReadTimeout, UpstreamClient
+from llmgw_router.upstream import Abortable, Aborted, ConnectFailed, Disconnected, ReadTimeout, UpstreamClient
 from llmgw_sim import engine as sim_engine
 from llmgw_sim.options import SimOptions
 
@@ -273,6 +273,30 @@ async def scenario_slow_first_byte_then_a_stall_and_an_abort() -> None:
         srv.close()
 
 
+async def scenario_abort_while_the_head_is_awaited() -> None:
+    async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        await r.read()  # no answer at all until the client closes
+
+    srv, url = await _raw_server(silent)
+    c = UpstreamClient(1.0, 30.0)
+    held: set[Abortable] = set()
+    try:
+        post = asyncio.ensure_future(c.post(url, "/", b"{}", held=held))
+        for _ in range(200):
+            if held:
+                break
+            await asyncio.sleep(0.01)
+        assert len(held) == 1 and not post.done()
+        next(iter(held)).abort("withdrawn")
+        with pytest.raises(Aborted, match="withdrawn"):
+            await asyncio.wait_for(post, 2.0)
+        assert not held  # the attempt's handle is gone with it
+    finally:
+        await c.close()
+        srv.close()
+
+
 SCENARIOS = [
     scenario_keep_alive_reuse,
     scenario_server_closed_idle_connection,
@@ -280,6 +304,7 @@ SCENARIOS = [
     scenario_large_answer_with_flow_control,
     scenario_engine_closing_kept_alive_connections_at_random_never_stalls,
     scenario_slow_first_byte_then_a_stall_and_an_abort,
+    scenario_abort_while_the_head_is_awaited,
 ]
 
 

@@ -80,9 +80,11 @@ def _endpoints(
 
 async def _serving(r: Any, sims: list[tuple[subprocess.Popen[bytes], str]]) -> int:
     """The index of the engine the one stream in flight went to, once tokens flow on it."""
-    busy = lambda: [
-        i for i, (_, u) in enumerate(sims) for e in r.ctx.pool.by_key.values() if e.url == u and e.in_flight
-    ]  # noqa: E731
+
+    def busy() -> list[int]:
+        eps = r.ctx.pool.by_key.values()
+        return [i for i, (_, u) in enumerate(sims) for e in eps if e.url == u and e.in_flight]
+
     assert await poll(lambda: len(busy()) == 1, 10), "the stream reached no engine"
     await asyncio.sleep(0.5)  # about 25 tokens reach the client
     return busy()[0]

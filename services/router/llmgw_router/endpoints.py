@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from llmgw_common.catalog import Catalog, ModelProfile
 from llmgw_common.messages import Endpoint, LoadReport, RoutingEndpoints
 from llmgw_router.breaker import Breaker, BreakerState
-from llmgw_router.upstream import Response
+from llmgw_router.upstream import Abortable
 
 # Weight of the newest sample in the latency average.
 EWMA_ALPHA = 0.2
@@ -48,9 +48,9 @@ class EndpointState:
         self.node = ep.node
         self.draining = ep.draining
         self.in_flight = 0
-        # The engine answers being read from this endpoint now, one per attempt (added once the answer's
-        # head arrived, removed in the attempt's ``finally``): what to abort when the endpoint is withdrawn.
-        self.answers: set[Response] = set()
+        # The attempts in flight to this endpoint, one handle each (the connection while the answer's head
+        # is awaited, then the answer; removed in the attempt's ``finally``): aborted if it is withdrawn.
+        self.answers: set[Abortable] = set()
         self.breaker = breaker
         self.ewma_latency_s: float | None = None
         self.running: float | None = None

@@ -93,7 +93,7 @@ class Migration:
             told = False  # the breaker has heard the verdict already
             up = None
             try:
-                up = await ctx.upstream.post(ep.url, self._path, step.body)
+                up = await ctx.upstream.post(ep.url, self._path, step.body, held=ep.answers)
                 ep.answers.add(up)
                 if up.status != 200:
                     verdict = up.status < 500

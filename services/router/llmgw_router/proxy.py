@@ -151,7 +151,7 @@ async def _attempt(
 ) -> tuple[web.StreamResponse, int, bool | None]:
     assert ctx.upstream is not None
     try:
-        up = await ctx.upstream.post(ep.url, path, body)
+        up = await ctx.upstream.post(ep.url, path, body, held=ep.answers)
     except ReadTimeout:
         return _gateway_timeout(ep), 504, False
     except UpstreamError as e:  # ConnectFailed, Disconnected: nothing came back

@@ -13,7 +13,7 @@ import asyncio
 import collections
 import ssl
 import time
-from typing import cast
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -42,6 +42,13 @@ class ReadTimeout(UpstreamError):
 
 class Aborted(UpstreamError):
     """The router gave up on the answer (:meth:`Response.abort`): its endpoint left the routing table."""
+
+
+class Abortable(Protocol):
+    """What an attempt in flight to an endpoint can be given up by (a :class:`Response`, or its connection
+    while the answer's head is awaited)."""
+
+    def abort(self, reason: str) -> None: ...
 
 
 class _Conn(asyncio.Protocol):
@@ -165,6 +172,11 @@ class _Conn(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+    def abort(self, reason: str) -> None:
+        """Give up on the answer awaited (its endpoint was withdrawn): the wait raises :class:`Aborted`."""
+        self._fail(Aborted(reason))
+        self.close()
 
 
 class Response:
@@ -317,9 +329,17 @@ class UpstreamClient:
         return t
 
     async def post(
-        self, base_url: str, path: str, body: bytes, content_type: bytes = b"application/json"
+        self,
+        base_url: str,
+        path: str,
+        body: bytes,
+        content_type: bytes = b"application/json",
+        held: set[Abortable] | None = None,
     ) -> Response:
-        """POST ``body`` to ``base_url + path``; raises an :class:`UpstreamError` before any answer."""
+        """POST ``body`` to ``base_url + path``; raises an :class:`UpstreamError` before any answer.
+
+        ``held``: while the answer's head is awaited its connection is in this set, to be aborted.
+        """
         key, host_header, prefix = self._target(base_url)
         head = (
             b"POST "
@@ -337,17 +357,26 @@ class UpstreamClient:
         if conn is None:
             conn = await self._connect(key)
         try:
-            return await self._exchange(key, conn, head, body)
+            return await self._exchange(key, conn, head, body, held)
         except Disconnected as e:
             if not reused or e.responded:
                 raise
         # A kept-alive connection the engine had closed meanwhile: one more try on a new one.
         conn = await self._connect(key)
-        return await self._exchange(key, conn, head, body)
+        return await self._exchange(key, conn, head, body, held)
 
-    async def _exchange(self, key: tuple[str, int, bool], conn: _Conn, head: bytes, body: bytes) -> Response:
+    async def _exchange(
+        self,
+        key: tuple[str, int, bool],
+        conn: _Conn,
+        head: bytes,
+        body: bytes,
+        held: set[Abortable] | None,
+    ) -> Response:
         assert conn.transport is not None
         conn._reset()
+        if held is not None:
+            held.add(conn)
         try:
             conn.transport.writelines((head, body))
             while not conn.status:
@@ -355,6 +384,9 @@ class UpstreamClient:
         except BaseException:
             conn.close()
             raise
+        finally:
+            if held is not None:
+                held.discard(conn)
         return Response(self, key, conn, self.read_timeout_s, self.stall_timeout_s)
 
     def _take(self, key: tuple[str, int, bool]) -> tuple[_Conn | None, bool]:
