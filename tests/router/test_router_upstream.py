@@ -11,7 +11,7 @@ from typing import cast
 import pytest
 import uvloop
 
-from llmgw_router.upstream import ConnectFailed, Disconnected, ReadTimeout, UpstreamClient
+from llmgw_router.upstream import Abortable, Aborted, ConnectFailed, Disconnected, ReadTimeout, UpstreamClient
 from llmgw_sim import engine as sim_engine
 from llmgw_sim.options import SimOptions
 
@@ -236,12 +236,75 @@ async def scenario_engine_closing_kept_alive_connections_at_random_never_stalls(
     assert outcomes["ok"] >= 0.9 * 32 * 30 and counts["answered"] >= outcomes["ok"]
 
 
+async def scenario_slow_first_byte_then_a_stall_and_an_abort() -> None:
+    # Headers at once, the first body bytes after a "prefill" longer than the stall timeout, then silence.
+    async def prefill_then_stall(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await w.drain()
+        await asyncio.sleep(0.6)
+        w.write(b"3\r\nabc\r\n")
+        await w.drain()
+        await r.read()  # open and silent until the client closes
+
+    srv, url = await _raw_server(prefill_then_stall)
+    c = UpstreamClient(1.0, 5.0, stall_timeout_s=0.3)
+    try:
+        r = await c.post(url, "/", b"{}")
+        assert await r.readany() == b"abc"  # 0.6 s before it: the read timeout, not the stall, applied
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(ReadTimeout):
+            await r.readany()
+        assert asyncio.get_running_loop().time() - t0 < 2.0
+        r.close()
+        # An abort wakes a read waiting on a silent engine, and every later read raises too.
+        r = await c.post(url, "/", b"{}")
+        assert await r.readany() == b"abc"
+        waiting = asyncio.ensure_future(r.readany())
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        r.abort("withdrawn")
+        with pytest.raises(Aborted, match="withdrawn"):
+            await waiting
+        with pytest.raises(Aborted):
+            await r.readany()
+    finally:
+        await c.close()
+        srv.close()
+
+
+async def scenario_abort_while_the_head_is_awaited() -> None:
+    async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        await r.read()  # no answer at all until the client closes
+
+    srv, url = await _raw_server(silent)
+    c = UpstreamClient(1.0, 30.0)
+    held: set[Abortable] = set()
+    try:
+        post = asyncio.ensure_future(c.post(url, "/", b"{}", held=held))
+        for _ in range(200):
+            if held:
+                break
+            await asyncio.sleep(0.01)
+        assert len(held) == 1 and not post.done()
+        next(iter(held)).abort("withdrawn")
+        with pytest.raises(Aborted, match="withdrawn"):
+            await asyncio.wait_for(post, 2.0)
+        assert not held  # the attempt's handle is gone with it
+    finally:
+        await c.close()
+        srv.close()
+
+
 SCENARIOS = [
     scenario_keep_alive_reuse,
     scenario_server_closed_idle_connection,
     scenario_length_by_close_garbage_timeout_refused,
     scenario_large_answer_with_flow_control,
     scenario_engine_closing_kept_alive_connections_at_random_never_stalls,
+    scenario_slow_first_byte_then_a_stall_and_an_abort,
+    scenario_abort_while_the_head_is_awaited,
 ]
 
 

@@ -204,6 +204,12 @@ class RouterSettings(BusSettings):
     )
     connect_timeout_s: float = Field(default=5.0, gt=0)
     read_timeout_s: float = Field(default=600.0, gt=0)
+    stream_stall_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="A stream silent this long after its first byte is broken: continued on another"
+        " replica (capped by read_timeout_s, which bounds the wait for the first byte)",
+    )
     load_stale_s: float = Field(default=5.0, gt=0, description="Ignore agents' load reports older than this")
     header_timeout_s: float = Field(
         default=10.0, gt=0, description="A client's request line and headers must arrive within this"

@@ -27,6 +27,7 @@ class Limits:
     load_stale_s: float = 5.0
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
+    stream_stall_s: float = 60.0
     body_timeout_s: float = 60.0
     prefix_affinity: bool = False
     prefix_load_factor: float = 1.25
@@ -73,4 +74,5 @@ class RouterContext:
                 g.configure(p.max_concurrency, p.max_queue, p.queue_timeout_s)
 
     def new_upstream(self) -> UpstreamClient:
-        return UpstreamClient(self.limits.connect_timeout_s, self.limits.read_timeout_s)
+        lim = self.limits
+        return UpstreamClient(lim.connect_timeout_s, lim.read_timeout_s, stall_timeout_s=lim.stream_stall_s)

@@ -3,7 +3,10 @@
 Routing updates (``RoutingEndpoints`` from the control plane, or a static file) replace the set of
 endpoints per model; each endpoint's live state (in-flight count, breaker, latency, last load report)
 is keyed by replica id + URL and carried across updates, so an unrelated change resets nothing. An
-endpoint that leaves the set is only dropped from the routing lists: requests holding it finish.
+endpoint that leaves the set is dropped from the routing lists and returned by :meth:`Pool.set_endpoints`:
+the control plane withdraws an endpoint whose node was lost or whose replica failed or was stopped, so
+the caller aborts the answers still in flight to it (they continue elsewhere, mid-stream failover). A
+``draining`` endpoint stays in the set: it takes no new requests and finishes what it holds.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from llmgw_common.catalog import Catalog, ModelProfile
 from llmgw_common.messages import Endpoint, LoadReport, RoutingEndpoints
 from llmgw_router.breaker import Breaker, BreakerState
 from llmgw_router.scheduling import stable_id
+from llmgw_router.upstream import Abortable
 
 # Weight of the newest sample in the latency average.
 EWMA_ALPHA = 0.2
@@ -24,6 +28,7 @@ class EndpointState:
 
     __slots__ = (
         "affinity_id",
+        "answers",
         "breaker",
         "draining",
         "ewma_latency_s",
@@ -47,6 +52,9 @@ class EndpointState:
         self.node = ep.node
         self.draining = ep.draining
         self.in_flight = 0
+        # The attempts in flight to this endpoint, one handle each (the connection while the answer's head
+        # is awaited, then the answer; removed in the attempt's ``finally``): aborted if it is withdrawn.
+        self.answers: set[Abortable] = set()
         self.breaker = breaker
         self.ewma_latency_s: float | None = None
         self.running: float | None = None
@@ -98,11 +106,14 @@ class Pool:
         self.catalog_version = version
         self.profiles = {m.name: m for m in catalog.models}
 
-    def set_endpoints(self, routing: RoutingEndpoints) -> None:
+    def set_endpoints(self, routing: RoutingEndpoints) -> list[EndpointState]:
+        """Replace the endpoints; return those withdrawn (in the old set, not the new) that hold answers."""
+        old = self.by_key
         self._apply(routing.endpoints.values(), routing.unavailable)
         self.coming = dict(routing.coming)
         self.cold = frozenset(routing.cold)
         self.endpoints_version = routing.version
+        return [st for k, st in old.items() if k not in self.by_key and st.answers]
 
     def _apply(self, groups: Iterable[Iterable[Endpoint]], unavailable: dict[str, str]) -> None:
         by_key: dict[tuple[str, str], EndpointState] = {}

@@ -9,7 +9,7 @@ to ``max_migrations`` times per request. Counted in ``llmgw_router_migrations_to
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from llmgw_common.catalog import ModelProfile
@@ -93,7 +93,8 @@ class Migration:
             told = False  # the breaker has heard the verdict already
             up = None
             try:
-                up = await ctx.upstream.post(ep.url, self._path, step.body)
+                up = await ctx.upstream.post(ep.url, self._path, step.body, held=ep.answers)
+                ep.answers.add(up)
                 if up.status != 200:
                     verdict = up.status < 500
                     why = f"{ep.replica_id} answered {up.status} to the continuation"
@@ -121,6 +122,7 @@ class Migration:
             finally:
                 ep.in_flight -= 1
                 if up is not None:
+                    ep.answers.discard(up)
                     up.close()
                 if verdict is False:
                     ep.breaker.failure(ctx.clock())
@@ -139,6 +141,25 @@ class Migration:
             return CLIENT_GONE
         ctx.metrics.migration(self.model, "ok")
         return 200
+
+
+def abort_withdrawn(gone: Iterable[EndpointState]) -> int:
+    """Abort the answers in flight to endpoints the routing table withdrew; how many were aborted.
+
+    The control plane withdraws an endpoint when its node is lost or its replica failed or stopped. A
+    node that vanished without closing its connections (power loss, a partition, a frozen engine) would
+    otherwise hold its streams until a read times out. Each aborted read raises ``Aborted``: a stream
+    is continued on another endpoint (a migration), an answer not yet started is retried.
+    """
+    n = 0
+    for ep in gone:
+        held = list(ep.answers)  # each attempt removes its own in its finally
+        for up in held:
+            up.abort(f"{ep.replica_id} was withdrawn from the routing table")
+        if held:
+            log.warning("%s (%s) withdrawn with %d answers in flight", ep.replica_id, ep.url, len(held))
+        n += len(held)
+    return n
 
 
 class _Incomplete(Exception):

@@ -161,11 +161,13 @@ async def _attempt(
 ) -> tuple[web.StreamResponse, int, bool | None]:
     assert ctx.upstream is not None
     try:
-        up = await ctx.upstream.post(ep.url, path, body)
+        up = await ctx.upstream.post(ep.url, path, body, held=ep.answers)
     except ReadTimeout:
         return _gateway_timeout(ep), 504, False
     except UpstreamError as e:  # ConnectFailed, Disconnected: nothing came back
         raise _Retryable(f"{ep.replica_id}: {e}") from None
+    # Withdrawing the endpoint aborts the answer (failover.abort_withdrawn): retried or continued elsewhere.
+    ep.answers.add(up)
     try:
         status = up.status
         if status in RETRY_STATUSES:
@@ -191,6 +193,7 @@ async def _attempt(
             return web.Response(status=status, body=data, headers=_response_headers(up)), status, verdict
         return await _stream(ctx, request, up, ep, model, key_id, want_usage, t0, verdict, mig, started)
     finally:
+        ep.answers.discard(up)
         up.close()  # no-op after a full read; drops the connection after a partial one
 
 

@@ -31,6 +31,7 @@ from llmgw_router.auth import Exemptions
 from llmgw_router.connections import ConnectionGuard, ConnectionMetrics, fit_to_fd_limit
 from llmgw_router.context import Limits, RouterContext
 from llmgw_router.endpoints import Pool
+from llmgw_router.failover import abort_withdrawn
 from llmgw_router.http_server import HttpServer
 from llmgw_router.keys import KeyTable
 from llmgw_router.static import load_static
@@ -73,6 +74,7 @@ class Router:
                 load_stale_s=settings.load_stale_s,
                 connect_timeout_s=settings.connect_timeout_s,
                 read_timeout_s=settings.read_timeout_s,
+                stream_stall_s=settings.stream_stall_s,
                 body_timeout_s=settings.body_timeout_s,
                 prefix_affinity=settings.prefix_affinity,
                 prefix_load_factor=settings.prefix_load_factor,
@@ -214,7 +216,7 @@ class Router:
                 self.ctx.pool.set_catalog(cat.catalog, cat.version)
                 self.ctx.refresh_gates()
             elif key == ROUTING_ENDPOINTS:
-                self.ctx.pool.set_endpoints(decode(value, RoutingEndpoints))
+                abort_withdrawn(self.ctx.pool.set_endpoints(decode(value, RoutingEndpoints)))
         except DecodeError as e:
             self.drops.drop(where, str(e))
             return

@@ -13,7 +13,7 @@ import asyncio
 import collections
 import ssl
 import time
-from typing import cast
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -39,7 +39,18 @@ class Disconnected(UpstreamError):
 
 
 class ReadTimeout(UpstreamError):
-    """The engine sent nothing for ``read_timeout_s``."""
+    """The engine sent nothing for ``read_timeout_s`` (or, once its answer had started, ``stall_timeout_s``)."""
+
+
+class Aborted(UpstreamError):
+    """The router gave up on the answer (:meth:`Response.abort`): its endpoint left the routing table."""
+
+
+class Abortable(Protocol):
+    """What an attempt in flight to an endpoint can be given up by (a :class:`Response`, or its connection
+    while the answer's head is awaited)."""
+
+    def abort(self, reason: str) -> None: ...
 
 
 class _Conn(asyncio.Protocol):
@@ -164,20 +175,43 @@ class _Conn(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
+    def abort(self, reason: str) -> None:
+        """Give up on the answer awaited (its endpoint was withdrawn): the wait raises :class:`Aborted`."""
+        self._fail(Aborted(reason))
+        self.close()
+
 
 class Response:
     """An engine's answer: status and headers now, the body by :meth:`readany` or :meth:`read`."""
 
-    __slots__ = ("_client", "_conn", "_done", "_key", "_read_timeout", "headers", "status")
+    __slots__ = (
+        "_aborted",
+        "_client",
+        "_conn",
+        "_done",
+        "_key",
+        "_read_timeout",
+        "_stall_timeout",
+        "headers",
+        "status",
+    )
 
     def __init__(
-        self, client: UpstreamClient, key: tuple[str, int, bool], conn: _Conn, read_timeout: float
+        self,
+        client: UpstreamClient,
+        key: tuple[str, int, bool],
+        conn: _Conn,
+        read_timeout: float,
+        stall_timeout: float,
     ) -> None:
-        self._client, self._key, self._conn, self._read_timeout = client, key, conn, read_timeout
+        self._client, self._key, self._conn = client, key, conn
+        # The wait for the first bytes of the body (a long prefill may precede them), then for each next.
+        self._read_timeout, self._stall_timeout = read_timeout, min(stall_timeout, read_timeout)
         self.status = conn.status
         self.headers = conn.headers
         # Set once the connection has gone back to the pool or been closed: it is no longer ours.
         self._done = False
+        self._aborted: Aborted | None = None
 
     def header(self, name: bytes) -> bytes | None:
         name = name.lower()
@@ -198,6 +232,8 @@ class Response:
     async def readany(self) -> bytes:
         """The bytes received so far (waiting for some); b"" at the end."""
         if self._done:
+            if self._aborted is not None:
+                raise self._aborted
             return b""
         c = self._conn
         while not c._chunks:
@@ -207,6 +243,8 @@ class Response:
             await c.wait(self._read_timeout)
         data = c._chunks.popleft() if len(c._chunks) == 1 else b"".join(_drain(c._chunks))
         c._buffered -= len(data)
+        # The answer has started: from here a silence is a stall, not a prefill.
+        self._read_timeout = self._stall_timeout
         if c._paused and c._buffered < _HIGH_WATER // 4 and c.transport is not None:
             c._paused = False
             c.transport.resume_reading()
@@ -237,6 +275,21 @@ class Response:
             self._done = True
             self._conn.close()
 
+    def abort(self, reason: str) -> None:
+        """Give up on the answer now: a read waiting on it, and any later one, raises :class:`Aborted`.
+
+        For an engine that is gone without closing its connection (a lost node): the read would
+        otherwise wait out its timeout. No-op once the answer is complete.
+        """
+        if self._done:
+            return
+        e = Aborted(reason)
+        e.responded = True
+        self._aborted = e
+        self._done = True
+        self._conn._fail(e)
+        self._conn.close()
+
 
 def _drain(chunks: collections.deque[bytes]) -> list[bytes]:
     out = list(chunks)
@@ -252,10 +305,13 @@ class UpstreamClient:
         connect_timeout_s: float,
         read_timeout_s: float,
         idle_timeout_s: float = 30.0,
+        stall_timeout_s: float | None = None,
         max_idle_per_endpoint: int = 128,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
+        # Silence allowed between bytes once an answer has started (read_timeout_s when None or longer).
+        self.stall_timeout_s = read_timeout_s if stall_timeout_s is None else stall_timeout_s
         self.idle_timeout_s = idle_timeout_s
         # A burst opens as many connections as it needs; only this many wait for reuse afterwards.
         self.max_idle_per_endpoint = max_idle_per_endpoint
@@ -275,9 +331,17 @@ class UpstreamClient:
         return t
 
     async def post(
-        self, base_url: str, path: str, body: bytes, content_type: bytes = b"application/json"
+        self,
+        base_url: str,
+        path: str,
+        body: bytes,
+        content_type: bytes = b"application/json",
+        held: set[Abortable] | None = None,
     ) -> Response:
-        """POST ``body`` to ``base_url + path``; raises an :class:`UpstreamError` before any answer."""
+        """POST ``body`` to ``base_url + path``; raises an :class:`UpstreamError` before any answer.
+
+        ``held``: while the answer's head is awaited its connection is in this set, to be aborted.
+        """
         key, host_header, prefix = self._target(base_url)
         head = (
             b"POST "
@@ -295,17 +359,26 @@ class UpstreamClient:
         if conn is None:
             conn = await self._connect(key)
         try:
-            return await self._exchange(key, conn, head, body)
+            return await self._exchange(key, conn, head, body, held)
         except Disconnected as e:
             if not reused or e.responded:
                 raise
         # A kept-alive connection the engine had closed meanwhile: one more try on a new one.
         conn = await self._connect(key)
-        return await self._exchange(key, conn, head, body)
+        return await self._exchange(key, conn, head, body, held)
 
-    async def _exchange(self, key: tuple[str, int, bool], conn: _Conn, head: bytes, body: bytes) -> Response:
+    async def _exchange(
+        self,
+        key: tuple[str, int, bool],
+        conn: _Conn,
+        head: bytes,
+        body: bytes,
+        held: set[Abortable] | None,
+    ) -> Response:
         assert conn.transport is not None
         conn._reset()
+        if held is not None:
+            held.add(conn)
         try:
             conn.transport.writelines((head, body))
             while not conn.status:
@@ -313,7 +386,10 @@ class UpstreamClient:
         except BaseException:
             conn.close()
             raise
-        return Response(self, key, conn, self.read_timeout_s)
+        finally:
+            if held is not None:
+                held.discard(conn)
+        return Response(self, key, conn, self.read_timeout_s, self.stall_timeout_s)
 
     def _take(self, key: tuple[str, int, bool]) -> tuple[_Conn | None, bool]:
         idle = self._idle.get(key)
