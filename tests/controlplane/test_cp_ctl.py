@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
+from cp_helpers import Beating, FakeAgent, cp_settings, ctl_answers, eventually, start_cp
 
 from llmgw_common import bus
 from llmgw_common.catalog import Catalog
@@ -44,7 +44,7 @@ async def test_invalid_catalog_refused_with_every_problem_and_old_kept(nats_serv
     run = await start_cp(cp_settings(nats_server.url, prefix))
     c = CtlClient(bus_nc, prefix)
     try:
-        await eventually(lambda: _true(run.cp.leader))
+        await ctl_answers(bus_nc, prefix)
         before = await c.catalog_show()
         with pytest.raises(CtlError) as ei:
             await c.catalog_apply(BAD)
@@ -75,7 +75,7 @@ async def test_valid_catalog_swaps_stores_pushes_and_reconciles(nats_server, pre
     try:
         await agent.send_inventory()
         beating.start()
-        await eventually(lambda: _true(run.cp.leader))
+        await ctl_answers(bus_nc, prefix)
         diff = await c.catalog_diff(NEW)
         assert diff.added == ("extra",) and diff.removed == ("cpu-model",)
         (ch,) = diff.changed
