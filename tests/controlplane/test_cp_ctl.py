@@ -131,6 +131,7 @@ async def test_marks_status_settings_and_errors(nats_server, prefix, bus_nc):
             await a.send_inventory()
         beating.start()
         await eventually(lambda: _true(run.cp.leader and len(run.cp.state.replicas) == 2))
+        await ctl_answers(bus_nc, prefix)
         r = await c.cordon("gpu-1")
         assert r.marks.cordoned == ("gpu-1",)
         nodes = {n.name: n for n in (await c.nodes()).nodes}

@@ -113,7 +113,8 @@ async def test_verbs_finishing_out_of_order_leave_the_latest_marks_in_force(nats
     run.cp.desired = FirstFinishesLast(run.cp.kv_desired, run.cp.drops)
     try:
         await asyncio.gather(
-            CtlClient(bus_nc, prefix).cordon("gpu-0"), CtlClient(bus_nc, prefix).drain("gpu-1")
+            CtlClient(bus_nc, prefix, timeout=CTL_TIMEOUT_S).cordon("gpu-0"),
+            CtlClient(bus_nc, prefix, timeout=CTL_TIMEOUT_S).drain("gpu-1"),
         )
         stored = await _stored_marks(bus_nc, prefix)
         assert stored.cordoned == ("gpu-0",) and set(stored.draining) == {"gpu-1"}
@@ -131,14 +132,15 @@ async def test_a_mark_written_by_another_writer_survives_the_next_verb(nats_serv
     kv = await bus_nc.jetstream().key_value(Subjects(prefix).bucket_desired)
     try:
         await kv.put(DESIRED_MARKS, encode(Marks(cordoned=("gpu-9",), draining={"gpu-8": 4e9})))
-        r = await CtlClient(bus_nc, prefix).cordon("gpu-0")
+        ctl = CtlClient(bus_nc, prefix, timeout=CTL_TIMEOUT_S)
+        r = await ctl.cordon("gpu-0")
         assert set(r.marks.cordoned) == {"gpu-0", "gpu-9"} and r.marks.draining == {"gpu-8": 4e9}
         stored = await _stored_marks(bus_nc, prefix)
         assert stored == r.marks and run.cp.state.marks == stored
 
         # The same for a catalog stored behind its back: the reply's diff is against what it replaced.
         await kv.put(DESIRED_CATALOG, encode(parse_catalog(BIGGER)))
-        reply = await CtlClient(bus_nc, prefix).catalog_apply(BIGGER)
+        reply = await ctl.catalog_apply(BIGGER)
         assert reply.diff.empty
     finally:
         await beating.stop()
