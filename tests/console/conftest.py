@@ -16,7 +16,7 @@ import pytest
 from console_live import DEPS_REASON, LIVE_CATALOG, LiveConsole, chromium_path, eventually, live_agents
 
 from llmgw_common import bus
-from llmgw_common.ctl import CtlClient
+from llmgw_common.ctl import CtlClient, CtlUnavailable
 from llmgw_common.messages import Assignment, UsageReport
 from llmgw_common.settings import ControlPlaneSettings
 from llmgw_common.subjects import Subjects
@@ -55,7 +55,6 @@ async def live_console(nats_server: Any, prefix: str, tmp_path: Path) -> AsyncIt
         tick_s=0.1,
         heartbeat_interval_s=0.2,
         settle_s=0.0,
-        lease_ttl_s=2.0,
         admin_port=0,
     )
     cp_nc = await bus.connect(s, "cp-console-test", wait=False)
@@ -92,11 +91,15 @@ async def live_console(nats_server: Any, prefix: str, tmp_path: Path) -> AsyncIt
 
     beating = asyncio.create_task(beat())
 
-    async def leading() -> bool:
-        return cp.leader
+    async def answering() -> bool:
+        # Not cp.leader: that flips before the ctl endpoints are registered (a call then meets no responders).
+        try:
+            return (await CtlClient(nc, prefix, timeout=1.0).status()).leader
+        except CtlUnavailable:
+            return False
 
     try:
-        await eventually(leading)
+        await eventually(answering, timeout=30)
         yield LiveConsole(f"http://127.0.0.1:{port}", cp, CtlClient(nc, prefix), nc, prefix, agents)
     finally:
         halt.set()

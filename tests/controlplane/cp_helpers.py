@@ -13,6 +13,7 @@ from nats.aio.client import Client as NATS
 from llmgw_common import bus
 from llmgw_common.catalog import parse_catalog
 from llmgw_common.codec import encode
+from llmgw_common.ctl import CtlClient, CtlUnavailable, StatusReply
 from llmgw_common.messages import (
     GpuInfo,
     Heartbeat,
@@ -47,6 +48,30 @@ async def eventually(check: Callable[[], Awaitable[Any]], timeout: float = 10.0,
             return last
         await asyncio.sleep(every)
     raise AssertionError(f"condition not met within {timeout}s (last: {last!r})")
+
+
+# A ctl call's time limit in tests that make several at once: each endpoint's handler runs one request
+# at a time (nats.micro) and a write verb does two JetStream round trips (read, compare-and-set), which
+# on a loaded 2-core box take up to about half a second each: five queued cordons outlast ctl's 2 s.
+CTL_TIMEOUT_S = 30.0
+
+
+async def ctl_answers(nc: NATS, prefix: str, timeout: float = 15.0) -> StatusReply:
+    """Poll ``ctl status`` until a leading control plane answers it, and return that answer.
+
+    Wait on this, not on ``cp.leader``, before a ctl call: the flag flips before the ctl endpoints are
+    registered (``_become_leader``), so a call right after it may meet "no responders" (``CtlUnavailable``).
+    """
+
+    async def answered() -> StatusReply | None:
+        try:
+            st = await CtlClient(nc, prefix, timeout=1.0).status()
+        except CtlUnavailable:
+            return None
+        return st if st.leader else None
+
+    got: StatusReply = await eventually(answered, timeout=timeout)
+    return got
 
 
 class FakeAgent:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
-from cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
+from cp_helpers import Beating, FakeAgent, cp_settings, ctl_answers, eventually, start_cp
 
 from llmgw_common import bus
 from llmgw_common.catalog import Catalog
@@ -44,7 +46,7 @@ async def test_invalid_catalog_refused_with_every_problem_and_old_kept(nats_serv
     run = await start_cp(cp_settings(nats_server.url, prefix))
     c = CtlClient(bus_nc, prefix)
     try:
-        await eventually(lambda: _true(run.cp.leader))
+        await ctl_answers(bus_nc, prefix)
         before = await c.catalog_show()
         with pytest.raises(CtlError) as ei:
             await c.catalog_apply(BAD)
@@ -75,7 +77,7 @@ async def test_valid_catalog_swaps_stores_pushes_and_reconciles(nats_server, pre
     try:
         await agent.send_inventory()
         beating.start()
-        await eventually(lambda: _true(run.cp.leader))
+        await ctl_answers(bus_nc, prefix)
         diff = await c.catalog_diff(NEW)
         assert diff.added == ("extra",) and diff.removed == ("cpu-model",)
         (ch,) = diff.changed
@@ -129,6 +131,7 @@ async def test_marks_status_settings_and_errors(nats_server, prefix, bus_nc):
             await a.send_inventory()
         beating.start()
         await eventually(lambda: _true(run.cp.leader and len(run.cp.state.replicas) == 2))
+        await ctl_answers(bus_nc, prefix)
         r = await c.cordon("gpu-1")
         assert r.marks.cordoned == ("gpu-1",)
         nodes = {n.name: n for n in (await c.nodes()).nodes}
@@ -164,10 +167,26 @@ async def test_marks_status_settings_and_errors(nats_server, prefix, bus_nc):
 
 
 async def test_no_control_plane_is_a_clear_error(bus_nc, prefix):
-    with pytest.raises(
-        CtlUnavailable, match=rf"no control plane answered on {prefix}\.ctl\.nodes within 0\.3s"
-    ):
-        await CtlClient(bus_nc, prefix, timeout=0.3).nodes()
+    # Nobody subscribed: the server says so at once (no responders), and the message says that, not a
+    # time limit (a takeover's gap read as "within 20s" sent people looking for a slow control plane).
+    t0 = time.monotonic()
+    with pytest.raises(CtlUnavailable) as ei:
+        await CtlClient(bus_nc, prefix, timeout=30).nodes()
+    assert time.monotonic() - t0 < 10
+    assert ei.value.message.startswith(f"no control plane answered on {prefix}.ctl.nodes: none is serving it")
+    assert "within 30s" not in ei.value.message
+
+
+async def test_a_silent_control_plane_is_named_by_the_time_waited(bus_nc, prefix):
+    sub = await bus_nc.subscribe(Subjects(prefix).ctl("nodes"))  # takes requests, never answers
+    await bus.sent(bus_nc)
+    try:
+        with pytest.raises(
+            CtlUnavailable, match=rf"no control plane answered on {prefix}\.ctl\.nodes within 0\.3s"
+        ):
+            await CtlClient(bus_nc, prefix, timeout=0.3).nodes()
+    finally:
+        await sub.unsubscribe()
 
 
 async def test_restart_adopts_replicas_and_changes_no_assignment(nats_server, prefix, bus_nc):

@@ -8,7 +8,7 @@ import logging
 
 import nats
 import pytest
-from cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
+from cp_helpers import CTL_TIMEOUT_S, Beating, FakeAgent, cp_settings, ctl_answers, eventually, start_cp
 
 from llmgw_common import bus
 from llmgw_common.catalog import Catalog, parse_catalog
@@ -49,6 +49,7 @@ async def _fleet(bus_nc, prefix, run):
         await a.send_inventory()
     beating.start()
     await eventually(lambda: _true(run.cp.leader and set(NODES) <= set(run.cp.state.nodes)))
+    await ctl_answers(bus_nc, prefix)
     return beating
 
 
@@ -60,9 +61,9 @@ async def test_concurrent_cordon_drain_and_catalog_apply_keep_every_mark(nats_se
     try:
         calls = []
         for i, (n, nc) in enumerate(zip(NODES, clients, strict=True)):
-            c = CtlClient(nc, prefix, timeout=5.0)
+            c = CtlClient(nc, prefix, timeout=CTL_TIMEOUT_S)
             calls.append(c.cordon(n) if i % 2 == 0 else c.drain(n, grace_s=600))
-        calls.append(CtlClient(clients[0], prefix, timeout=5.0).catalog_apply(BIGGER))
+        calls.append(CtlClient(clients[0], prefix, timeout=CTL_TIMEOUT_S).catalog_apply(BIGGER))
         await asyncio.gather(*calls)
 
         stored = await _stored_marks(bus_nc, prefix)
@@ -74,7 +75,10 @@ async def test_concurrent_cordon_drain_and_catalog_apply_keep_every_mark(nats_se
 
         # Undo them all at once: every node ends unmarked.
         await asyncio.gather(
-            *(CtlClient(nc, prefix, timeout=5.0).uncordon(n) for n, nc in zip(NODES, clients, strict=True))
+            *(
+                CtlClient(nc, prefix, timeout=CTL_TIMEOUT_S).uncordon(n)
+                for n, nc in zip(NODES, clients, strict=True)
+            )
         )
         assert await _stored_marks(bus_nc, prefix) == Marks()
     finally:
@@ -109,7 +113,8 @@ async def test_verbs_finishing_out_of_order_leave_the_latest_marks_in_force(nats
     run.cp.desired.store = FirstFinishesLast(run.cp.kv_desired, run.cp.drops)
     try:
         await asyncio.gather(
-            CtlClient(bus_nc, prefix).cordon("gpu-0"), CtlClient(bus_nc, prefix).drain("gpu-1")
+            CtlClient(bus_nc, prefix, timeout=CTL_TIMEOUT_S).cordon("gpu-0"),
+            CtlClient(bus_nc, prefix, timeout=CTL_TIMEOUT_S).drain("gpu-1"),
         )
         stored = await _stored_marks(bus_nc, prefix)
         assert stored.cordoned == ("gpu-0",) and set(stored.draining) == {"gpu-1"}
@@ -127,14 +132,15 @@ async def test_a_mark_written_by_another_writer_survives_the_next_verb(nats_serv
     kv = await bus_nc.jetstream().key_value(Subjects(prefix).bucket_desired)
     try:
         await kv.put(DESIRED_MARKS, encode(Marks(cordoned=("gpu-9",), draining={"gpu-8": 4e9})))
-        r = await CtlClient(bus_nc, prefix).cordon("gpu-0")
+        ctl = CtlClient(bus_nc, prefix, timeout=CTL_TIMEOUT_S)
+        r = await ctl.cordon("gpu-0")
         assert set(r.marks.cordoned) == {"gpu-0", "gpu-9"} and r.marks.draining == {"gpu-8": 4e9}
         stored = await _stored_marks(bus_nc, prefix)
         assert stored == r.marks and run.cp.state.marks == stored
 
         # The same for a catalog stored behind its back: the reply's diff is against what it replaced.
         await kv.put(DESIRED_CATALOG, encode(parse_catalog(BIGGER)))
-        reply = await CtlClient(bus_nc, prefix).catalog_apply(BIGGER)
+        reply = await ctl.catalog_apply(BIGGER)
         assert reply.diff.empty
     finally:
         await beating.stop()
@@ -148,12 +154,14 @@ async def test_standby_takes_over_with_every_mark(nats_server, prefix, bus_nc):
     await eventually(lambda: _true(first.cp.leader))
     second = await start_cp(s, holder="cp-b")
     beating = await _fleet(bus_nc, prefix, first)
+    ctl = CtlClient(bus_nc, prefix, timeout=CTL_TIMEOUT_S)
     try:
-        await asyncio.gather(*(CtlClient(bus_nc, prefix).cordon(n) for n in NODES[:5]))
+        await asyncio.gather(*(ctl.cordon(n) for n in NODES[:5]))
         assert not second.cp.leader
         await first.stop()
         await eventually(lambda: _true(second.cp.leader), timeout=15)
-        await asyncio.gather(*(CtlClient(bus_nc, prefix).cordon(n) for n in NODES[5:]))
+        await ctl_answers(bus_nc, prefix)  # its ctl endpoints are registered after the flag
+        await asyncio.gather(*(ctl.cordon(n) for n in NODES[5:]))
         assert set((await _stored_marks(bus_nc, prefix)).cordoned) == set(NODES)
     finally:
         await beating.stop()

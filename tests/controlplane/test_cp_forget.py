@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
+from cp_helpers import Beating, FakeAgent, cp_settings, ctl_answers, eventually, start_cp
 from nats.aio.client import Client as NATS
 
 from llmgw_common.ctl import CtlClient
@@ -35,6 +35,7 @@ async def test_lost_node_is_forgotten_and_ctl_stops_listing_it(
             async def only_alive() -> bool:
                 return await names() == {"alive"}
 
+            await ctl_answers(bus_nc, prefix)
             await eventually(both)
             await eventually(only_alive)  # lost after 1.5 s, forgotten 0.5 s later
             assert "gone" not in run.cp.state.nodes and "gone" not in run.cp.detector.lost

@@ -7,7 +7,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from cp_helpers import cp_settings, eventually, start_cp
+from cp_helpers import cp_settings, ctl_answers, eventually, start_cp
 
 from llmgw_common import bus
 from llmgw_common.ctl import CtlClient, LeaseRecord
@@ -42,6 +42,7 @@ async def test_one_failing_pass_is_counted_and_reconciling_goes_on(nats_server, 
         await eventually(lambda: _true(run.cp.passes >= 3))
         assert run.cp.guard.failed == 1 and run.cp.guard.in_a_row == 0
         assert not run.task.done() and run.cp.leader
+        await ctl_answers(bus_nc, prefix)
         stats = await CtlClient(bus_nc, prefix, timeout=2.0).debug_stats()
         assert stats.failed_passes == 1
     finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from cp_helpers import cp_settings, eventually, start_cp
+from cp_helpers import cp_settings, ctl_answers, start_cp
 
 from llmgw_common.ctl import CtlClient, CtlError
 
@@ -15,17 +15,13 @@ BOMB = "models:\n  - name: tiny\n    engine: sim\n    options:\n      a0: &a0 [l
 )
 
 
-async def _true(v: bool) -> bool:
-    return v
-
-
 async def test_alias_bomb_refused_fast_and_old_catalog_kept(nats_server, prefix, bus_nc):
     assert len(BOMB) < 1300
     run = await start_cp(cp_settings(nats_server.url, prefix))
     # Two seconds is the ctl default; the unbounded loader took 13 s and 1.15 GB here.
     c = CtlClient(bus_nc, prefix, timeout=5.0)
     try:
-        await eventually(lambda: _true(run.cp.leader))
+        await ctl_answers(bus_nc, prefix)
         before = await c.catalog_show()
         for call in (c.catalog_apply, c.catalog_diff):
             t0 = time.perf_counter()

@@ -373,7 +373,7 @@ class CtlClient:
             msg = await self._next(sub, wait, subject)
             headers = msg.headers or {}
             if headers.get(STATUS_HEADER) == NO_RESPONDERS:
-                raise self._unavailable(subject, wait)
+                raise self._not_served(subject)
             if ERROR_HEADER in headers:
                 # The body, when present, is the full (multi-line) description; the header is one line.
                 text = msg.data.decode("utf-8", "replace") if msg.data else headers[ERROR_HEADER]
@@ -413,6 +413,14 @@ class CtlClient:
         except chunks.ChunkError as e:
             raise CtlError(f"the control plane's reply to {verb} could not be read: {e}") from None
         return b"".join(parts)
+
+    @staticmethod
+    def _not_served(subject: str) -> CtlUnavailable:
+        # The server's immediate answer: nobody subscribes (none running, or a takeover in its gap).
+        return CtlUnavailable(
+            f"no control plane answered on {subject}: none is serving it (is `llmgw controlplane` "
+            "running, with the same --nats and --prefix? a standby takes over within a lease TTL)"
+        )
 
     @staticmethod
     def _unavailable(subject: str, wait: float) -> CtlUnavailable:
