@@ -178,9 +178,12 @@ def _semantic_problems(p: ModelProfile) -> list[str]:
 
 
 def _scaling_problems(p: ModelProfile, where: str) -> list[str]:
-    if p.min_replicas is None:
-        return []
     out = []
+    if p.idle_after is not None and p.idle_after <= 0:
+        # Every replica a router knows of is idle for 0s or more: one used a moment ago would be stopped.
+        out.append(f"{where}: idle_after must be more than 0 (e.g. 30m)")
+    if p.min_replicas is None:
+        return out
     if p.min_replicas > p.replicas:
         out.append(f"{where}: min_replicas {p.min_replicas} exceeds replicas {p.replicas}")
     elif p.min_replicas < p.replicas and p.idle_after is None:
