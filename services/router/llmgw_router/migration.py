@@ -35,6 +35,10 @@ DONE = b"data: [DONE]\n\n"
 _SEP = b"\n\n"
 
 
+class Unframed(Exception):
+    """A continuation whose bytes are not blank-line separated events: it cannot be spliced."""
+
+
 @dataclass(slots=True)
 class Sent:
     """What the client has received of one streamed answer (its choice 0)."""
@@ -190,10 +194,14 @@ class Relay:
             self._held = b""
         end = data.rfind(_SEP)
         if end < 0:
-            if len(data) > HOLD_BYTES and not self._splicing:
+            if len(data) > HOLD_BYTES:
                 # Events that do not end in a blank line ("\r\n\r\n"?): stop holding anything back.
-                self.through = True
                 self.sent.blocker = "events not separated by a blank line"
+                if self._splicing:
+                    # A continuation is rewritten event by event: it cannot pass through, and holding
+                    # it would grow without bound.
+                    raise Unframed(f"no event separator in {len(data)} bytes of the continuation")
+                self.through = True
                 return data
             self._held = data
             return b""
@@ -257,6 +265,8 @@ class Relay:
         out: list[bytes] = []
         s = self.sent
         for event in _events(data):
+            if s.done:
+                break  # the client's stream has ended: an engine's second [DONE], or more, is dropped
             payload = _payload(event)
             if payload is None:
                 out.append(event + _SEP)

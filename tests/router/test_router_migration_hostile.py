@@ -1,0 +1,56 @@
+"""The splice against a hostile or broken continuation, pure: bounded memory, one ``[DONE]``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmgw_router.migration import DONE, HOLD_BYTES, Continue, Relay, Unframed, plan
+
+
+def _event(obj: dict[str, object]) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _chunk(text: str, rid: str = "id-1") -> bytes:
+    return _event(
+        {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "m",
+            "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}],
+        }
+    )
+
+
+def _spliced() -> Relay:
+    """A relay whose first stream broke after two tokens and whose continuation has begun."""
+    r = Relay()
+    r.relay(_chunk("a") + _chunk(" b"))
+    assert isinstance(plan("chat", {"model": "m", "messages": []}, r.fold()), Continue)
+    r.splice()
+    return r
+
+
+def test_a_continuation_without_event_separators_is_not_held_without_bound() -> None:
+    r = _spliced()
+    piece = b"x" * 16 * 1024
+    with pytest.raises(Unframed):
+        for _ in range(4 * HOLD_BYTES // len(piece)):
+            assert r.relay(piece) == b""
+    # Nothing of it reaches the client, and what is held stays bounded.
+    assert len(r._held) <= HOLD_BYTES
+    # It cannot be continued again either: the next plan refuses.
+    assert plan("chat", {"model": "m", "messages": []}, r.fold()).__class__.__name__ == "Refuse"
+
+
+def test_a_continuation_that_sends_two_done_reaches_the_client_with_one() -> None:
+    r = _spliced()
+    out = r.relay(_chunk(" c", "id-2") + DONE + DONE + _chunk(" d", "id-2"))
+    assert out.count(b"[DONE]") == 1 and out.endswith(DONE)
+    assert b'" d"' not in out  # nothing after the end of the stream
+    assert r.ended
+    assert r.relay(DONE + _chunk(" e", "id-2")) == b""
+    assert "".join(r.sent.text) == "a b c"
