@@ -10,7 +10,9 @@ control plane, on ``<prefix>.router.<id>.wake``, to bring one.
   backoff, no room even were every replica that may ever be evicted stopped), else ``waking`` (also
   while the room is blocked only for now: a replica too young to evict, a wake on its way).
 - :class:`WakeResponder` is the I/O: subscribed only while this process leads (a standby never
-  answers), it answers, records the wake and wakes the reconcile loop.
+  answers), it answers, records the wake and wakes the reconcile loop. One model's answer is reused
+  for a second while the tables are unchanged: a flood of wakes costs one placement search per model,
+  not one per message.
 """
 
 from __future__ import annotations
