@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from llmgw_router.migration import DONE, HOLD_BYTES, Continue, Relay, Unframed, plan
+from llmgw_router.migration import DONE, HOLD_BYTES, MAX_TEXT_CHARS, Continue, Refuse, Relay, Unframed, plan
 
 
 def _event(obj: dict[str, object]) -> bytes:
@@ -54,3 +54,24 @@ def test_a_continuation_that_sends_two_done_reaches_the_client_with_one() -> Non
     assert r.ended
     assert r.relay(DONE + _chunk(" e", "id-2")) == b""
     assert "".join(r.sent.text) == "a b c"
+
+
+def test_the_record_of_a_long_answer_is_compacted_not_one_string_per_token() -> None:
+    r = Relay()
+    for _ in range(50):
+        r.relay(b"".join(_chunk("t") for _ in range(1000)))
+    sent = r.fold()
+    assert "".join(sent.text) == "t" * 50_000 and sent.tokens == 50_000
+    # ~60 bytes of Python object per one-token string: 50,000 of them would be ~3 MB for 50 kB of text.
+    assert len(sent.text) < 200
+
+
+def test_an_answer_longer_than_the_record_keeps_is_not_continued_and_not_kept() -> None:
+    r = Relay()
+    piece = "x" * 4096
+    for _ in range(MAX_TEXT_CHARS // len(piece) + 8):
+        r.relay(_chunk(piece))
+    sent = r.fold()
+    assert sum(map(len, sent.text)) <= MAX_TEXT_CHARS
+    step = plan("chat", {"model": "m", "messages": []}, sent)
+    assert isinstance(step, Refuse) and "longer than" in step.reason

@@ -31,6 +31,9 @@ KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "te
 FOLD_BYTES = 64 * 1024
 # A partial event held back longer than this is not an event: the stream passes through untouched.
 HOLD_BYTES = 64 * 1024
+# Text of one answer kept for a continuation; a longer answer is not continued (nor kept: an engine that
+# streams without end would otherwise grow the router without bound).
+MAX_TEXT_CHARS = 1 << 20
 DONE = b"data: [DONE]\n\n"
 _SEP = b"\n\n"
 
@@ -48,6 +51,8 @@ class Sent:
     model: Any = None
     object: Any = None
     text: list[str] = field(default_factory=list)
+    # Characters of text seen (kept in ``text`` up to MAX_TEXT_CHARS).
+    chars: int = 0
     # Events that carried text: one token each, as engines stream them.
     tokens: int = 0
     role: bool = False
@@ -58,6 +63,16 @@ class Sent:
     usage: tuple[int, int] | None = None
     # Events carry a "usage" key (null until the last): include_usage was asked for.
     usage_key: bool = False
+
+    def add_text(self, text: str) -> None:
+        """One token's text; past MAX_TEXT_CHARS the record is dropped and the answer not continued."""
+        self.tokens += 1
+        self.chars += len(text)
+        if self.chars <= MAX_TEXT_CHARS:
+            self.text.append(text)
+        elif self.text:
+            self.text = []
+            self.blocker = f"an answer longer than {MAX_TEXT_CHARS} characters"
 
     def observe(self, obj: dict[str, Any]) -> None:
         """Take in one event's JSON."""
@@ -88,8 +103,7 @@ class Sent:
             else:
                 text = c.get("text")
             if isinstance(text, str) and text:
-                self.text.append(text)
-                self.tokens += 1
+                self.add_text(text)
             if c.get("finish_reason"):
                 self.finished = True
 
@@ -140,8 +154,7 @@ def _fold_plain(sent: Sent, blob: bytes) -> None:
     for m in (_CONTENT if '"content"' in text else _TEXT).finditer(text):
         lit = m.group(1)
         if lit:
-            sent.text.append(json.loads('"' + lit + '"') if "\\" in lit else lit)
-            sent.tokens += 1
+            sent.add_text(json.loads('"' + lit + '"') if "\\" in lit else lit)
     if _FINISH.search(blob):
         sent.finished = True
     if b'"role"' in blob:
@@ -223,6 +236,17 @@ class Relay:
             return self.sent
         raw, self._raw, self._raw_bytes = self._raw, [], 0
         blob = b"".join(raw)
+        before = len(self.sent.text)
+        try:
+            self._fold(blob)
+        finally:
+            # One string per fold, not one per token (~60 bytes of object each).
+            text = self.sent.text
+            if len(text) - before > 1:
+                text[before:] = ["".join(text[before:])]
+        return self.sent
+
+    def _fold(self, blob: bytes) -> None:
         if self.sent.id is None:
             # The first event names the stream (id, created, model): parsed in full.
             end = blob.find(_SEP) + 2 or len(blob)
@@ -231,10 +255,9 @@ class Relay:
             blob = blob[end:]
         if _plain(blob):
             _fold_plain(self.sent, blob)
-            return self.sent
+            return
         for event in _events(blob):
             self._observe(event)
-        return self.sent
 
     def _observe(self, event: bytes) -> dict[str, Any] | None:
         payload = _payload(event)
