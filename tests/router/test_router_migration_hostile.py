@@ -75,3 +75,12 @@ def test_an_answer_longer_than_the_record_keeps_is_not_continued_and_not_kept() 
     assert sum(map(len, sent.text)) <= MAX_TEXT_CHARS
     step = plan("chat", {"model": "m", "messages": []}, sent)
     assert isinstance(step, Refuse) and "longer than" in step.reason
+
+
+def test_the_record_of_a_long_continuation_is_compacted_too() -> None:
+    r = _spliced()
+    for _ in range(50_000):
+        r.relay(_chunk("t", "id-2"))  # one event per read, as a continuation usually arrives
+    sent = r.fold()
+    assert "".join(sent.text) == "a b" + "t" * 50_000
+    assert len(sent.text) < 1000

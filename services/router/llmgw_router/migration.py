@@ -34,6 +34,8 @@ HOLD_BYTES = 64 * 1024
 # Text of one answer kept for a continuation; a longer answer is not continued (nor kept: an engine that
 # streams without end would otherwise grow the router without bound).
 MAX_TEXT_CHARS = 1 << 20
+# Tokens of text joined into one string in the record (a fold joins all it read as well).
+_JOIN_EVERY = 128
 DONE = b"data: [DONE]\n\n"
 _SEP = b"\n\n"
 
@@ -70,6 +72,9 @@ class Sent:
         self.chars += len(text)
         if self.chars <= MAX_TEXT_CHARS:
             self.text.append(text)
+            if len(self.text) % _JOIN_EVERY == 0:
+                # One string per _JOIN_EVERY tokens, not one per token (~60 bytes of object each).
+                self.text[-_JOIN_EVERY:] = ["".join(self.text[-_JOIN_EVERY:])]
         elif self.text:
             self.text = []
             self.blocker = f"an answer longer than {MAX_TEXT_CHARS} characters"
