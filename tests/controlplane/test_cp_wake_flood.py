@@ -88,3 +88,23 @@ async def test_wakes_for_invented_models_do_not_grow_memory(nats_server, prefix,
         assert len(responder._memo) <= MEMO_MAX
     finally:
         await responder.stop()
+
+
+async def test_a_wake_for_a_huge_or_invalid_name_is_refused_shortly_without_asking(
+    nats_server, prefix, bus_nc
+) -> None:
+    answers = _Answers()
+    responder = WakeResponder(
+        Subjects(prefix).all_wake(), answers, bus.DropLog(logging.getLogger("t")), version=lambda: 1
+    )
+    await responder.start(bus_nc)
+    try:
+        # ~600 kB: echoed twice in the answer, the reply would exceed the server's 1 MB payload limit and
+        # the router would wait out its timeout instead of hearing no.
+        for name in ["m" * 600_000, "a b", "x\x1b]8;;http://evil\x07"]:
+            (reply,) = await _flood(bus_nc, prefix, [name])
+            assert reply.state is WakeState.REFUSED and "not a model name" in reply.reason
+            assert len(reply.model) + len(reply.reason) < 1000
+        assert answers.asked == [] and not responder._memo
+    finally:
+        await responder.stop()

@@ -31,6 +31,7 @@ from llmgw_common import bus
 from llmgw_common.catalog import Catalog
 from llmgw_common.codec import encode
 from llmgw_common.messages import WakeReply, WakeRequest, WakeState
+from llmgw_common.names import check_model_name, clipped
 from llmgw_controlplane.eviction import plan_eviction, room_ever
 from llmgw_controlplane.placement import Unplaceable, place
 from llmgw_controlplane.routing import serving
@@ -206,6 +207,14 @@ class WakeResponder:
     def _reply(self, req: WakeRequest) -> WakeReply:
         """The answer for ``req.model``: the one computed last while the tables are unchanged and it is
         recent, else a new one (which the control plane records: a reused ``waking`` was recorded)."""
+        try:
+            check_model_name(req.model)
+        except ValueError as e:
+            # No catalog has it. Echoed in full, a name near the payload limit makes the reply too big
+            # to send (the router would wait out its timeout), and would be kept in the memo.
+            return WakeReply(
+                model=clipped(req.model, 100), state=WakeState.REFUSED, reason=f"not a model name: {e}"
+            )
         version, now = self.version(), self.clock()
         hit = self._memo.get(req.model)
         if hit is not None and hit[0] == version and now - hit[1] < self.reuse_s:
