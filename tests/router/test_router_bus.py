@@ -273,4 +273,9 @@ async def test_a_replica_streaming_right_now_is_reported_used_now_not_when_the_s
             during = next(i for i in idles if i.sent_at >= mark + 0.2)
             assert not resp.content.at_eof()  # still streaming when that report left
             assert during.last_used["busy"] >= mark
+            assert during.in_flight == ["busy"]  # so the control plane never evicts it meanwhile
             await resp.read()
+    # Done: no longer in flight.
+    done = time.time()
+    assert await _poll(lambda: _true(any(i.sent_at >= done + 0.2 for i in idles)), 3.0)
+    assert next(i for i in idles if i.sent_at >= done + 0.2).in_flight == []

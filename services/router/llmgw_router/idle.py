@@ -27,7 +27,8 @@ class IdleMap:
     ) -> IdleReport:
         """The map as of ``now``; ``busy``: replicas with a request in flight, used now (a stream that
         began long ago is not idle: stamped at its start alone, it would look idle for its length)."""
-        for replica_id in busy:
+        in_flight = sorted(busy)
+        for replica_id in in_flight:
             self.last_used[replica_id] = now
         return IdleReport(
             router=router,
@@ -35,4 +36,5 @@ class IdleMap:
             sent_at=now,
             last_used=dict(self.last_used),
             breakers=breakers or {},
+            in_flight=in_flight,
         )
