@@ -172,9 +172,23 @@ def _semantic_problems(p: ModelProfile) -> list[str]:
                 f"{where}: engine {p.engine} has no tensor parallelism (gpus_per_node={p.gpus_per_node})"
             )
     out += _scaling_problems(p, where)
+    out += _failover_problems(p, where)
     if p.watch is not None and p.watch.budget > p.watch.probe_every:
         out.append(f"{where}: watch budget ({p.watch.budget}s) exceeds probe_every ({p.watch.probe_every}s)")
     return out
+
+
+def _failover_problems(p: ModelProfile, where: str) -> list[str]:
+    """Failover that the engine's own flags would turn into a second answer (docs/llama-cpp.md)."""
+    if not p.failover or p.engine != "llamacpp":
+        return []
+    said = [a for a in p.args if a == "--no-prefill-assistant"]
+    said += [k for k in p.env if k == "LLAMA_ARG_NO_PREFILL_ASSISTANT"]
+    return [
+        f"{where}: failover continues an answer as a final assistant message, which {flag} makes llama.cpp "
+        "answer anew (the client would read both): set failover: false or drop it"
+        for flag in said[:1]
+    ]
 
 
 def _scaling_problems(p: ModelProfile, where: str) -> list[str]:
