@@ -101,6 +101,9 @@ class WakeBook:
                 done.append((model, took))
             elif catalog.get(model) is None:
                 del self.pending[model]
+        names = set(catalog.names)
+        for model in [m for m in self.cold_starts if m not in names]:
+            del self.cold_starts[model]  # left the catalog: renamed models must not grow the book
         return done
 
 
