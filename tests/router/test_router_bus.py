@@ -259,7 +259,7 @@ async def test_a_replica_streaming_right_now_is_reported_used_now_not_when_the_s
     await bus.subscribe(nc, Subjects(prefix).all_idle(), IdleReport, lambda m, _: idles.append(m), drops)
     r = await routers(nats_urls=[nats_server.url], prefix=prefix, tick_s=0.1, auth=False, router_id="rA")
     await asyncio.wait_for(r.synced.wait(), 10)
-    body = {**CHAT, "max_tokens": 60, "stream": True}  # 3 s at 20 tokens/s
+    body = {**CHAT, "max_tokens": 100, "stream": True}  # 5 s at 20 tokens/s
     async with aiohttp.ClientSession() as s:
         async with s.post(f"http://127.0.0.1:{r.port}/v1/chat/completions", json=body) as resp:
             assert resp.status == 200
