@@ -75,7 +75,21 @@ class Sent:
             if len(self.text) % _JOIN_EVERY == 0:
                 # One string per _JOIN_EVERY tokens, not one per token (~60 bytes of object each).
                 self.text[-_JOIN_EVERY:] = ["".join(self.text[-_JOIN_EVERY:])]
-        elif self.text:
+        else:
+            self._too_long()
+
+    def add_texts(self, texts: list[str]) -> None:
+        """Many tokens' text (a fold), kept as one string."""
+        self.tokens += len(texts)
+        joined = "".join(texts)
+        self.chars += len(joined)
+        if self.chars <= MAX_TEXT_CHARS:
+            self.text.append(joined)
+        else:
+            self._too_long()
+
+    def _too_long(self) -> None:
+        if self.text:
             self.text = []
             self.blocker = f"an answer longer than {MAX_TEXT_CHARS} characters"
 
@@ -156,10 +170,13 @@ def _plain(blob: bytes) -> bool:
 
 def _fold_plain(sent: Sent, blob: bytes) -> None:
     text = blob.decode("utf-8", "replace")
-    for m in (_CONTENT if '"content"' in text else _TEXT).finditer(text):
-        lit = m.group(1)
-        if lit:
-            sent.add_text(json.loads('"' + lit + '"') if "\\" in lit else lit)
+    found = [
+        json.loads('"' + lit + '"') if "\\" in lit else lit
+        for lit in (_CONTENT if '"content"' in text else _TEXT).findall(text)
+        if lit
+    ]
+    if found:
+        sent.add_texts(found)
     if _FINISH.search(blob):
         sent.finished = True
     if b'"role"' in blob:
