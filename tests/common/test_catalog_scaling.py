@@ -60,3 +60,46 @@ def test_watched_model_may_scale_down_to_one_without_opting_in() -> None:
         "models:\n  - {name: c, engine: sim, replicas: 3, min_replicas: 1, idle_after: 1h, watch: {}}"
     )
     assert cat.get("c") is not None
+
+
+@pytest.mark.parametrize("idle_after", ["0", "0s", "0m", "0ms"])
+def test_idle_after_zero_is_refused_with_the_other_problems(idle_after: str) -> None:
+    # idle_after 0 would stop a replica the moment any router knows it idle for 0s: one just used.
+    bad = (
+        "models:\n"
+        f"  - {{name: a, engine: sim, replicas: 2, min_replicas: 0, idle_after: '{idle_after}'}}\n"
+        "  - {name: b, engine: sim, replicas: 1, min_replicas: 2}\n"
+    )
+    with pytest.raises(CatalogError) as e:
+        parse_catalog(bad)
+    text = "\n".join(e.value.problems)
+    assert "model 'a': idle_after must be more than 0" in text
+    assert "model 'b': min_replicas 2 exceeds replicas 1" in text
+    assert len(e.value.problems) == 2
+
+
+def test_failover_on_a_llama_server_that_cannot_continue_an_answer_is_refused() -> None:
+    # llama.cpp continues a final assistant message unless told not to prefill it: a continuation would
+    # then start a new answer after the partial one, and the client would read both.
+    bad = """
+models:
+  - {name: a, engine: llamacpp, args: [--ctx-size, "2048", --no-prefill-assistant]}
+  - {name: b, engine: llamacpp, env: {LLAMA_ARG_NO_PREFILL_ASSISTANT: "1"}}
+  - {name: c, engine: sim, replicas: 1, min_replicas: 2}
+"""
+    with pytest.raises(CatalogError) as e:
+        parse_catalog(bad)
+    text = "\n".join(e.value.problems)
+    for fragment in [
+        "model 'a': failover continues an answer as a final assistant message, which --no-prefill-assistant",
+        "model 'b': failover continues an answer as a final assistant message, which "
+        "LLAMA_ARG_NO_PREFILL_ASSISTANT",
+        "model 'c': min_replicas 2 exceeds replicas 1",
+    ]:
+        assert fragment in text, (fragment, text)
+    assert len(e.value.problems) == 3
+    # Said so: no failover, and the flag is fine.
+    ok = parse_catalog(
+        "models:\n  - {name: a, engine: llamacpp, failover: false, args: [--no-prefill-assistant]}"
+    )
+    assert ok.get("a") is not None

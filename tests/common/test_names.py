@@ -109,3 +109,12 @@ def test_service_logs_show_control_characters_escaped() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True)
     assert "\x1b" not in r.stderr and "\u202e" not in r.stderr
     assert "node evil\\x1b[2J\\u202e said\nhi" in r.stderr
+
+
+def test_a_model_name_has_a_length_limit() -> None:
+    from llmgw_common.names import MAX_MODEL_NAME, check_model_name
+
+    assert check_model_name("m" * MAX_MODEL_NAME)
+    with pytest.raises(ValueError, match=f"longer than {MAX_MODEL_NAME}") as e:
+        check_model_name("m" * 100_000)
+    assert len(str(e.value)) < 300  # the refusal does not repeat the whole name

@@ -41,3 +41,15 @@ def test_an_eviction_ends_the_window() -> None:
     b.served({"a"}, CAT, 105.0)
     b.forget("a")
     assert b.windows(CAT, 106.0) == {}
+
+
+def test_a_model_that_left_the_catalog_leaves_the_book() -> None:
+    # Renaming models over months must not grow the book (nor show cold starts of models long gone).
+    b = WakeBook()
+    b.ask("a", 100.0)
+    b.served({"a"}, CAT, 110.0)
+    assert "a" in b.cold_starts
+    empty = parse_catalog("models: []")
+    b.windows(empty, 120.0)
+    assert b.served(set(), empty, 120.0) == []
+    assert (b.pending, b.latest, b.cold_starts) == ({}, {}, {})

@@ -243,3 +243,39 @@ async def test_create_key_record_round_trips(nats_server, prefix, nc):
     kv = await bus.ensure_kv(nc.jetstream(), Subjects(prefix).bucket_keys)
     raw = await kv.get(rec.id)
     assert decode(raw.value, type(rec)) == rec
+
+
+async def test_a_replica_streaming_right_now_is_reported_used_now_not_when_the_stream_began(
+    nats_server, prefix, nc, engines, routers
+):
+    # A replica in the middle of a long answer is not idle: reported from its start alone, it would look
+    # idle for the stream's length and could be scaled down or evicted while it serves (issue 13).
+    eng = await engines("m1", ttft_ms=10, tokens_per_s=20)
+    await _publish_routing(
+        nc, prefix, {"m1": [Endpoint(replica_id="busy", model="m1", url=eng.url, node="n1")]}
+    )
+    idles: list[IdleReport] = []
+    drops = bus.DropLog(logging.getLogger("t"))
+    await bus.subscribe(nc, Subjects(prefix).all_idle(), IdleReport, lambda m, _: idles.append(m), drops)
+    r = await routers(nats_urls=[nats_server.url], prefix=prefix, tick_s=0.1, auth=False, router_id="rA")
+    await asyncio.wait_for(r.synced.wait(), 10)
+    body = {**CHAT, "max_tokens": 100, "stream": True}  # 5 s at 20 tokens/s
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://127.0.0.1:{r.port}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            started = time.time()
+            await resp.content.readuntil(b"\n\n")
+            # Well into the stream: a report sent now must say the replica is in use now.
+            while time.time() < started + 1.5:
+                await resp.content.readuntil(b"\n\n")
+            mark = time.time()
+            assert await _poll(lambda: _true(any(i.sent_at >= mark + 0.2 for i in idles)), 3.0)
+            during = next(i for i in idles if i.sent_at >= mark + 0.2)
+            assert not resp.content.at_eof()  # still streaming when that report left
+            assert during.last_used["busy"] >= mark
+            assert during.in_flight == ["busy"]  # so the control plane never evicts it meanwhile
+            await resp.read()
+    # Done: no longer in flight.
+    done = time.time()
+    assert await _poll(lambda: _true(any(i.sent_at >= done + 0.2 for i in idles)), 3.0)
+    assert next(i for i in idles if i.sent_at >= done + 0.2).in_flight == []

@@ -264,3 +264,81 @@ async def test_the_broken_endpoint_is_marked_failed_while_its_stream_is_continue
     assert _check(path, body, status, events) == ""
     assert ep_bad.breaker.failures == 1
     srv.close()
+
+
+# ---------------------------------------------------------------- continuations that misbehave
+
+_PATH = "/v1/chat/completions"
+_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def _chunked(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+async def _break_then(continuation: Any) -> tuple[asyncio.Server, str, list[int]]:
+    """An engine that breaks every original stream half way and answers a continuation with ``continuation``."""
+
+    async def handler(w: asyncio.StreamWriter, body: dict[str, Any]) -> None:
+        w.write(_HEAD)
+        if body.get("continue_final_message"):
+            await continuation(w, body)
+            return
+        whole = _sim_stream(_PATH, body)
+        w.write(_chunked(whole[: len(whole) // 2 + 11]))  # ends inside an event
+        await w.drain()
+
+    return await _faulty(handler)
+
+
+async def test_a_continuation_that_sends_two_done_and_stays_open_ends_the_stream_once(
+    routers, static_file
+) -> None:
+    async def rest_twice_done_then_stall(w: asyncio.StreamWriter, body: dict[str, Any]) -> None:
+        rest = _sim_stream(_PATH, body)
+        w.write(_chunked(rest + b"data: [DONE]\n\n" + rest[: rest.index(b"\n\n") + 2]))
+        await w.drain()
+        await asyncio.sleep(30)  # never closes: the stream already ended at its [DONE]
+
+    srv_a, a, _ = await _break_then(rest_twice_done_then_stall)
+    srv_b, b, _ = await _break_then(rest_twice_done_then_stall)
+    r = await routers(static_file({"m1": [a, b]}, auth=False), read_timeout_s=20)
+    _, body = _body(0)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    async with aiohttp.ClientSession() as s:
+        status, events = await asyncio.wait_for(_stream(s, f"http://127.0.0.1:{r.port}{_PATH}", body), 15)
+    assert _check(_PATH, body, status, events) == ""
+    # Ended at the continuation's [DONE], not when the read timeout gave up on the silent engine.
+    assert loop.time() - t0 < 10
+    assert r.ctx.metrics.migrations_count("m1", "ok") == 1
+    srv_a.close()
+    srv_b.close()
+
+
+async def test_a_continuation_without_event_separators_ends_the_stream_not_the_router(
+    routers, static_file
+) -> None:
+    async def megabytes_without_blank_lines(w: asyncio.StreamWriter, body: dict[str, Any]) -> None:
+        for _ in range(64):
+            w.write(_chunked(b"data: " + b"x" * 16 * 1024 + b"\n"))
+            await w.drain()
+        await asyncio.sleep(30)
+
+    srv_a, a, _ = await _break_then(megabytes_without_blank_lines)
+    srv_b, b, _ = await _break_then(megabytes_without_blank_lines)
+    r = await routers(static_file({"m1": [a, b]}, auth=False), read_timeout_s=20)
+    _, body = _body(0)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://127.0.0.1:{r.port}{_PATH}", json=body) as resp:
+            assert resp.status == 200
+            raw = await asyncio.wait_for(resp.content.read(), 15)
+    # The client has the whole events of the first stream, none of the garbage, and no [DONE].
+    assert b"xxxx" not in raw and b"[DONE]" not in raw and raw.endswith(b"\n\n")
+    assert r.ctx.metrics.migrations_count("m1", "unsupported") == 1
+    # The router still serves.
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"http://127.0.0.1:{r.port}/v1/models") as resp:
+            assert resp.status == 200
+    srv_a.close()
+    srv_b.close()

@@ -182,15 +182,32 @@ def _semantic_problems(p: ModelProfile) -> list[str]:
                 f"{where}: engine {p.engine} has no tensor parallelism (gpus_per_node={p.gpus_per_node})"
             )
     out += _scaling_problems(p, where)
+    out += _failover_problems(p, where)
     if p.watch is not None and p.watch.budget > p.watch.probe_every:
         out.append(f"{where}: watch budget ({p.watch.budget}s) exceeds probe_every ({p.watch.probe_every}s)")
     return out
 
 
-def _scaling_problems(p: ModelProfile, where: str) -> list[str]:
-    if p.min_replicas is None:
+def _failover_problems(p: ModelProfile, where: str) -> list[str]:
+    """Failover that the engine's own flags would turn into a second answer (docs/llama-cpp.md)."""
+    if not p.failover or p.engine != "llamacpp":
         return []
+    said = [a for a in p.args if a == "--no-prefill-assistant"]
+    said += [k for k in p.env if k == "LLAMA_ARG_NO_PREFILL_ASSISTANT"]
+    return [
+        f"{where}: failover continues an answer as a final assistant message, which {flag} makes llama.cpp "
+        "answer anew (the client would read both): set failover: false or drop it"
+        for flag in said[:1]
+    ]
+
+
+def _scaling_problems(p: ModelProfile, where: str) -> list[str]:
     out = []
+    if p.idle_after is not None and p.idle_after <= 0:
+        # Every replica a router knows of is idle for 0s or more: one used a moment ago would be stopped.
+        out.append(f"{where}: idle_after must be more than 0 (e.g. 30m)")
+    if p.min_replicas is None:
+        return out
     if p.min_replicas > p.replicas:
         out.append(f"{where}: min_replicas {p.min_replicas} exceeds replicas {p.replicas}")
     elif p.min_replicas < p.replicas and p.idle_after is None:

@@ -205,6 +205,9 @@ class IdleReport(Message):
     # Replicas whose circuit breaker in this router is not closed: replica id -> "open" | "half_open".
     # Absent: closed (or never used). For `ctl replicas`.
     breakers: dict[str, str] = Field(default_factory=dict)
+    # Replicas with a request of this router in flight now: never evicted or scaled down meanwhile (a
+    # stream on a model's only replica has nowhere to be continued). Absent from older routers.
+    in_flight: list[str] = Field(default_factory=list)
 
 
 class WakeState(StrEnum):

@@ -25,6 +25,9 @@ from llmgw_common.errors import InvalidInput
 
 _TOKEN = re.compile(r"[A-Za-z0-9_-]+")
 _MODEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]*")
+# Longer than any real model id (Hugging Face's are at most 96 + 1 + 96); names travel in subjects,
+# metric labels, wake requests and replies, and a wake's answer echoes the name it was asked for.
+MAX_MODEL_NAME = 256
 # Cc: C0/C1 controls (ESC, BEL, CR, ...). Cf: format characters (bidi overrides, zero-width joiners).
 # Zl/Zp: the Unicode line and paragraph separators, which some terminals and viewers break lines on.
 _INVISIBLE = frozenset({"Cc", "Cf", "Zl", "Zp"})
@@ -41,7 +44,13 @@ def check_token(value: str, what: str = "name") -> str:
 
 
 def check_model_name(value: str) -> str:
-    """A catalog model name: letters, digits and ``. _ : / -``, starting with a letter or digit."""
+    """A catalog model name: letters, digits and ``. _ : / -``, starting with a letter or digit, at most
+    :data:`MAX_MODEL_NAME` characters."""
+    if len(value) > MAX_MODEL_NAME:
+        raise ValueError(
+            f"model name {visible(repr(value[:80]))}... ({len(value)} characters) is longer than "
+            f"{MAX_MODEL_NAME} characters"
+        )
     if not _MODEL.fullmatch(value):
         raise InvalidInput(
             f"model name {visible(repr(value))} may contain only letters, digits and . _ : / - "

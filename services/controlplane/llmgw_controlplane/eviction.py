@@ -4,7 +4,8 @@ Pure: a profile that placement refused, a snapshot, what is known of each replic
 settings in; an :class:`Eviction` out. A replica may be evicted only when all of these hold, and each
 one passed over is listed with the first that did not (for ``ctl explain-placement``):
 
-- its idleness is *known* (ARCHITECTURE #1: a replica no router reports on is never idle);
+- its idleness is *known* (ARCHITECTURE #1: a replica no router reports on is never idle), and no
+  router has a request on it in flight (a stream on it may have nowhere else to be continued);
 - its model is not watched (people depend on it), not waking (a wake not served yet), and keeps at
   least its ``min_replicas`` without it;
 - it has run for ``min_residency_s`` at least, so that two models fighting over one card swap at most
@@ -39,8 +40,10 @@ def may_evict_any(snap: Snapshot, idle: IdleLookup, min_residency_s: float) -> b
         p = profiles.get(r.model)
         if p is None or p.watch is not None or r.draining or p.floor >= p.replicas:
             continue
-        if snap.now - r.created >= min_residency_s and idle(r.id, r.created).known:
-            return True
+        if snap.now - r.created >= min_residency_s:
+            k = idle(r.id, r.created)
+            if k.known and not k.busy:
+                return True
     return False
 
 
@@ -101,6 +104,8 @@ def _why_not(
     if age < min_residency_s:
         return f"resident for {format_duration(age)} only (minimum {format_duration(min_residency_s)})", 0.0
     k = idle(r.id, r.created)
+    if k.busy:
+        return "serving a request right now", 0.0
     if k.seconds is None:
         return "not known to be idle (no router reports on it)", 0.0
     return None, k.seconds

@@ -46,6 +46,8 @@ class IdleKnowledge:
     kind: IdleKind
     # Seconds idle (EXACT) or the lower bound (AT_LEAST); None when UNKNOWN.
     seconds: float | None = None
+    # A router has a request on it in flight right now: in use, whatever the seconds say.
+    busy: bool = False
 
     @property
     def known(self) -> bool:
@@ -64,7 +66,7 @@ class IdleKnowledge:
 
     def at_least(self, threshold_s: float) -> bool:
         """True only when it is *known* that the replica has been idle for ``threshold_s`` or more."""
-        return self.seconds is not None and self.seconds >= threshold_s
+        return not self.busy and self.seconds is not None and self.seconds >= threshold_s
 
 
 UNKNOWN = IdleKnowledge(IdleKind.UNKNOWN)
@@ -79,6 +81,7 @@ class _RouterView:
     last_used: dict[str, float]
     # replica -> "open" | "half_open" (closed breakers are absent)
     breakers: dict[str, str]
+    in_flight: frozenset[str]
 
 
 class IdleMerger:
@@ -97,7 +100,7 @@ class IdleMerger:
     def add(self, report: IdleReport, received_at: float) -> None:
         why = distrust(report.sent_at, received_at) or distrust(report.since, received_at, "since")
         why = why or distrust_all(report.last_used, received_at, "last use of")
-        n = len(report.last_used) + len(report.breakers)
+        n = len(report.last_used) + len(report.breakers) + len(report.in_flight)
         if why is None and n > self.max_report_entries:
             why = f"{n} replicas named (at most {self.max_report_entries} kept per report)"
         if why is not None:
@@ -116,6 +119,7 @@ class IdleMerger:
             received_at,
             dict(report.last_used),
             dict(report.breakers),
+            frozenset(report.in_flight),
         )
 
     def prune(self, now: float) -> list[str]:
@@ -137,6 +141,10 @@ class IdleMerger:
                 best = t
         return best
 
+    def in_flight(self, replica: str) -> bool:
+        """Whether a reporting router has a request on ``replica`` in flight."""
+        return any(replica in v.in_flight for v in self._routers.values())
+
     def breaker(self, replica: str) -> str:
         """The replica's circuit breaker as the routers see it: the worst across them, ``closed`` if none
         reports one open (a router that never sent it a request has nothing to report)."""
@@ -151,6 +159,8 @@ class IdleMerger:
         if not self._routers:
             return UNKNOWN
         used = self.last_used(replica)
+        if self.in_flight(replica):
+            return IdleKnowledge(IdleKind.EXACT, 0.0, busy=True)
         if used is not None and used >= self.horizon:
             return IdleKnowledge(IdleKind.EXACT, max(0.0, now - used))
         start = max(self.horizon, max(v.since for v in self._routers.values()))

@@ -94,7 +94,9 @@ class ControlPlane:
         self.detector = EventDetector(s.placement_failing_after_s)
         # Scale to zero, wakes and evictions (issue 13); wakes are answered only while leading.
         self.autoscale = Autoscaler(s.eviction_min_residency_s)
-        self.wakes = WakeResponder(self.subjects.all_wake(), self._answer_wake, self.drops)
+        self.wakes = WakeResponder(
+            self.subjects.all_wake(), self._answer_wake, self.drops, version=lambda: self.state.version
+        )
         # Routers' token counts, for the console's Usage page.
         self.usage = UsageBook(doubts=self.doubts)
         self.failures = FailureBook()

@@ -10,12 +10,15 @@ control plane, on ``<prefix>.router.<id>.wake``, to bring one.
   backoff, no room even were every replica that may ever be evicted stopped), else ``waking`` (also
   while the room is blocked only for now: a replica too young to evict, a wake on its way).
 - :class:`WakeResponder` is the I/O: subscribed only while this process leads (a standby never
-  answers), it answers, records the wake and wakes the reconcile loop.
+  answers), it answers, records the wake and wakes the reconcile loop. One model's answer is reused
+  for a second while the tables are unchanged: a flood of wakes costs one placement search per model,
+  not one per message.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 
@@ -28,6 +31,7 @@ from llmgw_common import bus
 from llmgw_common.catalog import Catalog
 from llmgw_common.codec import encode
 from llmgw_common.messages import WakeReply, WakeRequest, WakeState
+from llmgw_common.names import check_model_name, clipped
 from llmgw_controlplane.eviction import plan_eviction, room_ever
 from llmgw_controlplane.placement import Unplaceable, place
 from llmgw_controlplane.routing import serving
@@ -97,6 +101,9 @@ class WakeBook:
                 done.append((model, took))
             elif catalog.get(model) is None:
                 del self.pending[model]
+        names = set(catalog.names)
+        for model in [m for m in self.cold_starts if m not in names]:
+            del self.cold_starts[model]  # left the catalog: renamed models must not grow the book
         return done
 
 
@@ -150,15 +157,40 @@ def wake_answer(
     )
 
 
-class WakeResponder:
-    """Answers wake requests while this process leads. ``answer(request, received_at)`` is the
-    control plane's (it reads its tables and records the wake)."""
+# One model's answer is reused this long while the control plane's tables (``version``) are unchanged.
+# An answer for a model that does not fit searches placements: ~80 ms on 64 nodes of 8 cards
+# (a catalog of 512 one-card models, all resident and evictable, and one 8-card model woken). Computed
+# per message, a few dozen wakes a second (routers re-asking, or any process with the router role)
+# would hold the event loop, lease renewal and reconcile pass included; reused, a flood costs one
+# search per model per interval.
+ANSWER_REUSE_S = 1.0
+# Answers kept at most (then all are dropped): wakes for invented model names must not grow memory.
+MEMO_MAX = 1024
 
-    def __init__(self, subject: str, answer: Callable[[WakeRequest], WakeReply], drops: bus.DropLog) -> None:
+
+class WakeResponder:
+    """Answers wake requests while this process leads. ``answer(request)`` is the control plane's (it
+    reads its tables and records the wake); ``version()`` changes whenever those tables do."""
+
+    def __init__(
+        self,
+        subject: str,
+        answer: Callable[[WakeRequest], WakeReply],
+        drops: bus.DropLog,
+        *,
+        version: Callable[[], int],
+        clock: Callable[[], float] = time.monotonic,
+        reuse_s: float = ANSWER_REUSE_S,
+    ) -> None:
         self.subject = subject
         self.answer = answer
         self.drops = drops
+        self.version = version
+        self.clock = clock
+        self.reuse_s = reuse_s
         self._sub: Subscription | None = None
+        # model -> (tables' version, when computed, the answer)
+        self._memo: dict[str, tuple[int, float, WakeReply]] = {}
         self.answered = 0
 
     async def start(self, nc: NATS) -> None:
@@ -167,12 +199,35 @@ class WakeResponder:
             await bus.sent(nc)
 
     async def stop(self) -> None:
+        self._memo.clear()  # a later tenure answers from its own tables
         sub, self._sub = self._sub, None
         if sub is not None:
             try:
                 await sub.unsubscribe()
             except nats.errors.Error as e:
                 log.debug("wake responder stop: %s", e)
+
+    def _reply(self, req: WakeRequest) -> WakeReply:
+        """The answer for ``req.model``: the one computed last while the tables are unchanged and it is
+        recent, else a new one (which the control plane records: a reused ``waking`` was recorded)."""
+        try:
+            check_model_name(req.model)
+        except ValueError as e:
+            # No catalog has it. Echoed in full, a name near the payload limit makes the reply too big
+            # to send (the router would wait out its timeout), and would be kept in the memo.
+            return WakeReply(
+                model=clipped(req.model, 100), state=WakeState.REFUSED, reason=f"not a model name: {e}"
+            )
+        version, now = self.version(), self.clock()
+        hit = self._memo.get(req.model)
+        if hit is not None and hit[0] == version and now - hit[1] < self.reuse_s:
+            return hit[2]
+        reply = self.answer(req)
+        if len(self._memo) >= MEMO_MAX:
+            self._memo.clear()
+        # The version after: computing it took a snapshot, which may have counted pending changes.
+        self._memo[req.model] = (self.version(), now, reply)
+        return reply
 
     async def _on_wake(self, req: WakeRequest, msg: Msg) -> None:
         parts = msg.subject.split(".")
@@ -182,7 +237,7 @@ class WakeResponder:
             return
         if not msg.reply:
             return
-        reply = self.answer(req)
+        reply = self._reply(req)
         self.answered += 1
         try:
             await msg.respond(encode(reply))

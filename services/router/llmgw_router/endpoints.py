@@ -174,5 +174,9 @@ class Pool:
                 out[st.replica_id] = st.breaker.state.value
         return out
 
+    def busy(self) -> set[str]:
+        """Replicas with a request of this router in flight (a stream being relayed included)."""
+        return {e.replica_id for e in self.by_key.values() if e.in_flight > 0}
+
     def in_flight_total(self) -> int:
         return sum(e.in_flight for e in self.by_key.values())

@@ -16,7 +16,7 @@ from llmgw_common.catalog import ModelProfile
 from llmgw_router import web
 from llmgw_router.context import RouterContext
 from llmgw_router.endpoints import EndpointState
-from llmgw_router.migration import KINDS, Close, Kind, Refuse, Relay, plan, request_blocker
+from llmgw_router.migration import KINDS, Close, Kind, Refuse, Relay, Unframed, plan, request_blocker
 from llmgw_router.upstream import UpstreamError
 
 log = logging.getLogger("llmgw.router.failover")
@@ -106,7 +106,8 @@ class Migration:
                         verdict = told = True
                         ep.breaker.success()  # as in proxy._stream: the endpoint answers
                     out = self.relay.relay(data)
-                    if not data or up.at_eof():
+                    # At its [DONE] the client's stream ends, whether or not the engine closes.
+                    if self.relay.ended or not data or up.at_eof():
                         if not self.relay.ended:
                             raise _Incomplete(f"{ep.replica_id}: the continuation ended without [DONE]")
                         await resp.write_eof(out)
@@ -114,7 +115,7 @@ class Migration:
                         return 200
                     if out:
                         await resp.write(out)
-            except (UpstreamError, _Incomplete) as e:
+            except (UpstreamError, _Incomplete, Unframed) as e:
                 verdict = False
                 why = str(e)
             except ConnectionResetError:

@@ -31,8 +31,17 @@ KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "te
 FOLD_BYTES = 64 * 1024
 # A partial event held back longer than this is not an event: the stream passes through untouched.
 HOLD_BYTES = 64 * 1024
+# Text of one answer kept for a continuation; a longer answer is not continued (nor kept: an engine that
+# streams without end would otherwise grow the router without bound).
+MAX_TEXT_CHARS = 1 << 20
+# Tokens of text joined into one string in the record (a fold joins all it read as well).
+_JOIN_EVERY = 128
 DONE = b"data: [DONE]\n\n"
 _SEP = b"\n\n"
+
+
+class Unframed(Exception):
+    """A continuation whose bytes are not blank-line separated events: it cannot be spliced."""
 
 
 @dataclass(slots=True)
@@ -44,6 +53,8 @@ class Sent:
     model: Any = None
     object: Any = None
     text: list[str] = field(default_factory=list)
+    # Characters of text seen (kept in ``text`` up to MAX_TEXT_CHARS).
+    chars: int = 0
     # Events that carried text: one token each, as engines stream them.
     tokens: int = 0
     role: bool = False
@@ -54,6 +65,33 @@ class Sent:
     usage: tuple[int, int] | None = None
     # Events carry a "usage" key (null until the last): include_usage was asked for.
     usage_key: bool = False
+
+    def add_text(self, text: str) -> None:
+        """One token's text; past MAX_TEXT_CHARS the record is dropped and the answer not continued."""
+        self.tokens += 1
+        self.chars += len(text)
+        if self.chars <= MAX_TEXT_CHARS:
+            self.text.append(text)
+            if len(self.text) % _JOIN_EVERY == 0:
+                # One string per _JOIN_EVERY tokens, not one per token (~60 bytes of object each).
+                self.text[-_JOIN_EVERY:] = ["".join(self.text[-_JOIN_EVERY:])]
+        else:
+            self._too_long()
+
+    def add_texts(self, texts: list[str]) -> None:
+        """Many tokens' text (a fold), kept as one string."""
+        self.tokens += len(texts)
+        joined = "".join(texts)
+        self.chars += len(joined)
+        if self.chars <= MAX_TEXT_CHARS:
+            self.text.append(joined)
+        else:
+            self._too_long()
+
+    def _too_long(self) -> None:
+        if self.text:
+            self.text = []
+            self.blocker = f"an answer longer than {MAX_TEXT_CHARS} characters"
 
     def observe(self, obj: dict[str, Any]) -> None:
         """Take in one event's JSON."""
@@ -84,8 +122,7 @@ class Sent:
             else:
                 text = c.get("text")
             if isinstance(text, str) and text:
-                self.text.append(text)
-                self.tokens += 1
+                self.add_text(text)
             if c.get("finish_reason"):
                 self.finished = True
 
@@ -133,11 +170,13 @@ def _plain(blob: bytes) -> bool:
 
 def _fold_plain(sent: Sent, blob: bytes) -> None:
     text = blob.decode("utf-8", "replace")
-    for m in (_CONTENT if '"content"' in text else _TEXT).finditer(text):
-        lit = m.group(1)
-        if lit:
-            sent.text.append(json.loads('"' + lit + '"') if "\\" in lit else lit)
-            sent.tokens += 1
+    found = [
+        json.loads('"' + lit + '"') if "\\" in lit else lit
+        for lit in (_CONTENT if '"content"' in text else _TEXT).findall(text)
+        if lit
+    ]
+    if found:
+        sent.add_texts(found)
     if _FINISH.search(blob):
         sent.finished = True
     if b'"role"' in blob:
@@ -190,10 +229,14 @@ class Relay:
             self._held = b""
         end = data.rfind(_SEP)
         if end < 0:
-            if len(data) > HOLD_BYTES and not self._splicing:
+            if len(data) > HOLD_BYTES:
                 # Events that do not end in a blank line ("\r\n\r\n"?): stop holding anything back.
-                self.through = True
                 self.sent.blocker = "events not separated by a blank line"
+                if self._splicing:
+                    # A continuation is rewritten event by event: it cannot pass through, and holding
+                    # it would grow without bound.
+                    raise Unframed(f"no event separator in {len(data)} bytes of the continuation")
+                self.through = True
                 return data
             self._held = data
             return b""
@@ -215,6 +258,17 @@ class Relay:
             return self.sent
         raw, self._raw, self._raw_bytes = self._raw, [], 0
         blob = b"".join(raw)
+        before = len(self.sent.text)
+        try:
+            self._fold(blob)
+        finally:
+            # One string per fold, not one per token (~60 bytes of object each).
+            text = self.sent.text
+            if len(text) - before > 1:
+                text[before:] = ["".join(text[before:])]
+        return self.sent
+
+    def _fold(self, blob: bytes) -> None:
         if self.sent.id is None:
             # The first event names the stream (id, created, model): parsed in full.
             end = blob.find(_SEP) + 2 or len(blob)
@@ -223,10 +277,9 @@ class Relay:
             blob = blob[end:]
         if _plain(blob):
             _fold_plain(self.sent, blob)
-            return self.sent
+            return
         for event in _events(blob):
             self._observe(event)
-        return self.sent
 
     def _observe(self, event: bytes) -> dict[str, Any] | None:
         payload = _payload(event)
@@ -257,6 +310,8 @@ class Relay:
         out: list[bytes] = []
         s = self.sent
         for event in _events(data):
+            if s.done:
+                break  # the client's stream has ended: an engine's second [DONE], or more, is dropped
             payload = _payload(event)
             if payload is None:
                 out.append(event + _SEP)

@@ -196,7 +196,7 @@ class Router:
             return
         now = time.time()
         rid = self.settings.router_id
-        idle = self.ctx.idle.report(rid, now, self.ctx.pool.breakers_not_closed())
+        idle = self.ctx.idle.report(rid, now, self.ctx.pool.breakers_not_closed(), self.ctx.pool.busy())
         await self.nc.publish(self.subjects.idle(rid), encode(idle))
         await self.nc.publish(self.subjects.usage(rid), encode(self.ctx.usage.report(rid, now)))
         await self.nc.flush(timeout=2)

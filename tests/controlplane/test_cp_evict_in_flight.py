@@ -1,0 +1,74 @@
+"""A replica with a request in flight is never evicted (issue 14: nothing a client sees fails).
+
+A replica of a model with one replica that is stopped under a stream cuts the stream: there is nowhere
+to continue it. Recently used is not enough to keep a replica (two models sharing one card must swap
+under alternating traffic); being in use right now is. Real nats-server, control plane in-process, a
+fake agent and a fake router publishing real reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
+from test_cp_wake import CATALOG, Router, endpoints, events, ready_all, replicas_of, wake
+
+from llmgw_common.codec import encode
+from llmgw_common.messages import IdleReport, WakeState
+
+
+class StreamingRouter(Router):
+    """Reports ``streaming`` as in flight: a request on each, right now."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.streaming: set[str] = set()
+
+    async def _run(self) -> None:
+        while True:
+            self.used.update({r: time.time() for r in self.busy | self.streaming})
+            rep = IdleReport(
+                router=self.router,
+                since=self.since,
+                sent_at=time.time(),
+                last_used=dict(self.used),
+                in_flight=sorted(self.streaming),
+            )
+            await self.nc.publish(self.subjects.idle(self.router), encode(rep))
+            await asyncio.sleep(0.2)
+
+
+async def test_a_replica_serving_a_request_is_not_evicted_until_it_is_done(nats_server, prefix, bus_nc):
+    run = await start_cp(cp_settings(nats_server.url, prefix, eviction_min_residency_s=0.0), CATALOG)
+    agent = FakeAgent(bus_nc, prefix, "n1", gpus=1, memory_gb=None)
+    beating = Beating([agent], 0.1)
+    router = StreamingRouter(bus_nc, prefix)
+    try:
+        await agent.send_inventory()
+        beating.start()
+        await eventually(lambda: endpoints(bus_nc, prefix))
+        assert (await wake(bus_nc, prefix, "a")).state is WakeState.WAKING
+        await eventually(lambda: asyncio.sleep(0, replicas_of(run.cp, "a")))
+        (a_id,) = replicas_of(run.cp, "a")
+        await ready_all(run.cp, agent)
+        router.streaming.add(a_id)
+        router.start()
+        await eventually(lambda: asyncio.sleep(0, run.cp.idle.routers))
+
+        reply = await wake(bus_nc, prefix, "b")
+        assert reply.state is WakeState.WAKING, reply
+        assert f"{a_id}: serving a request right now" in reply.reason, reply.reason
+        for _ in range(3):
+            await run.cp.pass_once(time.time())
+        assert replicas_of(run.cp, "a") == [a_id] and replicas_of(run.cp, "b") == []
+        assert await events(bus_nc, prefix, "model.evicted") == []
+
+        # The stream ends: now a, known idle, makes room for b.
+        router.streaming.clear()
+        evicted = await eventually(lambda: events(bus_nc, prefix, "model.evicted"))
+        assert [e.details["replica"] for e in evicted] == [a_id]
+    finally:
+        await router.stop()
+        await beating.stop()
+        await run.stop()
