@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import psutil
 from aiohttp import web
+
+from llmgw_sim.options import SimOptions
 
 
 async def poll(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
@@ -106,27 +109,28 @@ class CountingUpstream:
             await self.runner.cleanup()
 
 
-def start_engine_process(model: str) -> tuple[subprocess.Popen[bytes], str]:
-    """A ``llmgw sim-engine --zero`` process in its own session, and its URL once it listens."""
+def start_engine_process(
+    model: str, options: SimOptions | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """A ``llmgw sim-engine`` process in its own session (``--zero`` timing unless ``options`` say
+    otherwise), and its URL once it listens."""
+    opts = options if options is not None else SimOptions(port=0, model=model, zero=True)
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "llmgw_cli",
-            "sim-engine",
-            "--port",
-            "0",
-            "--model",
-            model,
-            "--zero",
-            "--log-level",
-            "WARNING",
-        ],
-        stdout=subprocess.PIPE,
-        start_new_session=True,
+        [*opts.command(), "--log-level", "WARNING"], stdout=subprocess.PIPE, start_new_session=True
     )
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()
     assert "listening on" in line, line
     url = line.split("listening on ", 1)[1].split()[0]
     return proc, url
+
+
+def stop_engine_processes(procs: list[tuple[subprocess.Popen[bytes], str]]) -> None:
+    """Kill each engine's session; one stopped (SIGSTOP) is continued first so nothing stays frozen."""
+    for p, _ in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGCONT)
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        if p.stdout:
+            p.stdout.close()

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from router_helpers import poll
+from router_helpers import poll, start_engine_process, stop_engine_processes
 
 from llmgw_sim import openai_api as oai
 from llmgw_sim.options import SimOptions
@@ -35,21 +35,10 @@ def engine_procs() -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
     try:
         for _ in range(2):
             opts = SimOptions(port=0, model="m1", ttft_ms=20, tokens_per_s=100, slots=64)
-            p = subprocess.Popen(
-                [*opts.command(), "--log-level", "WARNING"], stdout=subprocess.PIPE, start_new_session=True
-            )
-            assert p.stdout is not None
-            line = p.stdout.readline().decode()
-            assert "listening on" in line, line
-            procs.append((p, line.split("listening on ", 1)[1].split()[0]))
+            procs.append(start_engine_process("m1", opts))
         yield procs
     finally:
-        for p, _ in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-            if p.stdout:
-                p.stdout.close()
+        stop_engine_processes(procs)
 
 
 def _body(i: int) -> tuple[str, dict[str, Any]]:

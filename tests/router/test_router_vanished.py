@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from router_helpers import poll
+from router_helpers import poll, start_engine_process, stop_engine_processes
 from test_router_bus import _publish_routing
 from test_router_failover import _check, _stream
 
@@ -39,23 +39,10 @@ def sims() -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
     try:
         for _ in range(2):
             opts = SimOptions(port=0, model="m1", ttft_ms=20, tokens_per_s=50, slots=16)
-            p = subprocess.Popen(
-                [*opts.command(), "--log-level", "WARNING"], stdout=subprocess.PIPE, start_new_session=True
-            )
-            assert p.stdout is not None
-            line = p.stdout.readline().decode()
-            assert "listening on" in line, line
-            procs.append((p, line.split("listening on ", 1)[1].split()[0]))
+            procs.append(start_engine_process("m1", opts))
         yield procs
     finally:
-        for p, _ in procs:
-            if p.poll() is None:
-                # A stopped process gets SIGKILL all the same; SIGCONT first so nothing is left frozen.
-                os.killpg(p.pid, signal.SIGCONT)
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-            if p.stdout:
-                p.stdout.close()
+        stop_engine_processes(procs)
 
 
 def _chat() -> dict[str, Any]:
