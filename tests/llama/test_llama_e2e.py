@@ -23,12 +23,9 @@ import openai
 import psutil
 import pytest
 from llama_kit import (
-    ENABLE_HINT,
     Service,
     clean_env,
     diagnostics,
-    find_gguf,
-    find_llama_server,
     free_port,
     start_service,
 )
@@ -109,22 +106,6 @@ async def observe(nc: NATS, prefix: str) -> AsyncIterator[Observed]:
     finally:
         for s in subs:
             await s.unsubscribe()
-
-
-@pytest.fixture
-def llama_server() -> Path:
-    path, why = find_llama_server()
-    if path is None:
-        pytest.skip(f"no llama-server ({why}): {ENABLE_HINT}")
-    return path
-
-
-@pytest.fixture
-def gguf() -> Path:
-    path, why = find_gguf()
-    if path is None:
-        pytest.skip(f"no Gemma 3 270M GGUF ({why}): {ENABLE_HINT}")
-    return path
 
 
 def catalog_yaml(weights: str) -> str:

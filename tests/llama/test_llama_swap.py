@@ -24,12 +24,9 @@ from pathlib import Path
 import openai
 import pytest
 from llama_kit import (
-    ENABLE_HINT,
     Service,
     clean_env,
     diagnostics,
-    find_gguf,
-    find_llama_server,
     free_port,
     start_service,
 )
@@ -49,22 +46,6 @@ CARD = "L4-24GB"
 READY_TIMEOUT_S = 240.0
 ENGINE_ARGS = ["--threads", "1", "--ctx-size", "1024", "--parallel", "1"]
 TURNS = 4
-
-
-@pytest.fixture
-def llama_server() -> Path:
-    path, why = find_llama_server()
-    if path is None:
-        pytest.skip(f"no llama-server ({why}): {ENABLE_HINT}")
-    return path
-
-
-@pytest.fixture
-def gguf() -> Path:
-    path, why = find_gguf()
-    if path is None:
-        pytest.skip(f"no Gemma 3 270M GGUF ({why}): {ENABLE_HINT}")
-    return path
 
 
 def catalog_yaml(weights: str) -> str:
