@@ -27,6 +27,7 @@ OUTSIDE = {
     "llmgw_sim.engine.FaultExit",
     "llmgw_router.proxy._Retryable",
     "llmgw_router.failover._Incomplete",
+    "llmgw_router.migration.Unframed",
     "llmgw_router.admission._Expired",
     "llmgw_agent.weight_files._Truncated",
 }

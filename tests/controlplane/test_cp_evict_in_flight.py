@@ -60,7 +60,7 @@ async def test_a_replica_serving_a_request_is_not_evicted_until_it_is_done(nats_
         assert reply.state is WakeState.WAKING, reply
         assert f"{a_id}: serving a request right now" in reply.reason, reply.reason
         for _ in range(3):
-            await run.cp.pass_once(time.time())
+            await run.cp.loop.pass_once(time.time())
         assert replicas_of(run.cp, "a") == [a_id] and replicas_of(run.cp, "b") == []
         assert await events(bus_nc, prefix, "model.evicted") == []
 
