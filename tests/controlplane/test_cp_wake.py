@@ -269,11 +269,7 @@ async def test_a_wake_evicts_the_idle_model_when_there_is_no_room(nats_server, p
         await agent.send_inventory()
         beating.start()
         await eventually(lambda: endpoints(bus_nc, prefix))
-        assert (await wake(bus_nc, prefix, "a")).state is WakeState.WAKING
-        await eventually(lambda: asyncio.sleep(0, replicas_of(run.cp, "a")))
-        (a_id,) = replicas_of(run.cp, "a")
-        await ready_all(run.cp, agent)
-        await eventually(lambda: events(bus_nc, prefix, "model.woken"))
+        a_id = await _woken_and_ready(run, bus_nc, prefix, agent, "a")
         # a is in use (a router routes to it all the time): known idle, for well under its idle_after.
         router.busy.add(a_id)
         router.start()

@@ -114,11 +114,27 @@ class NodeReports:
         rec = self.nodes.get(name)
         return rec is not None and (rec.inventory is None or bool(rec.unproven_boot))
 
+    def _time_believed(self, node: str, kind: str, sent_at: float, now: float) -> bool:
+        """Whether a report's send time is one to act on (llmgw_common.clockcheck); else one doubt line."""
+        why = distrust(sent_at, now)
+        if why is not None:
+            self._doubt(node, "time", f"{kind}: {why}", now)
+            return False
+        return True
+
+    def _set_address(self, rec: NodeRecord, address: str) -> bool:
+        """Take a node's new address; True when it changed (multi-node leaders' addresses are in
+        assignments, so the generation moves too)."""
+        if rec.address == address:
+            return False
+        rec.address = address
+        rec.rev += 1
+        self.generation += 1
+        return True
+
     def on_heartbeat(self, hb: Heartbeat, now: float) -> bool:
         self.heartbeats += 1
-        why = distrust(hb.sent_at, now)
-        if why is not None:
-            self._doubt(hb.node, "time", f"heartbeat: {why}", now)
+        if not self._time_believed(hb.node, "heartbeat", hb.sent_at, now):
             return False
         rec, new = self._node(hb.node, now)
         heard = self._heard(rec, hb.boot_id, now)
@@ -131,11 +147,7 @@ class NodeReports:
             return changed
         rec.seq, rec.seq_at, rec.seq_jump = hb.seq, now, None
         rec.last_sent_at = order_time(hb.sent_at, now)
-        if rec.address != hb.address:
-            rec.address = hb.address
-            rec.rev += 1
-            self.generation += 1  # multi-node leaders' addresses are in assignments
-            changed = True
+        changed |= self._set_address(rec, hb.address)
         shards = {(s.replica_id, s.shard): short_error(s) for s in hb.shards}
         now_states, before = _states(shards), _states(rec.shards)
         if now_states != before:
@@ -145,9 +157,7 @@ class NodeReports:
         return changed
 
     def on_inventory(self, inv: Inventory, now: float) -> bool:
-        why = distrust(inv.sent_at, now)
-        if why is not None:
-            self._doubt(inv.node, "time", f"inventory: {why}", now)
+        if not self._time_believed(inv.node, "inventory", inv.sent_at, now):
             return False
         rec, _ = self._node(inv.node, now)
         changed = bool(self._heard(rec, inv.boot_id, now, proof=True))
@@ -157,17 +167,11 @@ class NodeReports:
             rec.inventory_rev += 1
             rec.rev += 1
             changed = True
-        if rec.address != inv.address:
-            rec.address = inv.address
-            rec.rev += 1
-            self.generation += 1
-            changed = True
+        changed |= self._set_address(rec, inv.address)
         return changed
 
     def on_status(self, st: ShardStatus, now: float) -> bool:
-        why = distrust(st.sent_at, now)
-        if why is not None:
-            self._doubt(st.node, "time", f"status: {why}", now)
+        if not self._time_believed(st.node, "status", st.sent_at, now):
             return False
         rec, _ = self._node(st.node, now)
         heard = self._heard(rec, st.boot_id, now)
