@@ -6,9 +6,9 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from agent_helpers import ENGINE_SCRIPT, Recorder, kill_group
 
 from llmgw_agent.supervisor import Supervisor
+from tests.agent.agent_helpers import ENGINE_SCRIPT, Recorder, kill_group
 
 
 @pytest.fixture

@@ -9,13 +9,13 @@ import os
 from pathlib import Path
 
 import httpx
-from agent_helpers import free_port
 
 from llmgw_agent.engines import LaunchSpec, launch_spec
 from llmgw_agent.metrics import LLAMACPP_METRICS, extract_load, parse_prometheus
 from llmgw_common.catalog import load_catalog_file
 from llmgw_common.messages import ShardAssignment
 from llmgw_common.settings import AgentSettings
+from tests.agent.agent_helpers import free_port
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "catalog.yaml"
 

@@ -21,7 +21,6 @@ from typing import Any
 import nats
 import psutil
 import pytest
-from agent_helpers import alive, free_port, kill_group
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -41,6 +40,7 @@ from llmgw_common.messages import (
 from llmgw_common.natsserver import NatsServer
 from llmgw_common.settings import AgentSettings
 from llmgw_common.subjects import Subjects
+from tests.agent.agent_helpers import alive, free_port, kill_group
 
 pytestmark = pytest.mark.e2e
 KINDS: dict[str, type[Any]] = {
@@ -411,11 +411,10 @@ def fake_collect(s: AgentSettings, boot_id: str, now: float) -> Inventory:
 async def test_load_report_reads_the_engine_and_blanks_what_it_cannot_scrape(
     nc: NATS, tmp_path: Path, engine_script: Path, reap_groups: list[int]
 ) -> None:
-    from agent_helpers import assignment, script_spec
-
     from llmgw_agent.service import Agent
     from llmgw_agent.supervisor import Shard
     from llmgw_common.messages import ReplicaLoad
+    from tests.agent.agent_helpers import assignment, script_spec
 
     agent = Agent(AgentSettings(node="n6", state_dir=str(tmp_path)), nc, collect=fake_collect)
     try:

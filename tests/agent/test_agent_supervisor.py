@@ -9,7 +9,6 @@ import socket
 from pathlib import Path
 
 import pytest
-from agent_helpers import Recorder, alive, assignment, free_port, script_spec
 
 from llmgw_agent.converge import assignment_fingerprint
 from llmgw_agent.enginelogs import read_tail
@@ -18,6 +17,7 @@ from llmgw_agent.metrics import VLLM_METRICS
 from llmgw_agent.supervisor import Supervisor
 from llmgw_common.messages import ShardState
 from llmgw_common.settings import AgentSettings
+from tests.agent.agent_helpers import Recorder, alive, assignment, free_port, script_spec
 
 Fixture = tuple[Supervisor, Recorder]
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import pynvml
 import pytest
-from fake_nvml import FakeNvml, load_machine
 
 from llmgw_agent.gpus import GpuProbe, gpu_class, marketed_gb, model_token
+from tests.agent_inventory.fake_nvml import FakeNvml, load_machine
 
 
 def _read(machine: dict[str, Any] | str) -> tuple[Any, ...]:

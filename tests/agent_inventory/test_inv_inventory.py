@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pynvml
 import pytest
-from fake_nvml import FakeNvml, load_machine
-from weights_files import safetensors_bytes, write
 
 from llmgw_agent.gpus import GpuProbe
 from llmgw_agent.inventory import collect_inventory, count_cpus, parse_meminfo_gb, read_memory_gb
@@ -21,6 +19,8 @@ from llmgw_common.gpuspec import parse_sim_gpus
 from llmgw_common.messages import Inventory
 from llmgw_common.settings import AgentSettings
 from llmgw_sim.gpus import sim_gpus
+from tests.agent_inventory.fake_nvml import FakeNvml, load_machine
+from tests.agent_inventory.weights_files import safetensors_bytes, write
 
 MEMINFO = "MemTotal:       2113389016 kB\nMemFree:        1904121212 kB\nMemAvailable:   2001234567 kB\n"
 

@@ -8,7 +8,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from weights_files import F32, Q4_K, gguf_bytes, safetensors_bytes, write
 
 from llmgw_agent.storage import (
     Mount,
@@ -20,6 +19,7 @@ from llmgw_agent.storage import (
     weights_problem,
 )
 from llmgw_agent.weight_files import gguf_problem
+from tests.agent_inventory.weights_files import F32, Q4_K, gguf_bytes, safetensors_bytes, write
 
 CONFIG = json.dumps({"architectures": ["LlamaForCausalLM"]})
 

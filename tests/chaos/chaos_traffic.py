@@ -21,9 +21,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
-from chaos_bus import BusView
 
 from llmgw_sim import openai_api as oai
+from tests.chaos.chaos_bus import BusView
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from chaos_bus import BusView, EndpointRevisions, poll
-from chaos_harness import AGGRESSIVE, ChaosCluster, boot
 from nats.aio.msg import Msg
+
+from tests.chaos.chaos_bus import BusView, EndpointRevisions, poll
+from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, boot
 
 pytestmark = [pytest.mark.xdist_group("chaos"), pytest.mark.e2e, pytest.mark.slow]
 

@@ -15,11 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from chaos_bus import BusView, poll
-from chaos_harness import AGGRESSIVE, ChaosCluster, Proc, boot
-from chaos_traffic import Traffic, wait_serving
 
 from llmgw_common.ctl import DebugStatsReply
+from tests.chaos.chaos_bus import BusView, poll
+from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, Proc, boot
+from tests.chaos.chaos_traffic import Traffic, wait_serving
 
 pytestmark = [pytest.mark.xdist_group("chaos"), pytest.mark.e2e, pytest.mark.slow]
 

@@ -15,9 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from chaos_bus import BusView, poll
-from chaos_harness import ChaosCluster, boot
-from chaos_traffic import Traffic, streams_on, wait_serving
+
+from tests.chaos.chaos_bus import BusView, poll
+from tests.chaos.chaos_harness import ChaosCluster, boot
+from tests.chaos.chaos_traffic import Traffic, streams_on, wait_serving
 
 pytestmark = [pytest.mark.xdist_group("chaos"), pytest.mark.e2e, pytest.mark.slow]
 

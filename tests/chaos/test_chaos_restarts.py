@@ -15,12 +15,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-from chaos_bus import BusView, poll
-from chaos_harness import AGGRESSIVE, ChaosCluster, boot
-from chaos_traffic import Traffic, wait_serving
 
 from llmgw_common.ctl import ReplicaInfo
 from llmgw_common.messages import Heartbeat, IdleReport
+from tests.chaos.chaos_bus import BusView, poll
+from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, boot
+from tests.chaos.chaos_traffic import Traffic, wait_serving
 
 pytestmark = [pytest.mark.xdist_group("chaos"), pytest.mark.e2e, pytest.mark.slow]
 

@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
-from chaos_bus import BusView, poll
-from chaos_harness import AGGRESSIVE, ChaosCluster, Proc
-from faults import launcher
 
 from llmgw_common.ctl import DebugStatsReply
 from llmgw_common.runtime import EXIT_TASK_DIED
+from tests.chaos.chaos_bus import BusView, poll
+from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, Proc
+from tests.chaos.faults import launcher
 
 pytestmark = [pytest.mark.xdist_group("chaos"), pytest.mark.e2e, pytest.mark.slow]
 

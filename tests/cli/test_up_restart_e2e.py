@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -18,9 +17,7 @@ from llmgw_cli.devcluster import run_processes
 from llmgw_common import bus
 from llmgw_common.ctl import CtlClient, CtlError
 from llmgw_common.settings import BusSettings
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from e2e_cluster import Cluster, start_up, stop_up, wait_model
+from tests.e2e.e2e_cluster import Cluster, start_up, stop_up, wait_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -217,8 +217,8 @@ def test_children_die_with_a_killed_up(tmp_path: Path, rec: Path) -> None:
         import sys, time
         from pathlib import Path
         from llmgw_cli.devcluster import Supervisor
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from test_up_supervisor import make_layout, STANDIN, ChildSpec
+        sys.path.insert(0, {str(Path(__file__).parents[2])!r})
+        from tests.cli.test_up_supervisor import make_layout, STANDIN, ChildSpec
         sup = Supervisor(make_layout(Path({str(tmp_path)!r})), "tok",
                          argv_for=lambda s, l: [sys.executable, "-c", STANDIN, s.name, {str(rec)!r}])
         c = sup.start(ChildSpec("agent", "x", {{}}, tier=3))

@@ -13,7 +13,6 @@ from typing import Any
 
 import nats.errors
 import pytest
-from console_live import DEPS_REASON, LIVE_CATALOG, LiveConsole, chromium_path, eventually, live_agents
 
 from llmgw_common import bus
 from llmgw_common.ctl import CtlClient, CtlUnavailable
@@ -23,6 +22,14 @@ from llmgw_common.subjects import Subjects
 from llmgw_controlplane.admin import AdminServer, CtlApiSource, build_admin_app
 from llmgw_controlplane.console.usage import UsageBook
 from llmgw_controlplane.service import ControlPlane
+from tests.console.console_live import (
+    DEPS_REASON,
+    LIVE_CATALOG,
+    LiveConsole,
+    chromium_path,
+    eventually,
+    live_agents,
+)
 
 
 @pytest.fixture

@@ -8,10 +8,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from console_fleet import NODES, NOW, UNHEALTHY_REASON, FixedSource
-from console_live import LIVE_UNHEALTHY, LiveConsole, eventually
-
 from llmgw_controlplane.admin import PAGES, AdminServer, build_admin_app
+from tests.console.console_fleet import NODES, NOW, UNHEALTHY_REASON, FixedSource
+from tests.console.console_live import LIVE_UNHEALTHY, LiveConsole, eventually
 
 log = logging.getLogger("test.console")
 VIEWPORT = {"width": 1440, "height": 900}

@@ -16,16 +16,6 @@ from typing import Any
 
 import httpx
 import pytest
-from console_fleet import (
-    HOSTILE,
-    HOSTILE_LOG,
-    NOW,
-    STATUS,
-    UNHEALTHY_REASON,
-    UNPLACEABLE_REASON,
-    WEBHOOK,
-    FixedSource,
-)
 
 from llmgw_common.catalog import parse_catalog
 from llmgw_common.ctl import StatusReply
@@ -43,6 +33,16 @@ from llmgw_common.settings import ControlPlaneSettings
 from llmgw_controlplane.admin import CONSOLE_DIR, PAGES, WEBHOOK_COMMAND, CtlApiSource, build_admin_app
 from llmgw_controlplane.console.usage import UsageView
 from llmgw_controlplane.service import ControlPlane
+from tests.console.console_fleet import (
+    HOSTILE,
+    HOSTILE_LOG,
+    NOW,
+    STATUS,
+    UNHEALTHY_REASON,
+    UNPLACEABLE_REASON,
+    WEBHOOK,
+    FixedSource,
+)
 
 PATHS = [p for p, _, _ in PAGES]
 
@@ -184,9 +184,8 @@ async def test_nodes_page(c):
 
 
 async def test_nodes_page_marks_simulated_nodes():
-    from console_fleet import NODES
-
     from llmgw_common.ctl import NodesReply
+    from tests.console.console_fleet import NODES
 
     sim = tuple(n.model_copy(update={"simulated": n.name in ("gpu-a01", "gpu-b01")}) for n in NODES)
     async with client(FixedSource(nodes_reply=NodesReply(nodes=sim))) as c:
@@ -215,9 +214,8 @@ async def test_overview_shows_the_simulated_warning():
 
 
 async def test_nodes_page_without_problems_has_no_attention_line():
-    from console_fleet import NODES
-
     from llmgw_common.ctl import NodesReply
+    from tests.console.console_fleet import NODES
 
     fine = tuple(
         n for n in NODES if n.state == "ready" and not (n.gpus_unhealthy or n.cordoned or n.draining)

@@ -8,13 +8,13 @@ import time
 from collections import Counter
 
 import httpx
-from console_live import LIVE_UNHEALTHY, LiveConsole, eventually
-from test_console_http import rows, text
 
 from llmgw_common import bus
 from llmgw_common.ctl import StatusReply
 from llmgw_common.messages import Assignment, ClusterSettings, UsageReport, Webhook
 from llmgw_common.subjects import Subjects
+from tests.console.console_live import LIVE_UNHEALTHY, LiveConsole, eventually
+from tests.console.test_console_http import rows, text
 
 
 async def _settled(live: LiveConsole) -> StatusReply:

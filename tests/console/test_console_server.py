@@ -9,7 +9,6 @@ import socket
 
 import httpx
 import pytest
-from console_fleet import FixedSource
 
 from llmgw_controlplane.admin import (
     AdminBindError,
@@ -19,6 +18,7 @@ from llmgw_controlplane.admin import (
     is_loopback,
     serve_admin,
 )
+from tests.console.console_fleet import FixedSource
 
 log = logging.getLogger("test.console")
 

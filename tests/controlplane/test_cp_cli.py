@@ -14,10 +14,10 @@ from pathlib import Path
 
 import nats
 import pytest
-from cp_helpers import FakeAgent
 from typer.testing import CliRunner
 
 from llmgw_cli.main import app
+from tests.controlplane.cp_helpers import FakeAgent
 
 CATALOG = """
 models:

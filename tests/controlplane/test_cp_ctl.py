@@ -5,13 +5,13 @@ from __future__ import annotations
 import time
 
 import pytest
-from cp_helpers import Beating, FakeAgent, cp_settings, ctl_answers, eventually, start_cp
 
 from llmgw_common import bus
 from llmgw_common.catalog import Catalog
 from llmgw_common.ctl import CtlClient, CtlError, CtlUnavailable
 from llmgw_common.messages import Assignment, ClusterSettings, RoutingCatalog, ShardState, Webhook
 from llmgw_common.subjects import ROUTING_CATALOG, Subjects
+from tests.controlplane.cp_helpers import Beating, FakeAgent, cp_settings, ctl_answers, eventually, start_cp
 
 BAD = """
 models:

@@ -8,7 +8,6 @@ import logging
 
 import nats
 import pytest
-from cp_helpers import CTL_TIMEOUT_S, Beating, FakeAgent, cp_settings, ctl_answers, eventually, start_cp
 
 from llmgw_common import bus
 from llmgw_common.catalog import Catalog, parse_catalog
@@ -17,6 +16,15 @@ from llmgw_common.ctl import CtlClient
 from llmgw_common.messages import Marks
 from llmgw_common.subjects import DESIRED_CATALOG, DESIRED_MARKS, Subjects
 from llmgw_controlplane.desired import DesiredConflict, DesiredStore, cordon
+from tests.controlplane.cp_helpers import (
+    CTL_TIMEOUT_S,
+    Beating,
+    FakeAgent,
+    cp_settings,
+    ctl_answers,
+    eventually,
+    start_cp,
+)
 
 NODES = [f"gpu-{i}" for i in range(10)]
 

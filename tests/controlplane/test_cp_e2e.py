@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import logging
 
-from cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
-
 from llmgw_common import bus
 from llmgw_common.messages import Assignment, RoutingEndpoints, ShardState
 from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
+from tests.controlplane.cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
 
 
 async def _assignments(nc, prefix: str) -> dict[str, Assignment]:

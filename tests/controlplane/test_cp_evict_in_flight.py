@@ -11,11 +11,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
-from test_cp_wake import CATALOG, Router, endpoints, events, ready_all, replicas_of, wake
-
 from llmgw_common.codec import encode
 from llmgw_common.messages import IdleReport, WakeState
+from tests.controlplane.cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
+from tests.controlplane.test_cp_wake import CATALOG, Router, endpoints, events, ready_all, replicas_of, wake
 
 
 class StreamingRouter(Router):

@@ -5,12 +5,11 @@ from __future__ import annotations
 import logging
 import time
 
-from cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
-from test_cp_e2e import _assignments, _endpoints
-
 from llmgw_common.codec import encode
 from llmgw_common.messages import Heartbeat, ShardState, ShardStatus
 from llmgw_common.subjects import Subjects
+from tests.controlplane.cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
+from tests.controlplane.test_cp_e2e import _assignments, _endpoints
 
 
 async def _at_least(a: int, b: int) -> bool:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 
 import pytest
-from cp_helpers import Beating, FakeAgent, cp_settings, ctl_answers, eventually, start_cp
 from nats.aio.client import Client as NATS
 
 from llmgw_common.ctl import CtlClient
 from llmgw_common.natsserver import NatsServer
+from tests.controlplane.cp_helpers import Beating, FakeAgent, cp_settings, ctl_answers, eventually, start_cp
 
 
 async def test_lost_node_is_forgotten_and_ctl_stops_listing_it(

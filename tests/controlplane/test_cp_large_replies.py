@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Iterator
 
 import nats
 import pytest
-from cp_helpers import cp_settings, ctl_answers, eventually, start_cp
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -25,6 +24,7 @@ from llmgw_common.natsserver import NatsServer
 from llmgw_common.settings import ControlPlaneSettings
 from llmgw_common.subjects import Subjects
 from llmgw_sim.synthetic import synthetic_inventories
+from tests.controlplane.cp_helpers import cp_settings, ctl_answers, eventually, start_cp
 
 MAX_PAYLOAD = 32 * 1024
 NODES = 300

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
 
 from llmgw_common import bus
 from llmgw_common.catalog import Catalog, parse_catalog
@@ -15,6 +14,7 @@ from llmgw_common.messages import Assignment, ReplicaRecord, ReplicaSpec, ShardA
 from llmgw_common.subjects import LEADER_KEY, Subjects
 from llmgw_controlplane.apply import AssignmentWriter, Fenced, ReplicaStore, desired_assignments, pin_specs
 from llmgw_controlplane.leader import Lease
+from tests.controlplane.cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
 
 
 class Clock:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-from cp_helpers import eventually
 from nats.js.kv import KeyValue
 
 from llmgw_common import bus
@@ -17,6 +16,7 @@ from llmgw_common.codec import encode
 from llmgw_common.ctl import LeaseRecord
 from llmgw_common.subjects import LEADER_KEY, Subjects
 from llmgw_controlplane.leader import Lease
+from tests.controlplane.cp_helpers import eventually
 
 
 class Clock:

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 
-from cp_helpers import cp_settings, eventually, start_cp
-
 from llmgw_common import bus
 from llmgw_common.codec import encode
 from llmgw_common.ctl import LeaseRecord
 from llmgw_common.subjects import LEADER_KEY, Subjects
 from llmgw_controlplane.apply import ReplicaStore
+from tests.controlplane.cp_helpers import cp_settings, eventually, start_cp
 
 
 async def _true(v: bool) -> bool:

@@ -8,10 +8,9 @@ no model's endpoints changed again while the crash loop's backoff lasted (up to 
 
 from __future__ import annotations
 
-from cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
-from test_cp_e2e import _assignments, _endpoints
-
 from llmgw_common.messages import ShardState
+from tests.controlplane.cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
+from tests.controlplane.test_cp_e2e import _assignments, _endpoints
 
 CATALOG = """
 models:

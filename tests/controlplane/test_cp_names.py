@@ -7,11 +7,11 @@ import logging
 import time
 
 import pytest
-from cp_helpers import FakeAgent, cp_settings, eventually, start_cp
 
 from llmgw_common.codec import encode
 from llmgw_common.messages import Heartbeat, Inventory
 from llmgw_common.subjects import Subjects
+from tests.controlplane.cp_helpers import FakeAgent, cp_settings, eventually, start_cp
 
 EVIL = "evil\x1b[2J\x1b]8;;https://x\x07"
 

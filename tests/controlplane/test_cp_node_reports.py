@@ -11,14 +11,13 @@ import dataclasses
 import time
 from typing import Any
 
-from cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
-from test_cp_e2e import _assignments
-
 from llmgw_common.codec import encode
 from llmgw_common.ctl import CtlClient
 from llmgw_common.messages import LoadReport, ReplicaLoad, ShardState, ShardStatus
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane.state import ClusterState
+from tests.controlplane.cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
+from tests.controlplane.test_cp_e2e import _assignments
 
 INVENTED = "invented-"
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import time
 
-from cp_helpers import cp_settings, eventually, start_cp
-
 from llmgw_common.codec import encode
 from llmgw_common.messages import IdleReport, UsageReport
 from llmgw_common.subjects import Subjects
+from tests.controlplane.cp_helpers import cp_settings, eventually, start_cp
 
 
 async def test_a_report_naming_another_router_than_its_subject_is_dropped(nats_server, prefix, bus_nc):

@@ -7,7 +7,6 @@ import asyncio
 from typing import Any
 
 import pytest
-from cp_helpers import cp_settings, ctl_answers, eventually, start_cp
 
 from llmgw_common import bus
 from llmgw_common.ctl import CtlClient, LeaseRecord
@@ -16,6 +15,7 @@ from llmgw_common.subjects import LEADER_KEY, Subjects
 from llmgw_controlplane import reconcile_loop
 from llmgw_controlplane.reconciler import reconcile as real_reconcile
 from llmgw_controlplane.service import MAX_FAILED_PASSES
+from tests.controlplane.cp_helpers import cp_settings, ctl_answers, eventually, start_cp
 
 
 async def _true(v: bool) -> bool:

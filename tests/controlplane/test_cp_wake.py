@@ -7,7 +7,6 @@ import asyncio
 import time
 
 import nats.js.errors
-from cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
 from nats.aio.client import Client as NATS
 
 from llmgw_common import bus
@@ -23,6 +22,7 @@ from llmgw_common.messages import (
     WakeState,
 )
 from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
+from tests.controlplane.cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
 
 CATALOG = """
 models:

@@ -11,13 +11,12 @@ import asyncio
 import logging
 import time
 
-from cp_helpers import eventually
-
 from llmgw_common import bus
 from llmgw_common.codec import decode, encode
 from llmgw_common.messages import WakeReply, WakeRequest, WakeState
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane.wakes import MEMO_MAX, WakeResponder
+from tests.controlplane.cp_helpers import eventually
 
 
 class _Answers:

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import time
 
-from cp_helpers import FakeAgent, cp_settings, eventually
-
 from llmgw_common import bus
 from llmgw_common.catalog import parse_catalog
 from llmgw_common.codec import encode
 from llmgw_common.messages import ShardState
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane.service import ControlPlane
+from tests.controlplane.cp_helpers import FakeAgent, cp_settings, eventually
 
 CATALOG = (
     "models:\n  - {name: w, engine: sim, startup_timeout_s: 100000, watch: {budget: 30s, probe_every: 60s}}\n"

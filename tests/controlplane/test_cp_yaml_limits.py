@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from cp_helpers import cp_settings, ctl_answers, start_cp
 
 from llmgw_common.ctl import CtlClient, CtlError
+from tests.controlplane.cp_helpers import cp_settings, ctl_answers, start_cp
 
 # The report's 1.2 KB catalog: nine levels of ten aliases in a model's options (10^9 nodes expanded).
 BOMB = "models:\n  - name: tiny\n    engine: sim\n    options:\n      a0: &a0 [lol]\n" + "".join(

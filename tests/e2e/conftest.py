@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from e2e_cluster import Cluster, start_up, stop_up
+
+from tests.e2e.e2e_cluster import Cluster, start_up, stop_up
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,8 @@ import time
 from typing import Any
 
 import pytest
-from e2e_cluster import Cluster
+
+from tests.e2e.e2e_cluster import Cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("e2e")]
 

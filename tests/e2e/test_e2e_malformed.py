@@ -14,12 +14,12 @@ import nats
 import psutil
 import pytest
 from aiohttp import web
-from e2e_cluster import Cluster, chat_once, wait_model
 from nats.js.kv import KeyValue
 
 from llmgw_common.codec import encode
 from llmgw_common.messages import ClusterSettings, Event, Webhook
 from llmgw_common.subjects import DESIRED_SETTINGS, ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
+from tests.e2e.e2e_cluster import Cluster, chat_once, wait_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("e2e")]
 

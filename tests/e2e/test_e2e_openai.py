@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import openai
 import pytest
-from e2e_cluster import Cluster, wait_model
+
+from tests.e2e.e2e_cluster import Cluster, wait_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("e2e")]
 

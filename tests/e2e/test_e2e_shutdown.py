@@ -17,9 +17,9 @@ from typing import Any
 
 import psutil
 import pytest
-from e2e_cluster import Cluster, chat_once, start_up, stop_up
 
 from llmgw_cli.devcluster import RUN_MARKER, run_processes
+from tests.e2e.e2e_cluster import Cluster, chat_once, start_up, stop_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("e2e")]
 

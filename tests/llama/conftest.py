@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from llama_kit import ENABLE_HINT, find_gguf, find_llama_server
+
+from tests.llama.llama_kit import ENABLE_HINT, find_gguf, find_llama_server
 
 
 @pytest.fixture

@@ -22,13 +22,6 @@ import httpx
 import openai
 import psutil
 import pytest
-from llama_kit import (
-    Service,
-    clean_env,
-    diagnostics,
-    free_port,
-    start_service,
-)
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError
@@ -38,6 +31,13 @@ from llmgw_common import bus
 from llmgw_common.codec import decode
 from llmgw_common.messages import Heartbeat, LoadReport, ReplicaLoad, RoutingEndpoints
 from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
+from tests.llama.llama_kit import (
+    Service,
+    clean_env,
+    diagnostics,
+    free_port,
+    start_service,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("llama"), pytest.mark.timeout(420)]
 

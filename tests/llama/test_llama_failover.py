@@ -27,7 +27,16 @@ import httpx
 import psutil
 import pytest
 import yaml
-from llama_kit import ENABLE_HINT, Service, clean_env, find_gguf, find_llama_server, free_port, start_service
+
+from tests.llama.llama_kit import (
+    ENABLE_HINT,
+    Service,
+    clean_env,
+    find_gguf,
+    find_llama_server,
+    free_port,
+    start_service,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("llama"), pytest.mark.timeout(420)]
 

@@ -23,13 +23,6 @@ from pathlib import Path
 
 import openai
 import pytest
-from llama_kit import (
-    Service,
-    clean_env,
-    diagnostics,
-    free_port,
-    start_service,
-)
 from nats.aio.client import Client as NATS
 from nats.js.errors import BucketNotFoundError
 
@@ -37,6 +30,13 @@ from llmgw_common import bus
 from llmgw_common.codec import decode, encode
 from llmgw_common.messages import Event, RoutingEndpoints, WakeReply, WakeRequest, WakeState
 from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
+from tests.llama.llama_kit import (
+    Service,
+    clean_env,
+    diagnostics,
+    free_port,
+    start_service,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("llama"), pytest.mark.timeout(600)]
 

@@ -27,11 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos_harness import ChaosCluster, Proc, free_port
-
 from llmgw_common.natsauth import Role, all_roles, authorization_config
 from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
+from tests.chaos.chaos_harness import ChaosCluster, Proc, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy" / "nats"

@@ -19,12 +19,12 @@ import nats
 import nats.errors
 import pytest
 import yaml
-from chaos_harness import free_port
-from natscluster_harness import DEPLOY, derive_config
 
 from llmgw_common import bus
 from llmgw_common.natsserver import find_nats_server
 from llmgw_common.settings import BusSettings
+from tests.chaos.chaos_harness import free_port
+from tests.natscluster.natscluster_harness import DEPLOY, derive_config
 
 SERVERS = ("nats-1.conf", "nats-2.conf", "nats-3.conf")
 

@@ -26,14 +26,14 @@ from pathlib import Path
 import httpx
 import nats.js.errors
 import pytest
-from chaos_bus import poll
-from chaos_harness import AGGRESSIVE
-from chaos_traffic import Traffic, wait_serving
-from natscluster_harness import Topology, service_logs
 
 from llmgw_common import bus
 from llmgw_common.settings import BusSettings
 from llmgw_common.subjects import Subjects
+from tests.chaos.chaos_bus import poll
+from tests.chaos.chaos_harness import AGGRESSIVE
+from tests.chaos.chaos_traffic import Traffic, wait_serving
+from tests.natscluster.natscluster_harness import Topology, service_logs
 
 pytestmark = [pytest.mark.xdist_group("natscluster"), pytest.mark.e2e, pytest.mark.slow]
 

@@ -6,11 +6,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import nats
 import pytest
-from notifier_helpers import Bus, Receiver
 
 from llmgw_common.bus import ensure_all
 from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
+from tests.notifier.notifier_helpers import Bus, Receiver
 
 
 @pytest.fixture

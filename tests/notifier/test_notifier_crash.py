@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from notifier_helpers import Bus, ev, wait_until
 
 from llmgw_common.messages import Webhook
 from llmgw_common.natsserver import NatsServer
 from llmgw_notifier.delivery import consumer_name
 from llmgw_notifier.targets import target_id
+from tests.notifier.notifier_helpers import Bus, ev, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -7,13 +7,13 @@ from typing import Any
 
 import nats.js.errors
 import pytest
-from notifier_helpers import Bus, ev, fast_settings, running, wait_until
 
 from llmgw_common.messages import Webhook
 from llmgw_common.natsserver import NatsServer
 from llmgw_notifier.delivery import consumer_name
 from llmgw_notifier.formats import verify
 from llmgw_notifier.targets import target_id
+from tests.notifier.notifier_helpers import Bus, ev, fast_settings, running, wait_until
 
 
 async def test_slack_and_signed_json_payloads(

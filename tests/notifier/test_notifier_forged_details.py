@@ -15,10 +15,10 @@ import time
 from typing import Any
 
 import pytest
-from notifier_helpers import Bus, ev, fast_settings, running, wait_until
 
 from llmgw_common.messages import Event, Webhook
 from llmgw_common.natsserver import NatsServer
+from tests.notifier.notifier_helpers import Bus, ev, fast_settings, running, wait_until
 
 
 def _forged(kind: str, **details: Any) -> Event:

@@ -12,12 +12,12 @@ import time
 from typing import Any
 
 import pytest
-from notifier_helpers import Bus, ev, fast_settings, running, wait_until
 
 from llmgw_common.codec import encode
 from llmgw_common.messages import Event, Webhook
 from llmgw_common.natsserver import NatsServer
 from llmgw_notifier.formats import EVENT_ID_HEADER, EVENT_KIND_HEADER, render
+from tests.notifier.notifier_helpers import Bus, ev, fast_settings, running, wait_until
 
 
 def _forged(field: str) -> Event:

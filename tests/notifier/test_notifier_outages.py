@@ -8,8 +8,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats
-from notifier_helpers import Bus, fast_settings, running, wait_until
-from test_notifier_probes import FakeRouter, probe_settings
 
 from llmgw_common.bus import ensure_all
 from llmgw_common.catalog import WatchSpec
@@ -20,6 +18,8 @@ from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
 from llmgw_notifier.delivery import consumer_name
 from llmgw_notifier.outages import DOWN, RECOVERED, OutageLedger
 from llmgw_notifier.targets import target_id
+from tests.notifier.notifier_helpers import Bus, fast_settings, running, wait_until
+from tests.notifier.test_notifier_probes import FakeRouter, probe_settings
 
 
 def cp(kind: str, model: str, t: float) -> Event:

@@ -13,7 +13,6 @@ from typing import Any
 
 import httpx
 import pytest
-from notifier_helpers import Bus, FakeTime, ev, fast_settings, running, wait_until
 
 from llmgw_common.codec import encode
 from llmgw_common.messages import Event, Webhook
@@ -22,6 +21,7 @@ from llmgw_common.settings import NotifierSettings
 from llmgw_notifier.delivery import consumer_name, post_until_taken
 from llmgw_notifier.formats import render
 from llmgw_notifier.targets import target_id
+from tests.notifier.notifier_helpers import Bus, FakeTime, ev, fast_settings, running, wait_until
 
 # The IDNA codec refuses this host (an "xn--" label with no punycode): httpx raises UnicodeError, not
 # an httpx.HTTPError, before any connection is made.

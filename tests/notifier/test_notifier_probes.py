@@ -11,7 +11,6 @@ from typing import Any
 import httpx
 import pytest
 from aiohttp import web
-from notifier_helpers import Bus, running, wait_until
 
 from llmgw_common.catalog import WatchSpec
 from llmgw_common.codec import encode
@@ -20,6 +19,7 @@ from llmgw_common.natsserver import NatsServer
 from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import ROUTING_ENDPOINTS
 from llmgw_notifier.probes import DOWN, RECOVERED, probe_once
+from tests.notifier.notifier_helpers import Bus, running, wait_until
 
 KEY = "sk-probe-test"
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from notifier_helpers import fast_settings, wait_until
 
 from llmgw_common import bus
 from llmgw_common.runtime import TaskDied
 from llmgw_notifier import service
 from llmgw_notifier.delivery import NotifierStats
 from llmgw_notifier.targets import Targets
+from tests.notifier.notifier_helpers import fast_settings, wait_until
 
 
 async def test_a_failing_housekeeping_pass_is_counted_and_the_next_runs(nats_server, prefix, monkeypatch):

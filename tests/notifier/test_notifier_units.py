@@ -9,7 +9,6 @@ import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from notifier_helpers import FakeTime
 
 from llmgw_common.backoff import jittered_delay
 from llmgw_common.catalog import WatchSpec
@@ -21,6 +20,7 @@ from llmgw_notifier.formats import group_id, render, sign, slack_text, verify
 from llmgw_notifier.grouping import Held, plan_groups
 from llmgw_notifier.outages import Outage, Verdict, fold
 from llmgw_notifier.probes import DOWN, RECOVERED, ProbeState, event_id, observe, probe_event
+from tests.notifier.notifier_helpers import FakeTime
 
 
 def e(kind: str, subject: str, t: float, n: int = 0) -> Event:

@@ -18,9 +18,10 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from chaos_bus import BusView, poll
-from chaos_harness import AGGRESSIVE, ChaosCluster, mint_key, wait_endpoints
-from chaos_traffic import Record, Traffic, wait_serving
+
+from tests.chaos.chaos_bus import BusView, poll
+from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, mint_key, wait_endpoints
+from tests.chaos.chaos_traffic import Record, Traffic, wait_serving
 
 pytestmark = [pytest.mark.xdist_group("operator"), pytest.mark.e2e, pytest.mark.slow]
 

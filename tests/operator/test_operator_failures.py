@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chaos_bus import BusView, poll
-from chaos_harness import AGGRESSIVE, ChaosCluster
-from test_operator_drain import _ctl
+
+from tests.chaos.chaos_bus import BusView, poll
+from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster
+from tests.operator.test_operator_drain import _ctl
 
 pytestmark = [pytest.mark.xdist_group("operator"), pytest.mark.e2e, pytest.mark.slow]
 

@@ -17,13 +17,13 @@ from pathlib import Path
 import nats.errors
 import psutil
 import pytest
-from chaos_bus import BusView, poll
-from chaos_harness import AGGRESSIVE, ChaosCluster, mint_key, wait_endpoints
-from chaos_traffic import wait_serving
-from test_operator_drain import MixedTraffic, _ctl
 
 from llmgw_common.catalog import parse_catalog
 from llmgw_common.messages import ReplicaSpec
+from tests.chaos.chaos_bus import BusView, poll
+from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, mint_key, wait_endpoints
+from tests.chaos.chaos_traffic import wait_serving
+from tests.operator.test_operator_drain import MixedTraffic, _ctl
 
 pytestmark = [pytest.mark.xdist_group("operator"), pytest.mark.e2e, pytest.mark.slow]
 

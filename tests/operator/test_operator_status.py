@@ -21,9 +21,17 @@ from typing import Any
 
 import nats
 import pytest
-from operator_fleet import CATALOG, SHAPES, Fleet, fabric_of, memory_of, node_name, unhealthy_of
 
 from llmgw_common.ctl import CtlClient, CtlError
+from tests.operator.operator_fleet import (
+    CATALOG,
+    SHAPES,
+    Fleet,
+    fabric_of,
+    memory_of,
+    node_name,
+    unhealthy_of,
+)
 
 pytestmark = [pytest.mark.xdist_group("operator"), pytest.mark.e2e]
 

@@ -20,13 +20,13 @@ from typing import Any
 import nats.js.errors
 import pytest
 from aiohttp import web
-from chaos_bus import BusView, poll
-from chaos_harness import AGGRESSIVE, ChaosCluster, mint_key, wait_endpoints
-from chaos_traffic import wait_serving
 
 from llmgw_common.messages import ClusterSettings, Event, Webhook
 from llmgw_notifier.delivery import consumer_name
 from llmgw_notifier.targets import target_id
+from tests.chaos.chaos_bus import BusView, poll
+from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, mint_key, wait_endpoints
+from tests.chaos.chaos_traffic import wait_serving
 
 pytestmark = [pytest.mark.xdist_group("operator"), pytest.mark.e2e, pytest.mark.slow]
 

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from chaos_bus import BusView, poll
-from chaos_harness import AGGRESSIVE, ChaosCluster, wait_endpoints
 
 from llmgw_common.messages import Event
+from tests.chaos.chaos_bus import BusView, poll
+from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, wait_endpoints
 
 pytestmark = [pytest.mark.xdist_group("operator"), pytest.mark.e2e, pytest.mark.slow]
 

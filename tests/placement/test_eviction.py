@@ -8,12 +8,12 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from placement_kit import H100, node, profile, replica, snap
 
 from llmgw_controlplane.eviction import plan_eviction
 from llmgw_controlplane.idle import UNKNOWN, IdleKind, IdleKnowledge
 from llmgw_controlplane.placement import Placement, place
 from llmgw_controlplane.scaling import IdleLookup
+from tests.placement.placement_kit import H100, node, profile, replica, snap
 
 NOW = 100_000.0
 RESIDENCY = 300.0

@@ -11,11 +11,11 @@ from types import MappingProxyType
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from placement_kit import A100, H100, local, profile, shared
 
 from llmgw_common.catalog import ModelProfile
 from llmgw_controlplane.placement import Fleet, Placement, explain_in, place_in
 from llmgw_controlplane.snapshot import GpuView, NodeState, NodeView, ReplicaView, ShardView, Snapshot
+from tests.placement.placement_kit import A100, H100, local, profile, shared
 
 
 def _fleet(seed: int) -> Snapshot:

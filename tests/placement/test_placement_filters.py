@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from placement_kit import A100, H100, NodeState, gpus, node, profile, replica, snap
 
 from llmgw_common.catalog import ModelProfile
 from llmgw_controlplane.placement import (
@@ -23,6 +22,7 @@ from llmgw_controlplane.placement import (
     place,
 )
 from llmgw_controlplane.snapshot import NodeView
+from tests.placement.placement_kit import A100, H100, NodeState, gpus, node, profile, replica, snap
 
 REFUSALS: list[tuple[str, NodeView, ModelProfile, str, int]] = [
     (

@@ -7,12 +7,12 @@ from types import MappingProxyType
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from placement_kit import A100, H100, profile, snap
 
 from llmgw_common.catalog import ModelProfile
 from llmgw_controlplane.placement import Placement, Unplaceable, explain, place
 from llmgw_controlplane.reconciler import reconcile
 from llmgw_controlplane.snapshot import GpuView, NodeState, NodeView, ReplicaView, ShardView, Snapshot
+from tests.placement.placement_kit import A100, H100, profile, snap
 
 CLASSES = (H100, A100)
 FABRICS = (None, "f1", "f2")

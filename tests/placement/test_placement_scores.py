@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from placement_kit import A100, local, node, profile, replica, shared, snap
 
 from llmgw_common.catalog import ModelProfile
 from llmgw_controlplane.placement import Placement, explain, place
 from llmgw_controlplane.snapshot import NodeView, ReplicaView
+from tests.placement.placement_kit import A100, local, node, profile, replica, shared, snap
 
 CASES: list[tuple[str, list[NodeView], list[ReplicaView], ModelProfile, tuple[str, ...]]] = [
     # Bin-packing: the fullest node that still fits, so whole nodes stay free for multi-node replicas.

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from placement_kit import NodeState, ShardState, apply, node, profile, replica, set_state, snap
 
 from llmgw_common.catalog import Catalog
 from llmgw_controlplane.ports import PortsExhausted, allocate_port, ports_by_address
@@ -15,6 +14,16 @@ from llmgw_controlplane.reconciler import (
     default_replica_id,
     reconcile,
     replica_status,
+)
+from tests.placement.placement_kit import (
+    NodeState,
+    ShardState,
+    apply,
+    node,
+    profile,
+    replica,
+    set_state,
+    snap,
 )
 
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from placement_kit import ShardState, apply, node, profile, replica, set_state, snap
-
 from llmgw_common.catalog import Catalog
 from llmgw_common.messages import ReplicaSpec
 from llmgw_controlplane.reconciler import reconcile
 from llmgw_controlplane.snapshot import Snapshot
+from tests.placement.placement_kit import ShardState, apply, node, profile, replica, set_state, snap
 
 OLD = profile(replicas=3, args=("--max-model-len", "4096"))
 NEW = profile(replicas=3, args=("--max-model-len", "8192"))

@@ -10,12 +10,21 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 import pytest
-from placement_kit import NodeState, ShardState, apply, node, profile, replica, set_state, snap
 
 from llmgw_common.messages import ReplicaSpec
 from llmgw_controlplane.reconciler import reconcile
 from llmgw_controlplane.routing import routing_content
 from llmgw_controlplane.snapshot import NodeView, ReplicaView
+from tests.placement.placement_kit import (
+    NodeState,
+    ShardState,
+    apply,
+    node,
+    profile,
+    replica,
+    set_state,
+    snap,
+)
 
 
 def _rep(

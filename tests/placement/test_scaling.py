@@ -7,11 +7,11 @@ from collections.abc import Mapping
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from placement_kit import node, profile, replica, snap
 
 from llmgw_controlplane.idle import UNKNOWN, IdleKind, IdleKnowledge
 from llmgw_controlplane.reconciler import reconcile
 from llmgw_controlplane.scaling import IdleLookup, ScaleMemo, decide
+from tests.placement.placement_kit import node, profile, replica, snap
 
 NOW = 10_000.0
 

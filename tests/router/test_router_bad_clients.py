@@ -11,7 +11,8 @@ import asyncio
 import json
 
 import aiohttp
-from router_helpers import poll, router_sockets
+
+from tests.router.router_helpers import poll, router_sockets
 
 
 def _body(model: object = "m1", max_tokens: object = 2, stream: bool = False) -> bytes:

@@ -15,7 +15,8 @@ import time
 
 import aiohttp
 import pytest
-from router_helpers import closed_by_peer, poll, read_response, router_sockets
+
+from tests.router.router_helpers import closed_by_peer, poll, read_response, router_sockets
 
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 STREAM = json.dumps(

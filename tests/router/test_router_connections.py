@@ -14,9 +14,9 @@ import time
 
 import aiohttp
 import psutil
-from router_helpers import closed_by_peer, poll, read_response, router_sockets
 
 from llmgw_router.connections import cap_for_fd_limit
+from tests.router.router_helpers import closed_by_peer, poll, read_response, router_sockets
 
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 BODY = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}).encode()

@@ -18,10 +18,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from router_helpers import poll, start_engine_process, stop_engine_processes
 
 from llmgw_sim import openai_api as oai
 from llmgw_sim.options import SimOptions
+from tests.router.router_helpers import poll, start_engine_process, stop_engine_processes
 
 pytestmark = pytest.mark.slow
 

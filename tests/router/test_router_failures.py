@@ -9,9 +9,9 @@ import time
 
 import aiohttp
 import pytest
-from router_helpers import CountingUpstream, start_engine_process
 
 from llmgw_router.breaker import BreakerState
+from tests.router.router_helpers import CountingUpstream, start_engine_process
 
 
 async def _poll(cond, timeout: float = 5.0) -> bool:

@@ -19,7 +19,6 @@ import aiohttp
 import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from router_helpers import poll, start_engine_process
 
 from llmgw_common import bus
 from llmgw_common.catalog import Catalog, ModelProfile
@@ -35,6 +34,7 @@ from llmgw_common.messages import (
 from llmgw_common.subjects import Subjects
 from llmgw_router.admission import AdmissionRefused, Gate
 from llmgw_router.service import Router
+from tests.router.router_helpers import poll, start_engine_process
 
 CHAT: dict[str, Any] = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 

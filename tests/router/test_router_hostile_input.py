@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 
 import pytest
-from router_helpers import raw_exchange
 
 from llmgw_common.apikeys import hash_key
+from tests.router.router_helpers import raw_exchange
 
 # Fixed, not generate_key(): it is part of a test id, which must be the same in every xdist worker.
 KEY = "llmgw-hostile-input-test-key-WBvXaHq1Jc7dK2sLmN4pQ5rT6uV8yZ0"

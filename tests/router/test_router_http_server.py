@@ -10,12 +10,11 @@ import asyncio
 import json
 import socket
 
-from router_helpers import closed_by_peer, poll, read_response, router_sockets
-
 from llmgw_router import web
 from llmgw_router.connections import ConnectionGuard
 from llmgw_router.http_connection import MAX_HEAD_BYTES
 from llmgw_router.http_server import HttpServer
+from tests.router.router_helpers import closed_by_peer, poll, read_response, router_sockets
 
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 

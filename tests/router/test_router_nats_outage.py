@@ -38,7 +38,7 @@ async def _put_endpoints(url: str, prefix: str, eps: list[Endpoint], version: in
 
 
 async def test_the_router_runs_and_serves_through_a_nats_outage(tmp_path, engines, routers) -> None:
-    from test_router_bus import _publish_routing  # the routing values the router reads
+    from tests.router.test_router_bus import _publish_routing  # the routing values the router reads
 
     eng, eng2 = await engines("m1"), await engines("m1")
     srv = NatsServer(tmp_path / "nats")

@@ -18,12 +18,12 @@ from typing import Any
 
 import aiohttp
 import pytest
-from router_helpers import poll, start_engine_process, stop_engine_processes
-from test_router_bus import _publish_routing
-from test_router_failover import _check, _stream
 
 from llmgw_common.messages import Endpoint
 from llmgw_sim.options import SimOptions
+from tests.router.router_helpers import poll, start_engine_process, stop_engine_processes
+from tests.router.test_router_bus import _publish_routing
+from tests.router.test_router_failover import _check, _stream
 
 pytestmark = pytest.mark.slow
 

@@ -17,11 +17,11 @@ import time
 import aiohttp
 import psutil
 import yaml
-from router_helpers import poll
 
 from llmgw_common import bus
 from llmgw_common.messages import UsageReport
 from llmgw_common.subjects import Subjects
+from tests.router.router_helpers import poll
 
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from sim_testkit import EngineProcess
 
 from llmgw_sim.engine import Listening, start
 from llmgw_sim.options import SimOptions
+from tests.sim.sim_testkit import EngineProcess
 
 LISTEN_RE = re.compile(rb"sim-engine listening on (http://\S+)")
 

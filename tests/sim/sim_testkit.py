@@ -1,4 +1,4 @@
-"""Helpers of the simulated-engine tests (imported by name: tests/sim is on sys.path)."""
+"""Helpers of the simulated-engine tests."""
 
 from __future__ import annotations
 

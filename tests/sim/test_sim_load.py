@@ -8,10 +8,10 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 import pytest
-from sim_testkit import parse_metrics, poll
 
 from llmgw_sim.engine import Listening
 from llmgw_sim.slots import Slots
+from tests.sim.sim_testkit import parse_metrics, poll
 
 Engine = Callable[..., Awaitable[Listening]]
 

@@ -9,10 +9,10 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import openai
 import pytest
-from sim_testkit import EngineProcess, poll
 
 from llmgw_sim.engine import FAULT_EXIT_CODE, Listening
 from llmgw_sim.options import SimOptions
+from tests.sim.sim_testkit import EngineProcess, poll
 
 Spawn = Callable[[SimOptions], Awaitable[EngineProcess]]
 
