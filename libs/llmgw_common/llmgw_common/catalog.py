@@ -15,10 +15,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llmgw_common.durations import parse_duration
-from llmgw_common.errors import InvalidInput
 from llmgw_common.names import check_model_name
-from llmgw_common.validation import validate_named
-from llmgw_common.yamlsafe import load_yaml
+from llmgw_common.validation import ProblemsError, document_mapping, read_document, validate_named
 
 ENGINES = ("vllm", "llamacpp", "sim")
 # Engines that can serve without a GPU.
@@ -27,12 +25,10 @@ CPU_ENGINES = frozenset({"llamacpp", "sim"})
 PARALLEL_ENGINES = frozenset({"vllm", "sim"})
 
 
-class CatalogError(InvalidInput):
+class CatalogError(ProblemsError):
     """A catalog that cannot be accepted; ``problems`` lists every reason."""
 
-    def __init__(self, problems: list[str]) -> None:
-        self.problems = problems
-        super().__init__("invalid catalog:\n" + "\n".join(f"  - {p}" for p in problems))
+    document = "catalog"
 
 
 class _Strict(BaseModel):
@@ -225,15 +221,7 @@ def _scaling_problems(p: ModelProfile, where: str) -> list[str]:
 
 def parse_catalog(data: Any) -> Catalog:
     """A validated catalog from a mapping (or YAML text); CatalogError lists every problem."""
-    if isinstance(data, str | bytes):
-        try:
-            data = load_yaml(data)
-        except yaml.YAMLError as e:
-            raise CatalogError([f"not valid YAML: {e}"]) from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise CatalogError(["a catalog is a mapping with a 'models' list"])
+    data = document_mapping(data, CatalogError, "a catalog is a mapping with a 'models' list")
     problems: list[str] = []
     for key in data:
         if key != "models":
@@ -251,12 +239,7 @@ def parse_catalog(data: Any) -> Catalog:
 
 
 def load_catalog_file(path: str) -> Catalog:
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise CatalogError([f"cannot read {path}: {e.strerror}"]) from None
-    return parse_catalog(text)
+    return parse_catalog(read_document(path, CatalogError))
 
 
 def catalog_to_yaml(catalog: Catalog) -> str:

@@ -4,7 +4,7 @@
 
     LlmgwError                      str(e) is what a user is shown (it may hold several lines)
      ├── InvalidInput (ValueError)  the operator's or client's input is wrong: fix it, then retry
-     │     CatalogError, FleetError, StaticConfigError, YamlError, KeyOpError, StartupError,
+     │     ProblemsError: CatalogError, FleetError, StaticConfigError; YamlError, KeyOpError, StartupError,
      │     AdminBindError, BadRequest (sim), check_token / check_model_name refusals
      ├── Unavailable                something needed is not reachable or not up now: retry later
      │     CtlUnavailable, NatsServerError, SourceUnavailable, UpstreamError (router -> engine)

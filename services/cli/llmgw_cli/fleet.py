@@ -20,24 +20,19 @@ import json
 import re
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from llmgw_common.errors import InvalidInput
 from llmgw_common.gpuspec import parse_sim_gpus
 from llmgw_common.subjects import check_token
-from llmgw_common.validation import validate_named
-from llmgw_common.yamlsafe import load_yaml
+from llmgw_common.validation import ProblemsError, document_mapping, read_document, validate_named
 
 _GPU_SPEC = re.compile(r"^\s*(\d+)\s*[xX]\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*$")
 
 
-class FleetError(InvalidInput):
+class FleetError(ProblemsError):
     """A fleet file that cannot be used; ``problems`` lists every reason."""
 
-    def __init__(self, problems: list[str]) -> None:
-        self.problems = problems
-        super().__init__("invalid fleet file:\n" + "\n".join(f"  - {p}" for p in problems))
+    document = "fleet file"
 
 
 def parse_gpu_spec(spec: str) -> tuple[int, str]:
@@ -132,15 +127,7 @@ def _checks(n: FleetNode) -> list[str]:
 
 def parse_fleet(data: Any) -> Fleet:
     """A validated fleet from a mapping or YAML text; FleetError lists every problem."""
-    if isinstance(data, str | bytes):
-        try:
-            data = load_yaml(data)
-        except yaml.YAMLError as e:
-            raise FleetError([f"not valid YAML: {e}"]) from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise FleetError(["a fleet file is a mapping with a 'nodes' list"])
+    data = document_mapping(data, FleetError, "a fleet file is a mapping with a 'nodes' list")
     problems = [f"unknown top-level field {k!r} (known: nodes)" for k in data if k != "nodes"]
     raw_nodes = data.get("nodes") or []
     if not isinstance(raw_nodes, list):
@@ -153,9 +140,4 @@ def parse_fleet(data: Any) -> Fleet:
 
 
 def load_fleet_file(path: str) -> Fleet:
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise FleetError([f"cannot read {path}: {e.strerror}"]) from None
-    return parse_fleet(text)
+    return parse_fleet(read_document(path, FleetError))

@@ -20,23 +20,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
 from llmgw_common.catalog import Catalog, ModelProfile, identity_problems
-from llmgw_common.errors import InvalidInput
 from llmgw_common.messages import ApiKeyRecord, Endpoint, RoutingEndpoints
 from llmgw_common.urls import http_url_problem
-from llmgw_common.validation import describe, validate_named
-from llmgw_common.yamlsafe import load_yaml
+from llmgw_common.validation import ProblemsError, describe, document_mapping, read_document, validate_named
 
 
-class StaticConfigError(InvalidInput):
+class StaticConfigError(ProblemsError):
     """A static file that cannot be used; ``problems`` lists every reason."""
 
-    def __init__(self, problems: list[str]) -> None:
-        self.problems = problems
-        super().__init__("invalid static file:\n" + "\n".join(f"  - {p}" for p in problems))
+    document = "static file"
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,15 +103,7 @@ def _model_checks(m: StaticModel) -> list[str]:
 
 def parse_static(data: Any) -> StaticConfig:
     """A validated static file from a mapping or YAML text; StaticConfigError lists every problem."""
-    if isinstance(data, str | bytes):
-        try:
-            data = load_yaml(data)
-        except yaml.YAMLError as e:
-            raise StaticConfigError([f"not valid YAML: {e}"]) from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise StaticConfigError(["a static file is a mapping with a 'models' list"])
+    data = document_mapping(data, StaticConfigError, "a static file is a mapping with a 'models' list")
     problems: list[str] = []
     try:
         top = _StaticFile.model_validate(data)
@@ -173,9 +160,4 @@ def parse_static(data: Any) -> StaticConfig:
 
 
 def load_static(path: str) -> StaticConfig:
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise StaticConfigError([f"cannot read {path}: {e.strerror}"]) from None
-    return parse_static(text)
+    return parse_static(read_document(path, StaticConfigError))
