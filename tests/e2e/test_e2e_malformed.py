@@ -14,6 +14,7 @@ import nats
 import psutil
 import pytest
 from aiohttp import web
+from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from llmgw_common.codec import encode
@@ -216,6 +217,6 @@ async def test_malformed_events_are_dropped_and_the_next_event_is_delivered(clus
         await runner.cleanup()
 
 
-async def _consumers(js: Any, stream: str) -> AsyncIterator[str]:
+async def _consumers(js: JetStreamContext, stream: str) -> AsyncIterator[str]:
     for c in await js.consumers_info(stream):
         yield c.name

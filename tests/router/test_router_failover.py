@@ -13,7 +13,7 @@ import json
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -160,8 +160,11 @@ async def test_with_failover_off_the_streams_are_cut(
 
 # ---------------------------------------------------------------- engines that fail on purpose
 
+# What a faulty engine does with a request: its writer and the request's JSON body.
+Handler = Callable[[asyncio.StreamWriter, dict[str, Any]], Awaitable[None]]
 
-async def _faulty(handler: Any) -> tuple[asyncio.Server, str, list[int]]:
+
+async def _faulty(handler: Handler) -> tuple[asyncio.Server, str, list[int]]:
     """A raw HTTP server that reads one request and runs ``handler(writer, body)``; counts requests."""
     seen: list[int] = []
 
@@ -289,7 +292,7 @@ def _chunked(data: bytes) -> bytes:
     return f"{len(data):x}\r\n".encode() + data + b"\r\n"
 
 
-async def _break_then(continuation: Any) -> tuple[asyncio.Server, str, list[int]]:
+async def _break_then(continuation: Handler) -> tuple[asyncio.Server, str, list[int]]:
     """An engine that breaks every original stream half way and answers a continuation with ``continuation``."""
 
     async def handler(w: asyncio.StreamWriter, body: dict[str, Any]) -> None:

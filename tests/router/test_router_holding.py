@@ -108,7 +108,7 @@ async def _control_plane(nc: NATS, prefix: str, router_id: str, cp: FakeControlP
     await bus.sent(nc)
 
 
-async def _router(routers: Any, nats_url: str, prefix: str, **timing: float) -> Router:
+async def _router(routers: RouterFactory, nats_url: str, prefix: str, **timing: float) -> Router:
     r: Router = await routers(nats_urls=[nats_url], prefix=prefix, auth=False, router_id="rh")
     await asyncio.wait_for(r.synced.wait(), 10)
     h = r.ctx.holding

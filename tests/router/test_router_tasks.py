@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from llmgw_common import bus
 from llmgw_common.codec import decode
@@ -31,7 +31,7 @@ async def test_a_failing_tick_is_counted_and_the_ticks_go_on(
 ) -> None:
     reports: list[IdleReport] = []
 
-    async def on_idle(msg: Any) -> None:
+    async def on_idle(msg: Msg) -> None:
         reports.append(decode(msg.data, IdleReport))
 
     await nc.subscribe(Subjects(prefix).idle("rt"), cb=on_idle)
