@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tests.kit.poll import eventually_sync
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 150.0
@@ -64,6 +68,16 @@ class Cluster:
         return "\n".join(parts)
 
 
+@contextlib.contextmanager
+def shown_on_failure(extra: Callable[[], str]) -> Iterator[None]:
+    """A wait (or check) that fails inside says ``extra()`` too: the cluster's output and logs, the
+    last answer; taken when it fails, not before the wait."""
+    try:
+        yield
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{extra()}") from None
+
+
 def _read_state(path: Path) -> dict[str, Any] | None:
     try:
         data: dict[str, Any] = json.loads(path.read_text())
@@ -98,23 +112,23 @@ def start_up(data_dir: Path, *extra: str, timeout: float = START_TIMEOUT_S) -> C
             start_new_session=True,
         )
     cluster = Cluster(proc, data_dir, out_path, {}, 0.0)
-    deadline = t0 + timeout
-    while True:
+
+    def ready() -> dict[str, Any]:
+        """up.json once it says ready; empty (not yet) before."""
         state = _read_state(data_dir / "up.json")
         if state is not None and state.get("ready"):
-            cluster.state = state
-            cluster.started_s = time.monotonic() - t0
-            return cluster
-        if proc.poll() is not None or time.monotonic() > deadline:
-            diag = cluster.diagnostics()
-            stop_up(cluster)
-            what = (
-                f"exited with {proc.returncode}"
-                if proc.returncode is not None
-                else f"not ready in {timeout:.0f} s"
-            )
-            raise AssertionError(f"llmgw up {what}\n{diag}")
-        time.sleep(0.2)
+            return state
+        assert proc.poll() is None, f"llmgw up exited with {proc.returncode}"
+        return {}
+
+    try:
+        with shown_on_failure(cluster.diagnostics):
+            cluster.state = eventually_sync(ready, timeout=timeout, every=0.2, what="llmgw up to be ready")
+    except AssertionError:
+        stop_up(cluster)
+        raise
+    cluster.started_s = time.monotonic() - t0
+    return cluster
 
 
 def stop_up(cluster: Cluster, timeout: float = 90.0, *, whole_group: bool = False) -> int:
@@ -147,16 +161,17 @@ def chat_once(cluster: Cluster, model: str, timeout: float = 10.0) -> httpx.Resp
 
 def wait_model(cluster: Cluster, model: str, timeout: float = 60.0) -> None:
     """Poll until a chat completion for ``model`` succeeds; fail with the last answer otherwise."""
-    deadline = time.monotonic() + timeout
     last = ""
-    while time.monotonic() < deadline:
+
+    def serves() -> bool:
+        nonlocal last
         try:
             r = chat_once(cluster, model)
         except httpx.HTTPError as e:
             last = repr(e)
-        else:
-            if r.status_code == 200:
-                return
-            last = f"{r.status_code} {r.text[:300]}"
-        time.sleep(0.5)
-    raise AssertionError(f"{model} did not serve within {timeout:.0f} s: {last}\n{cluster.diagnostics()}")
+            return False
+        last = f"{r.status_code} {r.text[:300]}"
+        return r.status_code == 200
+
+    with shown_on_failure(lambda: f"last answer: {last}\n{cluster.diagnostics()}"):
+        eventually_sync(serves, timeout=timeout, every=0.5, what=f"{model} to serve a chat completion")

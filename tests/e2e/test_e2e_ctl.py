@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from tests.e2e.e2e_cluster import Cluster
+from tests.e2e.e2e_cluster import Cluster, shown_on_failure
+from tests.kit.poll import eventually_sync
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("e2e")]
 
@@ -36,15 +37,17 @@ def ctl(cluster: Cluster, *args: str) -> Any:
     return json.loads(r.stdout) if "-o" in args else r.stdout
 
 
-def wait_ctl(cluster: Cluster, verb: str, ok: Any, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        reply = ctl(cluster, verb, "-o", "json")
-        if ok(reply):
-            return reply
-        if time.monotonic() > deadline:
-            raise AssertionError(f"ctl {verb} never satisfied the test: {json.dumps(reply, indent=1)}")
-        time.sleep(0.5)
+def wait_ctl(cluster: Cluster, verb: str, ok: Callable[[Any], bool], timeout: float = 60.0) -> Any:
+    """``ctl <verb> -o json`` until its reply satisfies ``ok``; returns that reply."""
+    last: Any = None
+
+    def satisfied() -> Any:
+        nonlocal last
+        last = ctl(cluster, verb, "-o", "json")
+        return last if ok(last) else None
+
+    with shown_on_failure(lambda: f"last reply: {json.dumps(last, indent=1)}"):
+        return eventually_sync(satisfied, timeout=timeout, every=0.5, what=f"ctl {verb} to satisfy the test")
 
 
 def test_nodes_show_the_fleet_and_the_local_machine(cluster: Cluster) -> None:

@@ -14,12 +14,14 @@ import nats
 import psutil
 import pytest
 from aiohttp import web
+from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from llmgw_common.codec import encode
 from llmgw_common.messages import ClusterSettings, Event, Webhook
 from llmgw_common.subjects import DESIRED_SETTINGS, ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
-from tests.e2e.e2e_cluster import Cluster, chat_once, wait_model
+from tests.e2e.e2e_cluster import Cluster, chat_once, shown_on_failure, wait_model
+from tests.kit.poll import eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("e2e")]
 
@@ -112,19 +114,22 @@ async def test_malformed_messages_are_dropped_and_the_cluster_keeps_serving(clus
             ],
             "agent-gpu-b1.log": [f"{s.bucket_assign}/gpu-b1"],
         }
-        deadline = time.monotonic() + 30
         missing: list[str] = []
-        while time.monotonic() < deadline:
+
+        def all_logged() -> bool:
+            nonlocal missing
             missing = [
                 f"{log}: {where}"
                 for log, wheres in expect.items()
                 for where in wheres
                 if f"dropped undecodable message on {where}:" not in new_text(cluster, log, since)
             ]
-            if not missing:
-                break
-            await asyncio.sleep(0.5)
-        assert not missing, f"no drop logged for {missing}\n{cluster.diagnostics()}"
+            return not missing
+
+        with shown_on_failure(lambda: f"no drop logged for {missing}\n{cluster.diagnostics()}"):
+            await eventually(
+                all_logged, timeout=30.0, every=0.5, what="every service to log each dropped message"
+            )
         cp = new_text(cluster, "controlplane.log", since)
         assert cp.count(f"dropped undecodable message on {s.heartbeat('gpu-a1')}:") == len(GARBAGE)
 
@@ -182,10 +187,14 @@ async def test_malformed_events_are_dropped_and_the_next_event_is_delivered(clus
             old_settings = None
         hooked = ClusterSettings(webhooks=(Webhook(url=f"http://127.0.0.1:{port}/hook"),))
         await desired.put(DESIRED_SETTINGS, encode(hooked))
-        deadline = time.monotonic() + 30
-        while not [c async for c in _consumers(js, s.events_stream) if "notifier" in c]:
-            assert time.monotonic() < deadline, f"the notifier made no consumer\n{cluster.diagnostics()}"
-            await asyncio.sleep(0.3)
+
+        async def notifier_consumes() -> bool:
+            return bool([c async for c in _consumers(js, s.events_stream) if "notifier" in c])
+
+        with shown_on_failure(cluster.diagnostics):
+            await eventually(
+                notifier_consumes, timeout=30.0, every=0.3, what="the notifier to make its events consumer"
+            )
 
         for g in GARBAGE:
             await js.publish(s.event("node.lost"), g)
@@ -208,6 +217,6 @@ async def test_malformed_events_are_dropped_and_the_next_event_is_delivered(clus
         await runner.cleanup()
 
 
-async def _consumers(js: Any, stream: str) -> AsyncIterator[str]:
+async def _consumers(js: JetStreamContext, stream: str) -> AsyncIterator[str]:
     for c in await js.consumers_info(stream):
         yield c.name

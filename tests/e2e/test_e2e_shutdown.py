@@ -19,7 +19,8 @@ import psutil
 import pytest
 
 from llmgw_cli.devcluster import RUN_MARKER, run_processes
-from tests.e2e.e2e_cluster import Cluster, chat_once, start_up, stop_up
+from tests.e2e.e2e_cluster import Cluster, chat_once, shown_on_failure, start_up, stop_up
+from tests.kit.poll import eventually_sync
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("e2e")]
 
@@ -54,14 +55,16 @@ def stop_and_check_nothing_left(
     state = json.loads((cluster.data_dir / "up.json").read_text())
     up = psutil.Process(cluster.proc.pid)
     # The catalog's five replicas run as engines, children of the agents in their own groups.
-    deadline = time.monotonic() + 60
-    while True:
+    procs: list[psutil.Process] = []
+
+    def all_engines() -> list[psutil.Process]:
+        nonlocal procs
         procs = up.children(recursive=True) + [psutil.Process(o) for o in orphans]
         engines = [p for p in procs if "sim-engine" in " ".join(p.cmdline())]
-        if len(engines) >= 5:
-            break
-        assert time.monotonic() < deadline, [p.cmdline() for p in procs]
-        time.sleep(0.5)
+        return engines if len(engines) >= 5 else []
+
+    with shown_on_failure(lambda: f"processes: {[p.cmdline() for p in procs]}"):
+        engines = eventually_sync(all_engines, timeout=60.0, every=0.5, what="the five engines to run")
     pgids = {c["pgid"] for c in state["children"]} | {os.getpgid(e.pid) for e in engines}
     assert all(os.getpgid(e.pid) == e.pid for e in engines)
     # Engines carry the run's marker, so the last-resort sweep finds one whose agent died first.
@@ -127,14 +130,18 @@ def test_sigint_leaves_nothing_and_a_second_run_keeps_key_and_catalog(tmp_path: 
         agent_log = again.logs_dir / "agent-gpu-b1.log"
         adopted_before = agent_log.read_text(errors="replace").count("re-adopting")
         os.kill(agent["pid"], signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while (
-            "agent-gpu-b1 exited with code -9" not in again.output()
-            or "agent-gpu-b1 restarted (pid " not in again.output()
-            or agent_log.read_text(errors="replace").count("re-adopting") < adopted_before + len(engines)
-        ):
-            assert time.monotonic() < deadline, again.diagnostics()
-            time.sleep(0.3)
+        with shown_on_failure(again.diagnostics):
+            eventually_sync(
+                lambda: (
+                    "agent-gpu-b1 exited with code -9" in again.output()
+                    and "agent-gpu-b1 restarted (pid " in again.output()
+                    and agent_log.read_text(errors="replace").count("re-adopting")
+                    >= adopted_before + len(engines)
+                ),
+                timeout=60.0,
+                every=0.3,
+                what="up to restart the killed agent and the agent to re-adopt its engines",
+            )
         assert all(alive(e) for e in engines)  # adopted, not restarted
         stop_and_check_nothing_left(again, whole_group=False, orphans=tuple(engines), swept=())  # kill -INT
     finally:

@@ -30,7 +30,10 @@ from nats.js.kv import KeyValue
 from llmgw_common import bus
 from llmgw_common.codec import decode
 from llmgw_common.messages import Heartbeat, LoadReport, ReplicaLoad, RoutingEndpoints
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
+from tests.e2e.e2e_cluster import shown_on_failure
+from tests.kit.poll import eventually
 from tests.llama.llama_kit import (
     Service,
     clean_env,
@@ -60,7 +63,6 @@ class Observed:
 
     loads: list[LoadReport] = field(default_factory=list)
     beats: list[Heartbeat] = field(default_factory=list)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def replica_loads(self, replica_id: str) -> list[ReplicaLoad]:
         return [r for rep in self.loads for r in rep.replicas if r.replica_id == replica_id]
@@ -70,19 +72,21 @@ class Observed:
     ) -> ReplicaLoad:
         """The first report (from now on) of the replica that satisfies ``pred``."""
         start = len(self.loads)
-        deadline = time.monotonic() + timeout
-        while True:
-            for rep in self.loads[start:]:
-                for r in rep.replicas:
-                    if r.replica_id == replica_id and pred(r):
-                        return r
-            left = deadline - time.monotonic()
-            if left <= 0:
-                seen = [(r.running, r.waiting, r.kv_use) for r in self.replica_loads(replica_id)[-10:]]
-                raise AssertionError(f"no load report with {what} in {timeout:.0f} s; last: {seen}")
-            self.changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), left)
+
+        def matching() -> list[ReplicaLoad]:
+            return [
+                r
+                for rep in self.loads[start:]
+                for r in rep.replicas
+                if r.replica_id == replica_id and pred(r)
+            ]
+
+        def last() -> str:
+            return f"last: {[(r.running, r.waiting, r.kv_use) for r in self.replica_loads(replica_id)[-10:]]}"
+
+        with shown_on_failure(last):
+            found = await eventually(matching, timeout=timeout, what=f"a load report with {what}")
+        return found[0]
 
 
 @contextlib.asynccontextmanager
@@ -92,7 +96,6 @@ async def observe(nc: NATS, prefix: str) -> AsyncIterator[Observed]:
 
     async def on_load(msg: Msg) -> None:
         seen.loads.append(decode(msg.data, LoadReport))
-        seen.changed.set()
 
     async def on_beat(msg: Msg) -> None:
         seen.beats.append(decode(msg.data, Heartbeat))
@@ -123,13 +126,14 @@ models:
 
 async def wait_endpoint(nc: NATS, prefix: str, services: list[Service], engine_logs: Path) -> str:
     """The replica id of the model's first ready endpoint, once the control plane publishes it."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
     last: RoutingEndpoints | None = None
     kv: KeyValue | None = None
-    while time.monotonic() < deadline:
+
+    async def ready_replica() -> str:
+        """The replica id, or "" while there is none."""
+        nonlocal last, kv
         dead = [s.name for s in services if s.proc.poll() is not None]
-        if dead:
-            raise AssertionError(f"{dead} exited\n{diagnostics(services, engine_logs)}")
+        assert not dead, f"{dead} exited"
         if kv is None:
             # The control plane creates the bucket when it starts.
             with contextlib.suppress(BucketNotFoundError):
@@ -138,25 +142,27 @@ async def wait_endpoint(nc: NATS, prefix: str, services: list[Service], engine_l
             last, _ = await bus.kv_get(kv, ROUTING_ENDPOINTS, RoutingEndpoints)
         if last is not None and last.endpoints.get(MODEL):
             return last.endpoints[MODEL][0].replica_id
-        await asyncio.sleep(0.5)
-    why = last.unavailable.get(MODEL) if last else "no endpoints published"
-    raise AssertionError(
-        f"{MODEL} not ready in {READY_TIMEOUT_S:.0f} s ({why})\n{diagnostics(services, engine_logs)}"
-    )
+        return ""
+
+    def why() -> str:
+        reason = last.unavailable.get(MODEL) if last else "no endpoints published"
+        return f"({reason})\n{diagnostics(services, engine_logs)}"
+
+    with shown_on_failure(why):
+        return await eventually(
+            ready_replica, timeout=READY_TIMEOUT_S, every=0.5, what=f"{MODEL} to have a ready endpoint"
+        )
 
 
 async def wait_http(url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
     async with httpx.AsyncClient(timeout=2.0) as http:
-        while True:
-            try:
-                if (await http.get(url)).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{url} did not answer 200 in {timeout:.0f} s")
-            await asyncio.sleep(0.2)
+
+        async def answers() -> bool:
+            return (await http.get(url)).status_code == 200
+
+        await eventually(
+            answers, timeout=timeout, every=0.2, tolerate=(httpx.HTTPError,), what=f"{url} to answer 200"
+        )
 
 
 async def stream_into(client: openai.AsyncOpenAI, prompt: str, parts: list[str]) -> None:
@@ -178,7 +184,7 @@ async def stream_into(client: openai.AsyncOpenAI, prompt: str, parts: list[str])
 
 
 async def test_real_llama_server_through_router(
-    llama_server: Path, gguf: Path, nats_server, prefix: str, nc: NATS, tmp_path: Path
+    llama_server: Path, gguf: Path, nats_server: NatsServer, prefix: str, nc: NATS, tmp_path: Path
 ) -> None:
     # The agent finds the weights itself: a model directory holding the GGUF, named by its stem.
     models = tmp_path / "models"
@@ -289,13 +295,18 @@ async def check_load(client: openai.AsyncOpenAI, seen: Observed, replica: str) -
             replica, lambda r: r.running == 1 and r.waiting == 1, LOAD_TIMEOUT_S, "running=1, waiting=1"
         )
         assert busy.kv_use is None
-        deadline = time.monotonic() + LOAD_TIMEOUT_S
-        while not "".join(first).strip():
+
+        def streamed_text() -> bool:
+            if "".join(first).strip():
+                return True
             done = [t for t in streams if t.done()]
             if len(done) == len(streams) or any(t.exception() for t in done):
                 raise AssertionError(f"streams ended without text: {[t.exception() for t in done]!r}")
-            assert time.monotonic() < deadline, "the processed request streamed no text"
-            await asyncio.sleep(0.1)
+            return False
+
+        await eventually(
+            streamed_text, timeout=LOAD_TIMEOUT_S, every=0.1, what="the processed request to stream text"
+        )
     finally:
         for t in streams:
             t.cancel()

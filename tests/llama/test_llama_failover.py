@@ -18,8 +18,7 @@ import json
 import os
 import signal
 import subprocess
-import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ import psutil
 import pytest
 import yaml
 
+from tests.kit.poll import eventually_sync
 from tests.llama.llama_kit import (
     ENABLE_HINT,
     Service,
@@ -89,18 +89,20 @@ def router(
     svc.stop()
 
 
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _wait_ready(urls: list[str], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for url in urls:
-        while True:
-            try:
-                if httpx.get(url, timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{url} not ready in {timeout:.0f} s")
-            time.sleep(0.3)
+    eventually_sync(
+        lambda: all(_answers(u) for u in urls),
+        timeout=timeout,
+        every=0.3,
+        what=f"all of {urls} to answer 200",
+    )
 
 
 def _body(kind: str) -> tuple[str, dict[str, Any]]:
@@ -119,7 +121,12 @@ def _piece(kind: str, event: dict[str, Any]) -> str:
     return out
 
 
-async def _read(url: str, body: dict[str, Any], kind: str, on_piece: Any = None) -> list[Any]:
+async def _read(
+    url: str,
+    body: dict[str, Any],
+    kind: str,
+    on_piece: Callable[[int, list[Any]], Awaitable[None]] | None = None,
+) -> list[Any]:
     events: list[Any] = []
     pieces = 0
     async with (
@@ -130,9 +137,12 @@ async def _read(url: str, body: dict[str, Any], kind: str, on_piece: Any = None)
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
-            ev = "[DONE]" if line == "data: [DONE]" else json.loads(line[6:])
+            if line == "data: [DONE]":
+                events.append("[DONE]")
+                continue
+            ev: dict[str, Any] = json.loads(line[6:])
             events.append(ev)
-            if ev != "[DONE]" and _piece(kind, ev):
+            if _piece(kind, ev):
                 pieces += 1
                 if on_piece is not None:
                     await on_piece(pieces, events)

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import nats.errors
 import openai
 import pytest
 from nats.aio.client import Client as NATS
@@ -29,7 +30,10 @@ from nats.js.errors import BucketNotFoundError
 from llmgw_common import bus
 from llmgw_common.codec import decode, encode
 from llmgw_common.messages import Event, RoutingEndpoints, WakeReply, WakeRequest, WakeState
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
+from tests.e2e.e2e_cluster import shown_on_failure
+from tests.kit.poll import eventually
 from tests.llama.llama_kit import (
     Service,
     clean_env,
@@ -84,28 +88,35 @@ class Stack:
         return None
 
     async def wait_serving(self, model: str) -> RoutingEndpoints:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        last = None
-        while time.monotonic() < deadline:
+        last: RoutingEndpoints | None = None
+
+        async def serving() -> RoutingEndpoints | None:
+            nonlocal last
             dead = [s.name for s in self.services if s.proc.poll() is not None]
-            assert not dead, f"{dead} exited\n{self.diagnostics()}"
+            assert not dead, f"{dead} exited"
             last = await self.endpoints()
-            if last is not None and last.endpoints.get(model):
-                return last
-            await _sleep(0.3)
-        raise AssertionError(f"{model} not serving in {READY_TIMEOUT_S:.0f} s ({last})\n{self.diagnostics()}")
+            return last if last is not None and last.endpoints.get(model) else None
+
+        with shown_on_failure(lambda: f"({last})\n{self.diagnostics()}"):
+            got = await eventually(serving, timeout=READY_TIMEOUT_S, every=0.3, what=f"{model} to be serving")
+        assert got is not None  # eventually returns only a truthy value
+        return got
 
     async def wake(self, model: str) -> WakeReply:
         req = WakeRequest(model=model, router="swap-test", sent_at=time.time())
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                msg = await self.nc.request(Subjects(self.prefix).wake("swap-test"), encode(req), timeout=2)
-                return decode(msg.data, WakeReply)
-            except Exception:  # no responder yet (the control plane is settling): ask again
-                if time.monotonic() > deadline:
-                    raise
-                await _sleep(0.5)
+
+        async def answered() -> WakeReply:
+            msg = await self.nc.request(Subjects(self.prefix).wake("swap-test"), encode(req), timeout=2)
+            return decode(msg.data, WakeReply)
+
+        # No responder yet, or no answer in time: the control plane is settling; ask again.
+        return await eventually(
+            answered,
+            timeout=30.0,
+            every=0.5,
+            tolerate=(nats.errors.NoRespondersError, nats.errors.TimeoutError),
+            what=f"the control plane to answer a wake of {model}",
+        )
 
     async def events(self, kind: str) -> list[Event]:
         subj = Subjects(self.prefix)
@@ -120,12 +131,6 @@ class Stack:
             if raw.data is not None and (ev := decode(raw.data, Event)).kind == kind:
                 out.append(ev)
         return out
-
-
-async def _sleep(s: float) -> None:
-    import asyncio
-
-    await asyncio.sleep(s)
 
 
 @contextlib.asynccontextmanager
@@ -189,7 +194,7 @@ async def complete(client: openai.AsyncOpenAI, model: str) -> str:
 
 
 async def test_wakes_swap_two_real_models(
-    llama_server: Path, gguf: Path, nats_server, prefix: str, nc: NATS, tmp_path: Path
+    llama_server: Path, gguf: Path, nats_server: NatsServer, prefix: str, nc: NATS, tmp_path: Path
 ) -> None:
     async with stack(llama_server, gguf, nats_server.url, prefix, nc, tmp_path) as st:
         client = openai.AsyncOpenAI(
@@ -226,14 +231,18 @@ async def test_wakes_swap_two_real_models(
     reason="needs the router's holding of requests for cold models (llmgw_router.holding, issue 13 router side)",
 )
 async def test_alternating_requests_swap_with_zero_failures(
-    llama_server: Path, gguf: Path, nats_server, prefix: str, nc: NATS, tmp_path: Path
+    llama_server: Path, gguf: Path, nats_server: NatsServer, prefix: str, nc: NATS, tmp_path: Path
 ) -> None:
     async with stack(llama_server, gguf, nats_server.url, prefix, nc, tmp_path) as st:
         # Wait for the control plane to publish (both models cold) before the first request.
-        deadline = time.monotonic() + 60
-        while (ep := await st.endpoints()) is None or set(ep.cold) != set(MODELS):
-            assert time.monotonic() < deadline, f"never both cold: {ep}\n{st.diagnostics()}"
-            await _sleep(0.3)
+        async def both_cold() -> bool:
+            ep = await st.endpoints()
+            return ep is not None and set(ep.cold) == set(MODELS)
+
+        with shown_on_failure(st.diagnostics):
+            await eventually(
+                both_cold, timeout=60.0, every=0.3, what="the control plane to publish both models cold"
+            )
         client = openai.AsyncOpenAI(
             base_url=f"{st.router_url}/v1", api_key="unused", max_retries=0, timeout=READY_TIMEOUT_S
         )

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +12,7 @@ from llmgw_common.settings import RouterSettings
 from llmgw_router.service import Router
 from llmgw_sim import engine as sim_engine
 from llmgw_sim.options import SimOptions
-
-EngineFactory = Callable[..., Awaitable[sim_engine.Listening]]
-RouterFactory = Callable[..., Awaitable[Router]]
+from tests.router.router_helpers import EngineFactory, PortFactory, RouterFactory, StaticFile
 
 
 @pytest.fixture
@@ -64,7 +62,7 @@ def _static_file(models: dict[str, list[str]], **extra: Any) -> dict[str, Any]:
 
 
 @pytest.fixture
-def static_file() -> Callable[..., dict[str, Any]]:
+def static_file() -> StaticFile:
     """Build a static-mode file: ``static_file({"m": [url, ...]}, keys=[...], auth=False)``."""
     return _static_file
 
@@ -79,5 +77,5 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def port() -> Callable[[], int]:
+def port() -> PortFactory:
     return free_port

@@ -7,24 +7,46 @@ import json
 import os
 import signal
 import subprocess
-import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
 import psutil
 from aiohttp import web
 
+from llmgw_router.breaker import Breaker, BreakerState
+from llmgw_router.service import Router
+from llmgw_sim import engine as sim_engine
 from llmgw_sim.options import SimOptions
+from tests.kit.poll import eventually
+
+# The types of the router fixtures (conftest), for the tests' signatures.
+EngineFactory = Callable[..., Awaitable[sim_engine.Listening]]
+RouterFactory = Callable[..., Awaitable[Router]]
+StaticFile = Callable[..., dict[str, Any]]
+PortFactory = Callable[[], int]
+# Sim engines as processes (start_engine_process) with their URLs.
+EngineProcs = list[tuple[subprocess.Popen[bytes], str]]
 
 
-async def poll(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    """Wait until ``cond()`` holds (True) or ``timeout`` passes (its last value)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        await asyncio.sleep(0.01)
-    return bool(cond())
+def breaker_state(b: Breaker) -> BreakerState:
+    """``b.state`` read afresh: mypy keeps an ``is`` check's narrowing across the calls that change it."""
+    return b.state
+
+
+async def wait_serving(url: str, proc: asyncio.subprocess.Process, timeout: float = 30.0) -> None:
+    """Until a router process started by the test answers ``url`` with a 200; fails at once if it exits."""
+
+    async with aiohttp.ClientSession() as s:
+
+        async def answers() -> bool:
+            assert proc.returncode is None, f"the router exited ({proc.returncode}) before serving {url}"
+            async with s.get(url) as r:
+                return r.status == 200
+
+        await eventually(
+            answers, timeout=timeout, every=0.1, tolerate=(aiohttp.ClientError,), what=f"{url} to answer 200"
+        )
 
 
 def router_sockets(port: int) -> int:
@@ -125,7 +147,7 @@ def start_engine_process(
     return proc, url
 
 
-def stop_engine_processes(procs: list[tuple[subprocess.Popen[bytes], str]]) -> None:
+def stop_engine_processes(procs: EngineProcs) -> None:
     """Kill each engine's session; one stopped (SIGSTOP) is continued first so nothing stays frozen."""
     for p, _ in procs:
         if p.poll() is None:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from llmgw_router.affinity import prompt_key
 from llmgw_router.scheduling import choose_affine, stable_id
+from tests.router.router_helpers import EngineFactory, RouterFactory, StaticFile
 
 
 @dataclass
@@ -33,7 +34,7 @@ def _replicas(n: int) -> list[R]:
 # ---------------------------------------------------------------- the choice
 
 
-def test_same_key_same_replica_whatever_the_candidates_order():
+def test_same_key_same_replica_whatever_the_candidates_order() -> None:
     reps = _replicas(5)
     rng = random.Random(7)
     for key in range(200):
@@ -43,7 +44,7 @@ def test_same_key_same_replica_whatever_the_candidates_order():
         assert choose_affine(shuffled, key, 1.25) is first
 
 
-def test_keys_spread_over_idle_replicas():
+def test_keys_spread_over_idle_replicas() -> None:
     reps = _replicas(4)
     counts = dict.fromkeys((r.name for r in reps), 0)
     for key in range(4000):
@@ -53,7 +54,7 @@ def test_keys_spread_over_idle_replicas():
     assert all(700 < c < 1300 for c in counts.values()), counts
 
 
-def test_a_replica_leaving_moves_only_its_own_keys():
+def test_a_replica_leaving_moves_only_its_own_keys() -> None:
     reps = _replicas(4)
     keys = [stable_id(f"k{i}") for i in range(1000)]
     before = {k: choose_affine(reps, k, 1.25) for k in keys}
@@ -64,11 +65,11 @@ def test_a_replica_leaving_moves_only_its_own_keys():
             assert choose_affine(rest, k, 1.25) is before[k]
 
 
-def test_no_candidates():
+def test_no_candidates() -> None:
     assert choose_affine([], 1, 1.25) is None
 
 
-def test_one_hot_key_spills_over_within_the_bound():
+def test_one_hot_key_spills_over_within_the_bound() -> None:
     reps = _replicas(4)
     for total in range(1, 101):
         chosen = choose_affine(reps, 12345, 1.25)
@@ -93,7 +94,9 @@ _events = st.lists(
     load_factor=st.floats(1.0, 3.0, allow_nan=False),
     events=_events,
 )
-def test_no_replica_takes_more_than_its_bounded_share(n, load_factor, events):
+def test_no_replica_takes_more_than_its_bounded_share(
+    n: int, load_factor: float, events: list[tuple[str, int]]
+) -> None:
     """At each arrival the chosen replica, counting the new request, holds at most
     ceil(load_factor x in-flight / replicas); with arrivals only, that holds for every replica always."""
     reps = _replicas(n)
@@ -116,7 +119,7 @@ def test_no_replica_takes_more_than_its_bounded_share(n, load_factor, events):
 
 
 @given(loads=st.lists(st.integers(0, 20), min_size=1, max_size=8), key=st.integers(0, 2**64 - 1))
-def test_the_preferred_replica_is_taken_while_under_the_bound(loads, key):
+def test_the_preferred_replica_is_taken_while_under_the_bound(loads: list[int], key: int) -> None:
     reps = _replicas(len(loads))
     for r, load in zip(reps, loads, strict=True):
         r.in_flight = load
@@ -140,7 +143,7 @@ def _chat(*turns: tuple[str, str], system: str | None = "You are terse.") -> dic
     return {"model": "m", "messages": msgs}
 
 
-def test_every_turn_of_a_conversation_has_the_same_key():
+def test_every_turn_of_a_conversation_has_the_same_key() -> None:
     t1 = _chat(("user", "Plan a trip to Lyon"))
     t2 = _chat(("user", "Plan a trip to Lyon"), ("assistant", "Day 1: ..."), ("user", "And day 2?"))
     t3 = _chat(
@@ -155,7 +158,7 @@ def test_every_turn_of_a_conversation_has_the_same_key():
     assert prompt_key(_chat(("user", "Plan a trip to Lyon"), system="Be verbose.")) != prompt_key(t1)
 
 
-def test_content_parts_and_completions_prompts_have_keys():
+def test_content_parts_and_completions_prompts_have_keys() -> None:
     parts = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]}
     plain = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
     assert prompt_key(parts) == prompt_key(plain) is not None
@@ -167,7 +170,7 @@ def test_content_parts_and_completions_prompts_have_keys():
     assert prompt_key({"model": "m", "prompt": ["abc"]}) == prompt_key({"model": "m", "prompt": "abc"})
 
 
-def test_requests_without_a_prompt_have_no_key():
+def test_requests_without_a_prompt_have_no_key() -> None:
     assert prompt_key({"model": "m"}) is None
     assert prompt_key({"model": "m", "messages": "not a list"}) is None
     assert prompt_key({"model": "m", "messages": [{"role": "user", "content": 3}]}) is None
@@ -185,7 +188,9 @@ async def _served(url: str) -> int:
     return int(float(m.group(1)))
 
 
-async def test_a_conversation_sticks_to_one_replica_through_the_router(engines, routers, static_file):
+async def test_a_conversation_sticks_to_one_replica_through_the_router(
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
+) -> None:
     a, b = await engines("m1"), await engines("m1")
     r = await routers(static_file({"m1": [a.url, b.url]}, auth=False), prefix_affinity=True)
     url = f"http://127.0.0.1:{r.port}/v1/chat/completions"

@@ -12,7 +12,8 @@ import json
 
 import aiohttp
 
-from tests.router.router_helpers import poll, router_sockets
+from tests.kit.poll import eventually
+from tests.router.router_helpers import EngineFactory, RouterFactory, StaticFile, router_sockets
 
 
 def _body(model: object = "m1", max_tokens: object = 2, stream: bool = False) -> bytes:
@@ -26,7 +27,9 @@ def _body(model: object = "m1", max_tokens: object = 2, stream: bool = False) ->
     ).encode()
 
 
-async def test_wrong_types_are_400_naming_the_field(engines, routers, static_file) -> None:
+async def test_wrong_types_are_400_naming_the_field(
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
+) -> None:
     eng = await engines("m1")
     r = await routers(static_file({"m1": [eng.url]}, auth=False))
     url = f"http://127.0.0.1:{r.port}/v1/chat/completions"
@@ -55,7 +58,9 @@ async def _raw_request(
     return reader, writer
 
 
-async def test_a_body_that_trickles_in_is_served(engines, routers, static_file) -> None:
+async def test_a_body_that_trickles_in_is_served(
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
+) -> None:
     eng = await engines("m1")
     r = await routers(static_file({"m1": [eng.url]}, auth=False))
     body = _body()
@@ -70,22 +75,34 @@ async def test_a_body_that_trickles_in_is_served(engines, routers, static_file) 
     writer.close()
     assert status.startswith(b"HTTP/1.1 200"), status
     # The engine served it, and the router counted it as done.
-    assert await poll(lambda: r.ctx.metrics.requests_count("m1", 200) == 1 and eng.engine._served == 1)
+    await eventually(
+        lambda: r.ctx.metrics.requests_count("m1", 200) == 1 and eng.engine._served == 1,
+        timeout=5.0,
+        what="the request to be counted as served with a 200 by router and engine",
+    )
     assert r.ctx.in_flight == 0
 
 
 async def test_a_client_that_stops_sending_its_body_and_leaves_leaks_nothing(
-    engines, routers, static_file
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
     eng = await engines("m1")
     r = await routers(static_file({"m1": [eng.url]}, auth=False))
     _, writer = await _raw_request(r.port, _body(), send=15)
     # The router holds the connection, waiting for the rest of the body...
-    assert await poll(lambda: router_sockets(r.port) == 1 and r.connections.count == 1)
+    await eventually(
+        lambda: router_sockets(r.port) == 1 and r.connections.count == 1,
+        timeout=5.0,
+        what="the router to hold the one client connection",
+    )
     writer.close()  # ...and the client goes with half a body
     await writer.wait_closed()
     # The router lets go of it: its socket is closed, its count back to zero.
-    assert await poll(lambda: router_sockets(r.port) == 0 and r.connections.count == 0)
+    await eventually(
+        lambda: router_sockets(r.port) == 0 and r.connections.count == 0,
+        timeout=5.0,
+        what="the router to release the client connection",
+    )
     assert r.ctx.in_flight == 0 and ("m1" not in r.ctx.gates or r.ctx.gates["m1"].active == 0)
     # Half a body never reaches an engine.
     assert eng.engine._served == 0 and eng.engine.slots.running == 0
@@ -97,20 +114,30 @@ async def test_a_client_that_stops_sending_its_body_and_leaves_leaks_nothing(
 
 
 async def test_a_stalled_reader_that_leaves_mid_stream_releases_everything(
-    engines, routers, static_file
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
     eng = await engines("m1", ttft_ms=5, tokens_per_s=2000)
     r = await routers(static_file({"m1": [eng.url]}, auth=False))
     reader, writer = await _raw_request(r.port, _body(max_tokens=20000, stream=True))
     assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"HTTP/1.1 200")
     # Read nothing more: the stream is generating, held open by the router for this client.
-    assert await poll(
-        lambda: r.ctx.in_flight == 1 and r.ctx.gates["m1"].active == 1 and eng.engine.slots.running == 1
+    await eventually(
+        lambda: r.ctx.in_flight == 1 and r.ctx.gates["m1"].active == 1 and eng.engine.slots.running == 1,
+        timeout=5.0,
+        what="the stream to be in flight at the router, its gate and the engine",
     )
     writer.close()
     await writer.wait_closed()
-    assert await poll(lambda: r.ctx.in_flight == 0 and r.ctx.gates["m1"].active == 0)
+    await eventually(
+        lambda: r.ctx.in_flight == 0 and r.ctx.gates["m1"].active == 0,
+        timeout=5.0,
+        what="the router to release the request and its gate place",
+    )
     # The engine was told (its connection closed) and stopped before generating 20,000 tokens.
-    assert await poll(lambda: eng.engine.slots.running == 0)
+    await eventually(
+        lambda: eng.engine.slots.running == 0,
+        timeout=5.0,
+        what="the engine to stop generating for the departed client",
+    )
     assert eng.engine._served == 0
     assert r.ctx.metrics.requests_count("m1", 499) == 1

@@ -54,7 +54,7 @@ async def _stalling_server(first: int, n: int) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}/v1/chat/completions"
 
 
-async def test_a_stalled_closed_loop_does_not_cap_the_max_rate_search(bench):
+async def test_a_stalled_closed_loop_does_not_cap_the_max_rate_search(bench: ModuleType) -> None:
     # Every one of the 64 workers stalls once, early: the closed loop then lasts seconds + the client
     # timeout and its estimate says a few requests/s, whatever the server can do.
     runner, url = await _stalling_server(first=20, n=64)

@@ -6,10 +6,14 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 import nats
 import pytest
+from nats.aio.client import Client as NATS
 from typer.testing import CliRunner
 
 from llmgw_common import bus
@@ -27,24 +31,17 @@ from llmgw_common.messages import (
 )
 from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
-
-
-async def _poll(cond, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await cond():
-            return True
-        await asyncio.sleep(0.02)
-    return bool(await cond())
+from tests.kit.poll import eventually
+from tests.router.router_helpers import EngineFactory, PortFactory, RouterFactory
 
 
 async def _publish_routing(
-    nc,
+    nc: NATS,
     prefix: str,
     endpoints: dict[str, list[Endpoint]],
     version: int = 1,
     unavailable: dict[str, str] | None = None,
-    models=("m1",),
+    models: tuple[str, ...] = ("m1",),
 ) -> None:
     js = nc.jetstream()
     kv = await bus.ensure_kv(js, Subjects(prefix).bucket_routing)
@@ -62,7 +59,7 @@ async def _publish_routing(
     )
 
 
-async def _status(url: str, key: str | None = None, body: dict | None = None) -> int:
+async def _status(url: str, key: str | None = None, body: dict[str, Any] | None = None) -> int:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     async with aiohttp.ClientSession() as s:
         if body is None:
@@ -76,7 +73,9 @@ async def _status(url: str, key: str | None = None, body: dict | None = None) ->
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
 
 
-async def test_routes_from_kv_and_revoked_key_stops_within_a_tick(nats_server, prefix, nc, engines, routers):
+async def test_routes_from_kv_and_revoked_key_stops_within_a_tick(
+    nats_server: NatsServer, prefix: str, nc: NATS, engines: EngineFactory, routers: RouterFactory
+) -> None:
     eng = await engines("m1")
     await _publish_routing(
         nc,
@@ -96,25 +95,40 @@ async def test_routes_from_kv_and_revoked_key_stops_within_a_tick(nats_server, p
             # m2 is in the catalog but this key may only use m1: 404 as if absent.
             assert resp.status == 404
     key2, _ = await create_key(nc, prefix, "bob", None, None)
-    assert await _poll(lambda: _is(_status(f"{base}/chat/completions", key2, {**CHAT, "model": "m2"}), 503))
+    await eventually(
+        lambda: _is(_status(f"{base}/chat/completions", key2, {**CHAT, "model": "m2"}), 503),
+        timeout=5.0,
+        what="m2's requests to be refused with 503",
+    )
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key2}"}) as s:
         async with s.post(f"{base}/chat/completions", json={**CHAT, "model": "m2"}) as resp:
             err = (await resp.json())["error"]
             assert resp.status == 503 and "needs 1 x A100" in err["message"] and resp.headers["Retry-After"]
     t0 = time.monotonic()
     await revoke_key(nc, prefix, "alice")
-    assert await _poll(lambda: _is(_status(f"{base}/models", key), 401), 1.0)
+    await eventually(
+        lambda: _is(_status(f"{base}/models", key), 401),
+        timeout=1.0,
+        what="the revoked key to be refused with 401",
+    )
     assert time.monotonic() - t0 < 1.0  # a tick
     assert await _status(f"{base}/models", key2) == 200
     with pytest.raises(Exception, match="no key"):
         await revoke_key(nc, prefix, "nobody")
 
 
-async def _is(coro, value) -> bool:
+async def _is(coro: Awaitable[int], value: int) -> bool:
     return await coro == value
 
 
-async def test_idle_usage_and_load(nats_server, prefix, nc, engines, routers, port):
+async def test_idle_usage_and_load(
+    nats_server: NatsServer,
+    prefix: str,
+    nc: NATS,
+    engines: EngineFactory,
+    routers: RouterFactory,
+    port: PortFactory,
+) -> None:
     eng = await engines("m1")
     eps = [
         Endpoint(replica_id="used", model="m1", url=eng.url, node="n1"),
@@ -134,18 +148,20 @@ async def test_idle_usage_and_load(nats_server, prefix, nc, engines, routers, po
     for _ in range(30):
         assert await _status(f"http://127.0.0.1:{r.port}/v1/chat/completions", None, CHAT) == 200
 
-    async def stamped() -> bool:
+    def stamped() -> bool:
         return any("used" in i.last_used and i.breakers for i in idles)
 
-    assert await _poll(stamped, 3.0)
+    await eventually(stamped, timeout=3.0, what="an idle report with the used replica and its open breaker")
     last = idles[-1]
     assert last.router == "rA" and last.since == r.ctx.started
     assert "never" not in last.last_used  # unknown is absent, never 0 (ARCHITECTURE #1)
     assert last.last_used["used"] >= before
     # The dead replica's breaker opened; the report carries it for `ctl replicas`.
     assert last.breakers == {"dead": "open"}
-    assert await _poll(
-        lambda: _true(bool(usages) and usages[-1].usage.get("-", {}).get("m1", [0])[0] == 30), 3.0
+    await eventually(
+        lambda: bool(usages) and usages[-1].usage.get("-", {}).get("m1", [0])[0] == 30,
+        timeout=3.0,
+        what="a usage report with m1's 30 tokens",
     )
     assert usages[-1].since == r.ctx.started and usages[-1].router == "rA"
     # Load reports reach the pool; a garbage payload on the subject is dropped with one line.
@@ -161,17 +177,13 @@ async def test_idle_usage_and_load(nats_server, prefix, nc, engines, routers, po
         ),
     )
     ep = r.ctx.pool.by_replica["used"][0]
-    assert await _poll(lambda: _true(ep.running == 3), 3.0)
+    await eventually(lambda: ep.running == 3, timeout=3.0, what="the endpoint's load to show 3 running")
     assert (ep.waiting, ep.kv_use) == (2, 0.4) and r.drops.count == 1
 
 
-async def _true(v: bool) -> bool:
-    return v
-
-
 async def test_bad_routing_value_is_dropped_and_serving_continues_when_nats_goes_away(
-    tmp_path, engines, routers
-):
+    tmp_path: Path, engines: EngineFactory, routers: RouterFactory
+) -> None:
     eng = await engines("m1")
     srv = NatsServer(tmp_path / "nats")
     srv.start()
@@ -187,7 +199,9 @@ async def test_bad_routing_value_is_dropped_and_serving_continues_when_nats_goes
         assert await _status(url, None, CHAT) == 200
         kv = await bus.ensure_kv(nc.jetstream(), Subjects(prefix).bucket_routing)
         await kv.put("endpoints", b"\xc1 not msgpack")
-        assert await _poll(lambda: _true(r.drops.count == 1), 3.0)
+        await eventually(
+            lambda: r.drops.count == 1, timeout=3.0, what="the router to count one dropped report"
+        )
         assert await _status(url, None, CHAT) == 200  # kept what it had
         await nc.close()
     finally:
@@ -207,7 +221,7 @@ def _cli(*args: str) -> tuple[int, str, str]:
     return res.exit_code, res.stdout, res.stderr
 
 
-def test_keys_cli_create_list_revoke(nats_server, prefix):
+def test_keys_cli_create_list_revoke(nats_server: NatsServer, prefix: str) -> None:
     common = ["--nats", nats_server.url, "--prefix", prefix]
     code, out, err = _cli("keys", "create", "--name", "ci", "--models", "m1,m2", "--expires", "30d", *common)
     assert code == 0, err
@@ -231,23 +245,24 @@ def test_keys_cli_create_list_revoke(nats_server, prefix):
     assert code == 2 and "--expires" in err
 
 
-def test_keys_cli_exits_1_when_nats_is_unreachable():
+def test_keys_cli_exits_1_when_nats_is_unreachable() -> None:
     code, _, err = _cli("keys", "list", "--nats", "nats://127.0.0.1:1")
     assert code == 1 and "cannot reach NATS at nats://127.0.0.1:1" in err
 
 
-async def test_create_key_record_round_trips(nats_server, prefix, nc):
+async def test_create_key_record_round_trips(nats_server: NatsServer, prefix: str, nc: NATS) -> None:
     key, rec = await create_key(nc, prefix, "n", None, time.time() + 60)
     recs = await list_keys(nc, prefix)
     assert [r.id for r in recs] == [rec.id] and recs[0].hash == hash_key(key) and recs[0].models is None
     kv = await bus.ensure_kv(nc.jetstream(), Subjects(prefix).bucket_keys)
     raw = await kv.get(rec.id)
+    assert raw.value is not None
     assert decode(raw.value, type(rec)) == rec
 
 
 async def test_a_replica_streaming_right_now_is_reported_used_now_not_when_the_stream_began(
-    nats_server, prefix, nc, engines, routers
-):
+    nats_server: NatsServer, prefix: str, nc: NATS, engines: EngineFactory, routers: RouterFactory
+) -> None:
     # A replica in the middle of a long answer is not idle: reported from its start alone, it would look
     # idle for the stream's length and could be scaled down or evicted while it serves (issue 13).
     eng = await engines("m1", ttft_ms=10, tokens_per_s=20)
@@ -269,7 +284,11 @@ async def test_a_replica_streaming_right_now_is_reported_used_now_not_when_the_s
             while time.time() < started + 1.5:
                 await resp.content.readuntil(b"\n\n")
             mark = time.time()
-            assert await _poll(lambda: _true(any(i.sent_at >= mark + 0.2 for i in idles)), 3.0)
+            await eventually(
+                lambda: any(i.sent_at >= mark + 0.2 for i in idles),
+                timeout=3.0,
+                what="an idle report sent after the last request",
+            )
             during = next(i for i in idles if i.sent_at >= mark + 0.2)
             assert not resp.content.at_eof()  # still streaming when that report left
             assert during.last_used["busy"] >= mark
@@ -277,5 +296,9 @@ async def test_a_replica_streaming_right_now_is_reported_used_now_not_when_the_s
             await resp.read()
     # Done: no longer in flight.
     done = time.time()
-    assert await _poll(lambda: _true(any(i.sent_at >= done + 0.2 for i in idles)), 3.0)
+    await eventually(
+        lambda: any(i.sent_at >= done + 0.2 for i in idles),
+        timeout=3.0,
+        what="an idle report sent after the stream ended",
+    )
     assert next(i for i in idles if i.sent_at >= done + 0.2).in_flight == []

@@ -6,7 +6,7 @@ import asyncio
 import os
 import signal
 import sys
-import time
+from pathlib import Path
 
 import aiohttp
 import openai
@@ -14,9 +14,12 @@ import yaml
 from typer.testing import CliRunner
 
 from llmgw_common.apikeys import generate_key, hash_key
+from tests.router.router_helpers import EngineFactory, PortFactory, wait_serving
 
 
-async def test_router_process_in_static_mode(engines, tmp_path, port):
+async def test_router_process_in_static_mode(
+    engines: EngineFactory, tmp_path: Path, port: PortFactory
+) -> None:
     eng = await engines("m1")
     key = generate_key()
     static = tmp_path / "static.yaml"
@@ -46,16 +49,7 @@ async def test_router_process_in_static_mode(engines, tmp_path, port):
         stderr=asyncio.subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 20
-        async with aiohttp.ClientSession() as s:
-            while True:
-                try:
-                    async with s.get(f"http://127.0.0.1:{p}/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    assert time.monotonic() < deadline and proc.returncode is None
-                    await asyncio.sleep(0.1)
+        await wait_serving(f"http://127.0.0.1:{p}/health", proc, timeout=20.0)
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{p}/v1", api_key=key, max_retries=0)
         reply = await client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "hi"}])
         assert reply.choices[0].message.content
@@ -70,7 +64,7 @@ async def test_router_process_in_static_mode(engines, tmp_path, port):
             await proc.wait()
 
 
-def test_bad_static_file_is_refused_with_every_problem(tmp_path):
+def test_bad_static_file_is_refused_with_every_problem(tmp_path: Path) -> None:
     from llmgw_cli.main import app
 
     bad = tmp_path / "bad.yaml"

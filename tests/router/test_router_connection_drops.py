@@ -16,7 +16,15 @@ import time
 import aiohttp
 import pytest
 
-from tests.router.router_helpers import closed_by_peer, poll, read_response, router_sockets
+from tests.kit.poll import eventually
+from tests.router.router_helpers import (
+    EngineFactory,
+    RouterFactory,
+    StaticFile,
+    closed_by_peer,
+    read_response,
+    router_sockets,
+)
 
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 STREAM = json.dumps(
@@ -41,7 +49,7 @@ async def _non_reader(port: int, data: bytes) -> asyncio.StreamWriter:
 
 
 async def test_a_connection_past_its_header_deadline_with_unread_bytes_is_released(
-    engines, routers, static_file
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
     eng = await engines("m1")
     r = await routers(
@@ -53,15 +61,23 @@ async def test_a_connection_past_its_header_deadline_with_unread_bytes_is_releas
     # A long stream, then half of the next request: its header deadline runs while the stream's bytes
     # wait in the router's buffer for a reader that never comes.
     writer = await _non_reader(r.port, _request(STREAM) + b"POST /v1/chat/completions HTTP/1.1\r\nHo")
-    assert await poll(lambda: r.connections.timed_out == 1, 10.0)
+    await eventually(
+        lambda: r.connections.timed_out == 1,
+        timeout=10.0,
+        what="the router to time out the connection's headers",
+    )
     # Dropped means dropped: the socket is gone, not left waiting to flush to a client that reads nothing.
-    assert await poll(lambda: router_sockets(r.port) == 0, 5.0), router_sockets(r.port)
-    assert await poll(lambda: r.ctx.in_flight == 0)
+    await eventually(
+        lambda: router_sockets(r.port) == 0,
+        timeout=5.0,
+        what="the router to release the timed-out connection's socket",
+    )
+    await eventually(lambda: r.ctx.in_flight == 0, timeout=5.0, what="no request to be in flight")
     writer.close()
 
 
 async def test_a_connection_evicted_at_the_cap_with_unread_bytes_is_released(
-    engines, routers, static_file
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
     eng = await engines("m1")
     r = await routers(
@@ -73,12 +89,22 @@ async def test_a_connection_evicted_at_the_cap_with_unread_bytes_is_released(
     )
     writer = await _non_reader(r.port, _request(STREAM) + b"POST /v1/chat/completions HTTP/1.1\r\nHo")
     # The stream has filled the buffers: the router's writes to this client wait for room.
-    assert await poll(lambda: any(c.write_paused_at is not None for c in r.connections._held), 10.0)
+    await eventually(
+        lambda: any(c.write_paused_at is not None for c in r.connections._held),
+        timeout=10.0,
+        what="the router to pause writing to the connection that reads nothing",
+    )
     # A second connection at the cap takes the place of the first (idle: its next request's headers are
     # still coming); the first must then be gone, or descriptors grow past the cap one such client at a time.
     _r2, w2 = await asyncio.open_connection("127.0.0.1", r.port)
-    assert await poll(lambda: r.connections.evicted == 1)
-    assert await poll(lambda: router_sockets(r.port) == 1, 5.0), router_sockets(r.port)
+    await eventually(
+        lambda: r.connections.evicted == 1, timeout=5.0, what="the router to evict one connection"
+    )
+    await eventually(
+        lambda: router_sockets(r.port) == 1,
+        timeout=5.0,
+        what="only the new connection's socket to remain open",
+    )
     w2.close()
     writer.close()
 
@@ -95,7 +121,7 @@ def _chunked(body: bytes) -> bytes:
 
 @pytest.mark.parametrize("framing", ["content-length", "chunked"])
 async def test_an_upgrade_header_aiohttp_does_not_act_on_leaves_the_header_deadline_in_force(
-    engines, routers, static_file, framing: str
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile, framing: str
 ) -> None:
     # curl --http2 on an http:// URL asks for h2c this way. aiohttp serves the request as plain HTTP/1.1
     # (body included) and keeps the connection; its next requests must still have their header deadline.
@@ -128,7 +154,7 @@ async def test_an_upgrade_header_aiohttp_does_not_act_on_leaves_the_header_deadl
 
 
 async def test_a_protocol_switch_aiohttp_refuses_is_answered_and_the_router_serves_on(
-    engines, routers, static_file
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
     # What follows a websocket or CONNECT request is not HTTP: watching it must neither fail nor stall.
     eng = await engines("m1")
@@ -143,7 +169,9 @@ async def test_a_protocol_switch_aiohttp_refuses_is_answered_and_the_router_serv
         await writer.drain()
         assert (await read_response(reader)).status in (200, 404, 405)
         writer.close()
-    assert await poll(lambda: router_sockets(r.port) == 0, 5.0)
+    await eventually(
+        lambda: router_sockets(r.port) == 0, timeout=5.0, what="the router to release the connection's socket"
+    )
     body = json.dumps(
         {"model": "m1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
     ).encode()

@@ -16,7 +16,15 @@ import aiohttp
 import psutil
 
 from llmgw_router.connections import cap_for_fd_limit
-from tests.router.router_helpers import closed_by_peer, poll, read_response, router_sockets
+from tests.kit.poll import eventually
+from tests.router.router_helpers import (
+    EngineFactory,
+    RouterFactory,
+    StaticFile,
+    closed_by_peer,
+    read_response,
+    router_sockets,
+)
 
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 BODY = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}).encode()
@@ -42,7 +50,7 @@ async def _served(port: int) -> int:
 
 
 async def test_half_a_request_line_or_half_the_headers_is_closed_after_the_header_timeout(
-    engines, routers, static_file
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
     eng = await engines("m1")
     r = await routers(
@@ -69,12 +77,14 @@ async def test_half_a_request_line_or_half_the_headers_is_closed_after_the_heade
     assert await closed_by_peer(reader, 5.0) == b""
     assert time.monotonic() - t1 >= 0.45
     writer.close()
-    assert await poll(lambda: router_sockets(r.port) == 0)
+    await eventually(
+        lambda: router_sockets(r.port) == 0, timeout=5.0, what="the router to release every socket"
+    )
     assert await _served(r.port) == 200
 
 
 async def test_a_body_slower_than_the_body_timeout_gets_408_and_is_closed(
-    engines, routers, static_file
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
     eng = await engines("m1")
     r = await routers(static_file({"m1": [eng.url]}, auth=False), body_timeout_s=0.5, header_timeout_s=60)
@@ -100,13 +110,17 @@ async def test_a_body_slower_than_the_body_timeout_gets_408_and_is_closed(
     finally:
         sender.cancel()
         writer.close()
-    assert await poll(lambda: r.ctx.in_flight == 0 and router_sockets(r.port) == 0)
+    await eventually(
+        lambda: r.ctx.in_flight == 0 and router_sockets(r.port) == 0,
+        timeout=5.0,
+        what="the router to release the request and every socket",
+    )
     assert r.ctx.metrics.requests_count("-", 408) == 1
     assert await _served(r.port) == 200
 
 
 async def test_an_idle_keep_alive_connection_is_closed_after_the_idle_timeout(
-    engines, routers, static_file
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
     eng = await engines("m1")
     r = await routers(static_file({"m1": [eng.url]}, auth=False), idle_timeout_s=0.5, header_timeout_s=60)
@@ -118,11 +132,13 @@ async def test_an_idle_keep_alive_connection_is_closed_after_the_idle_timeout(
     # Not at once: the timer started when the response was sent, a moment before t0.
     assert time.monotonic() - t0 >= 0.25
     writer.close()
-    assert await poll(lambda: router_sockets(r.port) == 0)
+    await eventually(
+        lambda: router_sockets(r.port) == 0, timeout=5.0, what="the router to release every socket"
+    )
 
 
 async def test_with_the_connection_cap_reached_the_router_still_serves_and_counts_return_to_zero(
-    engines, routers, static_file
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
     eng = await engines("m1")
     r = await routers(
@@ -134,8 +150,12 @@ async def test_with_the_connection_cap_reached_the_router_still_serves_and_count
     fds_before = psutil.Process().num_fds()
     idle = [await _open(r.port) for _ in range(60)]
     # All 60 accepted, the 10 beyond the cap each in place of an older idle one: 50 held, not 60.
-    assert await poll(lambda: r.connections.evicted == 10)
-    assert await poll(lambda: router_sockets(r.port) == 50)
+    await eventually(
+        lambda: r.connections.evicted == 10, timeout=5.0, what="the router to evict 10 idle connections"
+    )
+    await eventually(
+        lambda: router_sockets(r.port) == 50, timeout=5.0, what="50 sockets to remain open at the cap"
+    )
     # A normal request is served all the same: it takes the place of an idle connection.
     for _ in range(3):
         assert await _served(r.port) == 200
@@ -147,14 +167,16 @@ async def test_with_the_connection_cap_reached_the_router_still_serves_and_count
     assert f'llmgw_router_connections_closed_total{{reason="evicted"}} {float(r.connections.evicted)}' in text
     for _, w in idle:
         w.close()
-    assert await poll(lambda: router_sockets(r.port) == 0)
-    assert await poll(lambda: r.connections.count == 0)
+    await eventually(
+        lambda: router_sockets(r.port) == 0, timeout=5.0, what="the router to release every socket"
+    )
+    await eventually(lambda: r.connections.count == 0, timeout=5.0, what="the router to count no connection")
     assert "llmgw_router_connections 0.0" in r.ctx.metrics.exposition().decode()
     assert await _served(r.port) == 200
 
 
 async def test_with_every_held_connection_busy_a_new_one_gets_503_and_is_closed(
-    engines, routers, static_file
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
     eng = await engines("m1", ttft_ms=5, tokens_per_s=20)
     r = await routers(static_file({"m1": [eng.url]}, auth=False), max_connections=2)
@@ -162,7 +184,9 @@ async def test_with_every_held_connection_busy_a_new_one_gets_503_and_is_closed(
         {"model": "m1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 200, "stream": True}
     ).encode()
     busy = [await _open(r.port, _request(stream)) for _ in range(2)]
-    assert await poll(lambda: eng.engine.slots.running == 2)
+    await eventually(
+        lambda: eng.engine.slots.running == 2, timeout=5.0, what="both streams to run at the engine"
+    )
     reader, writer = await _open(r.port)
     resp = await read_response(reader)
     assert resp.status == 503 and resp.headers["retry-after"] == "1", resp.body
@@ -174,8 +198,16 @@ async def test_with_every_held_connection_busy_a_new_one_gets_503_and_is_closed(
     assert router_sockets(r.port) == 2 and eng.engine.slots.running == 2
     for _, w in busy:
         w.close()
-    assert await poll(lambda: router_sockets(r.port) == 0 and r.connections.count == 0)
-    assert await poll(lambda: r.ctx.in_flight == 0 and eng.engine.slots.running == 0)
+    await eventually(
+        lambda: router_sockets(r.port) == 0 and r.connections.count == 0,
+        timeout=5.0,
+        what="the router to release every socket and connection",
+    )
+    await eventually(
+        lambda: r.ctx.in_flight == 0 and eng.engine.slots.running == 0,
+        timeout=5.0,
+        what="the router and the engine to finish every request",
+    )
     assert await _served(r.port) == 200
 
 
@@ -188,7 +220,7 @@ def test_the_cap_fits_the_descriptor_limit() -> None:
 
 
 async def test_a_client_that_stops_reading_its_stream_is_closed_after_the_write_timeout(
-    engines, routers, static_file
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
     # The router's writes to such a client wait for room (aiohttp's drain) with no deadline of their
     # own: the handler, its upstream connection and the engine's answer would be held for as long as
@@ -205,10 +237,18 @@ async def test_a_client_that_stops_reading_its_stream_is_closed_after_the_write_
     _reader, writer = await asyncio.open_connection(sock=sock)
     writer.write(_request(stream))
     await writer.drain()
-    assert await poll(lambda: r.ctx.in_flight == 1)
+    await eventually(lambda: r.ctx.in_flight == 1, timeout=5.0, what="the request to be in flight")
     # Nothing read: the router closes the connection once its writes have waited write_timeout_s.
-    assert await poll(lambda: r.connections.write_timed_out == 1 and r.ctx.in_flight == 0, 10.0)
-    assert await poll(lambda: router_sockets(r.port) == 0 and r.connections.count == 0)
+    await eventually(
+        lambda: r.connections.write_timed_out == 1 and r.ctx.in_flight == 0,
+        timeout=10.0,
+        what="the router to time out the blocked write and finish the request",
+    )
+    await eventually(
+        lambda: router_sockets(r.port) == 0 and r.connections.count == 0,
+        timeout=5.0,
+        what="the router to release every socket and connection",
+    )
     assert r.ctx.gates["m1"].active == 0 and r.ctx.metrics.requests_count("m1", 499) == 1
     assert 'llmgw_router_connections_closed_total{reason="write_timeout"} 1.0' in (
         r.ctx.metrics.exposition().decode()

@@ -13,15 +13,24 @@ import json
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import aiohttp
 import pytest
 
+from llmgw_router.service import Router
 from llmgw_sim import openai_api as oai
 from llmgw_sim.options import SimOptions
-from tests.router.router_helpers import poll, start_engine_process, stop_engine_processes
+from tests.kit.poll import eventually
+from tests.router.router_helpers import (
+    EngineFactory,
+    EngineProcs,
+    RouterFactory,
+    StaticFile,
+    start_engine_process,
+    stop_engine_processes,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +38,7 @@ TOKENS = 120
 
 
 @pytest.fixture
-def engine_procs() -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
+def engine_procs() -> Iterator[EngineProcs]:
     """Two sim engines as processes, each in its own session; 100 tokens/s."""
     procs: list[tuple[subprocess.Popen[bytes], str]] = []
     try:
@@ -100,7 +109,9 @@ def _check(path: str, body: dict[str, Any], status: int, events: list[Any]) -> s
     return ""
 
 
-async def _kill_one_mid_stream(routers, static_file, engine_procs, **model: Any) -> tuple[Any, list[str]]:
+async def _kill_one_mid_stream(
+    routers: RouterFactory, static_file: StaticFile, engine_procs: EngineProcs, **model: Any
+) -> tuple[Router, list[str]]:
     static = static_file({"m1": [u for _, u in engine_procs]}, auth=False)
     static["models"][0].update(model)
     r = await routers(static)
@@ -109,8 +120,11 @@ async def _kill_one_mid_stream(routers, static_file, engine_procs, **model: Any)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
         bodies = [_body(i) for i in range(8)]
         tasks = [asyncio.create_task(_stream(s, base + p, b)) for p, b in bodies]
-        on_victim = lambda: sum(e.in_flight for e in r.ctx.pool.by_key.values() if e.url == victim)  # noqa: E731
-        assert await poll(lambda: on_victim() >= 2, 10), "no stream went to the victim"
+
+        def on_victim() -> int:
+            return sum(e.in_flight for e in r.ctx.pool.by_key.values() if e.url == victim)
+
+        await eventually(lambda: on_victim() >= 2, timeout=10.0, what="a stream to go to the victim")
         await asyncio.sleep(0.4)  # tokens flow
         os.killpg(engine_procs[0][0].pid, signal.SIGKILL)
         results = await asyncio.gather(*tasks)
@@ -118,19 +132,25 @@ async def _kill_one_mid_stream(routers, static_file, engine_procs, **model: Any)
     return r, problems
 
 
-async def test_streams_on_a_killed_engine_are_continued_whole(routers, static_file, engine_procs) -> None:
+async def test_streams_on_a_killed_engine_are_continued_whole(
+    routers: RouterFactory, static_file: StaticFile, engine_procs: EngineProcs
+) -> None:
     r, problems = await _kill_one_mid_stream(routers, static_file, engine_procs)
     assert problems == [""] * 8, problems
     ok = r.ctx.metrics.migrations_count("m1", "ok")
     assert ok >= 2, ok
     assert r.ctx.metrics.migrations_count("m1", "failed") == 0
-    assert await poll(
-        lambda: r.ctx.in_flight == 0 and all(e.in_flight == 0 for e in r.ctx.pool.by_key.values())
+    await eventually(
+        lambda: r.ctx.in_flight == 0 and all(e.in_flight == 0 for e in r.ctx.pool.by_key.values()),
+        timeout=5.0,
+        what="no request to be in flight at the router or any endpoint",
     )
     assert b'llmgw_router_migrations_total{model="m1",outcome="ok"}' in r.ctx.metrics.exposition()
 
 
-async def test_with_failover_off_the_streams_are_cut(routers, static_file, engine_procs) -> None:
+async def test_with_failover_off_the_streams_are_cut(
+    routers: RouterFactory, static_file: StaticFile, engine_procs: EngineProcs
+) -> None:
     r, problems = await _kill_one_mid_stream(routers, static_file, engine_procs, failover=False)
     cut = [p for p in problems if p]
     assert cut and all("[DONE]" in p for p in cut), problems
@@ -140,8 +160,11 @@ async def test_with_failover_off_the_streams_are_cut(routers, static_file, engin
 
 # ---------------------------------------------------------------- engines that fail on purpose
 
+# What a faulty engine does with a request: its writer and the request's JSON body.
+Handler = Callable[[asyncio.StreamWriter, dict[str, Any]], Awaitable[None]]
 
-async def _faulty(handler: Any) -> tuple[asyncio.Server, str, list[int]]:
+
+async def _faulty(handler: Handler) -> tuple[asyncio.Server, str, list[int]]:
     """A raw HTTP server that reads one request and runs ``handler(writer, body)``; counts requests."""
     seen: list[int] = []
 
@@ -171,7 +194,9 @@ def _sim_stream(path: str, body: dict[str, Any]) -> bytes:
     return (w.first() + "".join(map(w.token, tokens)) + w.end(len(tokens))).encode()
 
 
-async def test_answer_cut_short_is_retried_on_another_endpoint(engines, routers, static_file) -> None:
+async def test_answer_cut_short_is_retried_on_another_endpoint(
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
+) -> None:
     async def half_a_body(w: asyncio.StreamWriter, body: dict[str, Any]) -> None:
         w.write(
             b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 400\r\n\r\n{"id": "x", '
@@ -195,7 +220,7 @@ async def test_answer_cut_short_is_retried_on_another_endpoint(engines, routers,
 @pytest.mark.parametrize("fault", ["closed-mid-event", "stalled"])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 async def test_stream_cut_or_stalled_is_continued(
-    engines, routers, static_file, fault: str, path: str
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile, fault: str, path: str
 ) -> None:
     async def part_of_a_stream(w: asyncio.StreamWriter, body: dict[str, Any]) -> None:
         whole = _sim_stream(path, body)
@@ -223,7 +248,7 @@ async def test_stream_cut_or_stalled_is_continued(
 
 
 async def test_the_broken_endpoint_is_marked_failed_while_its_stream_is_continued(
-    engines, routers, static_file
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
     path = "/v1/chat/completions"
 
@@ -243,8 +268,10 @@ async def test_the_broken_endpoint_is_marked_failed_while_its_stream_is_continue
     _, body = _body(0)
     async with aiohttp.ClientSession() as s:
         task = asyncio.create_task(_stream(s, f"http://127.0.0.1:{r.port}{path}", body))
-        assert await poll(
-            lambda: r.ctx.metrics.migrations_count("m1", "ok") == 0 and ep_good.in_flight == 101, 10
+        await eventually(
+            lambda: r.ctx.metrics.migrations_count("m1", "ok") == 0 and ep_good.in_flight == 101,
+            timeout=10.0,
+            what="the stream to be continued on the good endpoint without a counted migration",
         )
         ep_good.in_flight -= 100
         # The continuation is still streaming, and the breaker has heard of the failure already.
@@ -265,7 +292,7 @@ def _chunked(data: bytes) -> bytes:
     return f"{len(data):x}\r\n".encode() + data + b"\r\n"
 
 
-async def _break_then(continuation: Any) -> tuple[asyncio.Server, str, list[int]]:
+async def _break_then(continuation: Handler) -> tuple[asyncio.Server, str, list[int]]:
     """An engine that breaks every original stream half way and answers a continuation with ``continuation``."""
 
     async def handler(w: asyncio.StreamWriter, body: dict[str, Any]) -> None:
@@ -281,7 +308,7 @@ async def _break_then(continuation: Any) -> tuple[asyncio.Server, str, list[int]
 
 
 async def test_a_continuation_that_sends_two_done_and_stays_open_ends_the_stream_once(
-    routers, static_file
+    routers: RouterFactory, static_file: StaticFile
 ) -> None:
     async def rest_twice_done_then_stall(w: asyncio.StreamWriter, body: dict[str, Any]) -> None:
         rest = _sim_stream(_PATH, body)
@@ -306,7 +333,7 @@ async def test_a_continuation_that_sends_two_done_and_stays_open_ends_the_stream
 
 
 async def test_a_continuation_without_event_separators_ends_the_stream_not_the_router(
-    routers, static_file
+    routers: RouterFactory, static_file: StaticFile
 ) -> None:
     async def megabytes_without_blank_lines(w: asyncio.StreamWriter, body: dict[str, Any]) -> None:
         for _ in range(64):

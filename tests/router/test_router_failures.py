@@ -6,24 +6,25 @@ import asyncio
 import os
 import signal
 import time
+from typing import Any
 
 import aiohttp
 import pytest
 
 from llmgw_router.breaker import BreakerState
-from tests.router.router_helpers import CountingUpstream, start_engine_process
+from tests.kit.poll import eventually
+from tests.router.router_helpers import (
+    CountingUpstream,
+    EngineFactory,
+    PortFactory,
+    RouterFactory,
+    StaticFile,
+    breaker_state,
+    start_engine_process,
+)
 
 
-async def _poll(cond, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        await asyncio.sleep(0.01)
-    return cond()
-
-
-def _chat(max_tokens: int = 2, stream: bool = False) -> dict:
+def _chat(max_tokens: int = 2, stream: bool = False) -> dict[str, Any]:
     return {
         "model": "m1",
         "messages": [{"role": "user", "content": "x"}],
@@ -33,8 +34,8 @@ def _chat(max_tokens: int = 2, stream: bool = False) -> dict:
 
 
 async def test_connect_failures_are_retried_on_another_endpoint_and_open_the_breaker(
-    engines, routers, static_file, port
-):
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile, port: PortFactory
+) -> None:
     good = await engines("m1")
     dead = f"http://127.0.0.1:{port()}"  # nothing listens there
     r = await routers(static_file({"m1": [dead, good.url]}, auth=False))
@@ -56,7 +57,9 @@ async def test_connect_failures_are_retried_on_another_endpoint_and_open_the_bre
     assert r.ctx.metrics.retries_count("m1") == before
 
 
-async def test_engine_503_is_retried_elsewhere(engines, routers, static_file):
+async def test_engine_503_is_retried_elsewhere(
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
+) -> None:
     good = await engines("m1")
     # A real upstream that answers 503 "Loading model" and counts what reached it: the proof that the
     # router did try it (a router that skipped it would also answer every request with a 200).
@@ -81,7 +84,9 @@ async def test_engine_503_is_retried_elsewhere(engines, routers, static_file):
         assert dead.breaker.state is BreakerState.OPEN
 
 
-async def test_breaker_half_open_probe_closes_it(engines, routers, static_file):
+async def test_breaker_half_open_probe_closes_it(
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
+) -> None:
     # One replica that is loading for a moment: 503s open its breaker, the client gets 503 (not 502,
     # not 429), and once it loads a half-open probe closes the breaker again.
     eng = await engines("m1", startup_s=0.5)
@@ -96,13 +101,19 @@ async def test_breaker_half_open_probe_closes_it(engines, routers, static_file):
         assert ep.breaker.state is BreakerState.OPEN
         async with s.post(url, json={"model": "m1", "prompt": "a"}) as resp:
             assert resp.status == 503 and "circuit open" in (await resp.json())["error"]["message"]
-        assert await _poll(lambda: eng.engine.loaded and ep.breaker.allows(time.time()), 5.0)
+        await eventually(
+            lambda: eng.engine.loaded and ep.breaker.allows(time.time()),
+            timeout=5.0,
+            what="the engine to load and the breaker to allow a probe",
+        )
         async with s.post(url, json={"model": "m1", "prompt": "a"}) as resp:
             assert resp.status == 200
-    assert ep.breaker.state is BreakerState.CLOSED
+    assert breaker_state(ep.breaker) is BreakerState.CLOSED
 
 
-async def test_client_disconnect_mid_stream_releases_everything(engines, routers, static_file):
+async def test_client_disconnect_mid_stream_releases_everything(
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
+) -> None:
     slow = await engines("m1", ttft_ms=10, tokens_per_s=20)
     r = await routers(static_file({"m1": [slow.url]}, auth=False))
     url = f"http://127.0.0.1:{r.port}/v1/chat/completions"
@@ -114,13 +125,23 @@ async def test_client_disconnect_mid_stream_releases_everything(engines, routers
         assert first.startswith(b"data: ")
         assert r.ctx.in_flight == 1 and ep.in_flight == 1 and slow.engine.slots.running == 1
         resp.close()  # hang up mid-stream
-    assert await _poll(lambda: r.ctx.in_flight == 0 and ep.in_flight == 0 and r.ctx.gates["m1"].active == 0)
+    await eventually(
+        lambda: r.ctx.in_flight == 0 and ep.in_flight == 0 and r.ctx.gates["m1"].active == 0,
+        timeout=5.0,
+        what="the router, the endpoint and the gate to release the request",
+    )
     # The engine was told too (its connection closed): it stops generating.
-    assert await _poll(lambda: slow.engine.slots.running == 0)
+    await eventually(
+        lambda: slow.engine.slots.running == 0,
+        timeout=5.0,
+        what="the engine to stop generating for the departed client",
+    )
     assert r.ctx.metrics.requests_count("m1", 499) == 1
 
 
-async def test_client_disconnect_before_first_byte_releases_everything(engines, routers, static_file):
+async def test_client_disconnect_before_first_byte_releases_everything(
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
+) -> None:
     slow = await engines("m1", ttft_ms=3000, tokens_per_s=100)
     r = await routers(static_file({"m1": [slow.url]}, auth=False))
     url = f"http://127.0.0.1:{r.port}/v1/chat/completions"
@@ -128,13 +149,19 @@ async def test_client_disconnect_before_first_byte_releases_everything(engines, 
         with pytest.raises(TimeoutError):
             async with s.post(url, json=_chat()) as resp:
                 await resp.read()
-    assert await _poll(lambda: r.ctx.in_flight == 0 and r.ctx.gates["m1"].active == 0)
+    await eventually(
+        lambda: r.ctx.in_flight == 0 and r.ctx.gates["m1"].active == 0,
+        timeout=5.0,
+        what="the router and the gate to release the request",
+    )
     ep = next(iter(r.ctx.pool.by_key.values()))
     assert ep.in_flight == 0 and ep.breaker.state is BreakerState.CLOSED
 
 
 @pytest.mark.slow
-async def test_killing_one_of_two_engines_fails_no_request_started_after_the_kill(routers, static_file):
+async def test_killing_one_of_two_engines_fails_no_request_started_after_the_kill(
+    routers: RouterFactory, static_file: StaticFile
+) -> None:
     procs = []
     try:
         for _ in range(2):
@@ -157,11 +184,13 @@ async def test_killing_one_of_two_engines_fails_no_request_started_after_the_kil
 
         async with aiohttp.ClientSession() as s:
             workers = [asyncio.create_task(worker(s)) for _ in range(8)]
-            assert await _poll(lambda: len(results) >= 200, 20.0)
+            await eventually(lambda: len(results) >= 200, timeout=20.0, what="200 answers before the kill")
             os.killpg(procs[0][0].pid, signal.SIGKILL)
             killed_at.append(time.monotonic())
             n_at_kill = len(results)
-            assert await _poll(lambda: len(results) >= n_at_kill + 400, 30.0)
+            await eventually(
+                lambda: len(results) >= n_at_kill + 400, timeout=30.0, what="400 answers after the kill"
+            )
             stop.set()
             await asyncio.gather(*workers)
         after = [st for t, st in results if t >= killed_at[0]]

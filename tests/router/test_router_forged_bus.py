@@ -10,11 +10,13 @@ import asyncio
 import nats
 
 from llmgw_common import bus
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
+from tests.router.router_helpers import EngineFactory, RouterFactory
 
 
 async def test_a_router_starts_and_serves_with_a_forged_key_in_its_keys_bucket(
-    nats_server, prefix, engines, routers
+    nats_server: NatsServer, prefix: str, engines: EngineFactory, routers: RouterFactory
 ) -> None:
     nc = await nats.connect(nats_server.url)
     try:

@@ -11,6 +11,7 @@ import itertools
 import os
 import re
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -31,10 +32,12 @@ from llmgw_common.messages import (
     WakeRequest,
     WakeState,
 )
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
 from llmgw_router.admission import AdmissionRefused, Gate
 from llmgw_router.service import Router
-from tests.router.router_helpers import poll, start_engine_process
+from tests.kit.poll import eventually
+from tests.router.router_helpers import EngineFactory, RouterFactory, start_engine_process
 
 CHAT: dict[str, Any] = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
@@ -105,7 +108,7 @@ async def _control_plane(nc: NATS, prefix: str, router_id: str, cp: FakeControlP
     await bus.sent(nc)
 
 
-async def _router(routers: Any, nats_url: str, prefix: str, **timing: float) -> Router:
+async def _router(routers: RouterFactory, nats_url: str, prefix: str, **timing: float) -> Router:
     r: Router = await routers(nats_urls=[nats_url], prefix=prefix, auth=False, router_id="rh")
     await asyncio.wait_for(r.synced.wait(), 10)
     h = r.ctx.holding
@@ -133,22 +136,31 @@ async def _post(url: str, body: dict[str, Any], timeout: float = 30.0) -> tuple[
 
 
 async def _wait_synced(r: Router, version: int) -> None:
-    assert await poll(lambda: r.ctx.pool.endpoints_version >= version, 10.0)
+    await eventually(
+        lambda: r.ctx.pool.endpoints_version >= version,
+        timeout=10.0,
+        what="the router to apply the new endpoints version",
+    )
 
 
 @pytest.fixture
-def engine_process() -> Iterator[list[Any]]:
-    procs: list[Any] = []
+def engine_process() -> Iterator[list[subprocess.Popen[bytes]]]:
+    procs: list[subprocess.Popen[bytes]] = []
     yield procs
     for p in procs:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
-        p.stdout.close()
+        if p.stdout:
+            p.stdout.close()
 
 
 async def test_burst_for_a_cold_model_makes_one_wake_in_flight_and_all_are_answered(
-    nats_server, prefix, nc, routers, engine_process
-):
+    nats_server: NatsServer,
+    prefix: str,
+    nc: NATS,
+    routers: RouterFactory,
+    engine_process: list[subprocess.Popen[bytes]],
+) -> None:
     routing = Routing(nc, prefix)
     await routing.catalog()
     await routing.endpoints(cold=("m1",), unavailable={"m1": "scaled to zero"})
@@ -159,9 +171,11 @@ async def test_burst_for_a_cold_model_makes_one_wake_in_flight_and_all_are_answe
     await _wait_synced(r, 1)
     url = f"http://127.0.0.1:{r.port}/v1/chat/completions"
     clients = [asyncio.create_task(_post(url, CHAT)) for _ in range(20)]
-    assert await poll(lambda: _held(r) == 20, 10.0), _held(r)
+    await eventually(lambda: _held(r) == 20, timeout=10.0, what="all 20 requests to be held")
     # Held for a while: the router re-asks (a leader change may lose a wake), one at a time.
-    assert await poll(lambda: len(cp.asked) >= 2, 10.0)
+    await eventually(
+        lambda: len(cp.asked) >= 2, timeout=10.0, what="the router to ask the control plane twice"
+    )
     proc, eng_url = await asyncio.to_thread(start_engine_process, "m1")
     engine_process.append(proc)
     await routing.endpoints((eng_url,))
@@ -174,7 +188,9 @@ async def test_burst_for_a_cold_model_makes_one_wake_in_flight_and_all_are_answe
     assert 'llmgw_router_hold_seconds_count{model="m1"} 20.0' in text
 
 
-async def test_refused_wake_answers_503_with_the_control_planes_reason(nats_server, prefix, nc, routers):
+async def test_refused_wake_answers_503_with_the_control_planes_reason(
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory
+) -> None:
     routing = Routing(nc, prefix)
     await routing.catalog()
     await routing.endpoints(cold=("m1",))
@@ -190,7 +206,9 @@ async def test_refused_wake_answers_503_with_the_control_planes_reason(nats_serv
     assert _held(r) == 0
 
 
-async def test_no_control_plane_answer_gives_503_after_the_wake_timeout(nats_server, prefix, nc, routers):
+async def test_no_control_plane_answer_gives_503_after_the_wake_timeout(
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory
+) -> None:
     routing = Routing(nc, prefix)
     await routing.catalog(wake_timeout_s=1.0)
     await routing.endpoints(cold=("m1",))
@@ -204,8 +222,8 @@ async def test_no_control_plane_answer_gives_503_after_the_wake_timeout(nats_ser
 
 
 async def test_a_control_plane_that_never_answers_is_asked_again_until_the_wake_timeout(
-    nats_server, prefix, nc, routers
-):
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory
+) -> None:
     routing = Routing(nc, prefix)
     await routing.catalog(wake_timeout_s=2.0)
     await routing.endpoints(cold=("m1",))
@@ -226,7 +244,9 @@ async def test_a_control_plane_that_never_answers_is_asked_again_until_the_wake_
     assert all(b - a >= 0.45 for a, b in itertools.pairwise(asked))
 
 
-async def test_held_past_queue_timeout_gets_503_naming_what_was_coming(nats_server, prefix, nc, routers):
+async def test_held_past_queue_timeout_gets_503_naming_what_was_coming(
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory
+) -> None:
     routing = Routing(nc, prefix)
     await routing.catalog(queue_timeout_s=1.0)
     await routing.endpoints(coming={"m1": "replica r7 starting on node n4"})
@@ -240,7 +260,9 @@ async def test_held_past_queue_timeout_gets_503_naming_what_was_coming(nats_serv
     assert time.monotonic() - t0 >= 1.0
 
 
-async def test_nothing_coming_is_refused_at_once(nats_server, prefix, nc, routers):
+async def test_nothing_coming_is_refused_at_once(
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory
+) -> None:
     routing = Routing(nc, prefix)
     await routing.catalog(queue_timeout_s=30.0)
     await routing.endpoints(unavailable={"m1": "placement failing: needs 2 GPUs"})
@@ -253,23 +275,23 @@ async def test_nothing_coming_is_refused_at_once(nats_server, prefix, nc, router
 
 
 async def test_held_requests_end_when_the_routing_says_nothing_is_coming_any_more(
-    nats_server, prefix, nc, routers
-):
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory
+) -> None:
     routing = Routing(nc, prefix)
     await routing.catalog(queue_timeout_s=60.0)
     await routing.endpoints(coming={"m1": "replica r1 starting"})
     r = await _router(routers, nats_server.url, prefix)
     await _wait_synced(r, 1)
     client = asyncio.create_task(_post(f"http://127.0.0.1:{r.port}/v1/chat/completions", CHAT))
-    assert await poll(lambda: _held(r) == 1, 10.0)
+    await eventually(lambda: _held(r) == 1, timeout=10.0, what="one request to be held")
     await routing.endpoints(unavailable={"m1": "replica r1 failed: out of memory"})
     status, body = await asyncio.wait_for(client, 10.0)
     assert status == 503 and "out of memory" in body["error"]["message"]
 
 
 async def test_all_endpoints_draining_with_a_replacement_coming_is_held_until_it_serves(
-    nats_server, prefix, nc, routers, engines
-):
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory, engines: EngineFactory
+) -> None:
     eng = await engines("m1")
     routing = Routing(nc, prefix)
     await routing.catalog(queue_timeout_s=30.0)
@@ -277,15 +299,15 @@ async def test_all_endpoints_draining_with_a_replacement_coming_is_held_until_it
     r = await _router(routers, nats_server.url, prefix)
     await _wait_synced(r, 1)
     client = asyncio.create_task(_post(f"http://127.0.0.1:{r.port}/v1/chat/completions", CHAT))
-    assert await poll(lambda: _held(r) == 1, 10.0)
+    await eventually(lambda: _held(r) == 1, timeout=10.0, what="one request to be held")
     await routing.endpoints((eng.url,))
     status, _ = await asyncio.wait_for(client, 10.0)
     assert status == 200
 
 
 async def test_held_requests_are_bounded_by_max_queue_and_a_client_that_leaves_frees_its_place(
-    nats_server, prefix, nc, routers
-):
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory
+) -> None:
     routing = Routing(nc, prefix)
     await routing.catalog(max_queue=2, queue_timeout_s=60.0)
     await routing.endpoints(coming={"m1": "replica r1 starting"})
@@ -294,21 +316,21 @@ async def test_held_requests_are_bounded_by_max_queue_and_a_client_that_leaves_f
     url = f"http://127.0.0.1:{r.port}/v1/chat/completions"
     staying = asyncio.create_task(_post(url, CHAT, timeout=60.0))
     leaving = asyncio.create_task(_post(url, CHAT, timeout=60.0))
-    assert await poll(lambda: _held(r) == 2, 10.0)
+    await eventually(lambda: _held(r) == 2, timeout=10.0, what="two requests to be held")
     status, body = await _post(url, CHAT)
     assert status == 429 and "queue of 2" in body["error"]["message"]
     leaving.cancel()  # the client hangs up
-    assert await poll(lambda: _held(r) == 1, 10.0)
+    await eventually(lambda: _held(r) == 1, timeout=10.0, what="one request to be held")
     again = asyncio.create_task(_post(url, CHAT, timeout=60.0))
-    assert await poll(lambda: _held(r) == 2, 10.0)
+    await eventually(lambda: _held(r) == 2, timeout=10.0, what="two requests to be held")
     staying.cancel()
     again.cancel()
-    assert await poll(lambda: _held(r) == 0, 10.0)
+    await eventually(lambda: _held(r) == 0, timeout=10.0, what="no request to be held")
 
 
 async def test_a_held_stream_gets_sse_comments_before_its_first_token(
-    nats_server, prefix, nc, routers, engines
-):
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory, engines: EngineFactory
+) -> None:
     eng = await engines("m1")
     routing = Routing(nc, prefix)
     await routing.catalog(wake_timeout_s=60.0)
@@ -333,8 +355,8 @@ async def test_a_held_stream_gets_sse_comments_before_its_first_token(
 
 
 async def test_a_held_stream_whose_client_leaves_after_the_first_comment_frees_its_place(
-    nats_server, prefix, nc, routers
-):
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory
+) -> None:
     routing = Routing(nc, prefix)
     await routing.catalog(queue_timeout_s=60.0)
     await routing.endpoints(coming={"m1": "replica r1 starting"})
@@ -344,13 +366,17 @@ async def test_a_held_stream_whose_client_leaves_after_the_first_comment_frees_i
     async with aiohttp.ClientSession() as s, s.post(url, json={**CHAT, "stream": True}) as resp:
         first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 10.0)
         assert first == b": waiting for model m1\n\n" and _held(r) == 1
-    assert await poll(lambda: _held(r) == 0, 10.0)
-    assert await poll(lambda: r.ctx.metrics.requests_count("m1", 499) == 1, 10.0)
+    await eventually(lambda: _held(r) == 0, timeout=10.0, what="no request to be held")
+    await eventually(
+        lambda: r.ctx.metrics.requests_count("m1", 499) == 1,
+        timeout=10.0,
+        what="the router to count the departed client's request as 499",
+    )
 
 
 async def test_a_held_stream_refused_after_it_started_ends_with_an_sse_error_event(
-    nats_server, prefix, nc, routers
-):
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory
+) -> None:
     routing = Routing(nc, prefix)
     await routing.catalog()
     await routing.endpoints(cold=("m1",))
@@ -371,7 +397,7 @@ async def test_a_held_stream_refused_after_it_started_ends_with_an_sse_error_eve
     assert r.ctx.metrics.requests_count("m1", 503) == 1
 
 
-async def test_held_requests_take_places_in_the_admission_queue():
+async def test_held_requests_take_places_in_the_admission_queue() -> None:
     """Requests held for a model and requests queued at its concurrency limit share one bound."""
     gate = Gate("m1", limit=1, max_queue=2, queue_timeout_s=5.0)
     assert gate.try_enter()
@@ -380,6 +406,6 @@ async def test_held_requests_take_places_in_the_admission_queue():
         await gate.enter()
     gate.held = 1
     waiting = asyncio.create_task(gate.enter())
-    assert await poll(lambda: gate.queued == 1)
+    await eventually(lambda: gate.queued == 1, timeout=5.0, what="one request to queue at the gate")
     gate.leave()
     await asyncio.wait_for(waiting, 5.0)

@@ -12,7 +12,7 @@ import logging
 import pytest
 
 from llmgw_common.apikeys import hash_key
-from tests.router.router_helpers import raw_exchange
+from tests.router.router_helpers import EngineFactory, RouterFactory, StaticFile, raw_exchange
 
 # Fixed, not generate_key(): it is part of a test id, which must be the same in every xdist worker.
 KEY = "llmgw-hostile-input-test-key-WBvXaHq1Jc7dK2sLmN4pQ5rT6uV8yZ0"
@@ -37,7 +37,11 @@ def _no_traceback_and_at_most_one_line(caplog: pytest.LogCaptureFixture) -> None
     ids=["bearer-invalid-bytes", "bearer-truncated-sequence", "x-api-key-prefixed"],
 )
 async def test_non_utf8_api_key_is_401_without_a_traceback(
-    engines, routers, static_file, caplog: pytest.LogCaptureFixture, header: bytes
+    engines: EngineFactory,
+    routers: RouterFactory,
+    static_file: StaticFile,
+    caplog: pytest.LogCaptureFixture,
+    header: bytes,
 ) -> None:
     eng = await engines("m1")
     r = await routers(static_file({"m1": [eng.url]}, keys=[{"name": "k", "hash": hash_key(KEY)}]))
@@ -61,7 +65,11 @@ async def test_non_utf8_api_key_is_401_without_a_traceback(
 
 @pytest.mark.parametrize("depth", [100_000, 10_000])
 async def test_deeply_nested_json_is_400_without_a_traceback(
-    engines, routers, static_file, caplog: pytest.LogCaptureFixture, depth: int
+    engines: EngineFactory,
+    routers: RouterFactory,
+    static_file: StaticFile,
+    caplog: pytest.LogCaptureFixture,
+    depth: int,
 ) -> None:
     eng = await engines("m1")
     r = await routers(static_file({"m1": [eng.url]}, auth=False))
@@ -90,7 +98,11 @@ async def test_deeply_nested_json_is_400_without_a_traceback(
     ],
 )
 async def test_bytes_that_are_not_http_are_400_without_a_traceback(
-    engines, routers, static_file, caplog: pytest.LogCaptureFixture, request_line: bytes
+    engines: EngineFactory,
+    routers: RouterFactory,
+    static_file: StaticFile,
+    caplog: pytest.LogCaptureFixture,
+    request_line: bytes,
 ) -> None:
     eng = await engines("m1")
     r = await routers(static_file({"m1": [eng.url]}, auth=False))

@@ -10,11 +10,21 @@ import asyncio
 import json
 import socket
 
+import pytest
+
 from llmgw_router import web
 from llmgw_router.connections import ConnectionGuard
 from llmgw_router.http_connection import MAX_HEAD_BYTES
 from llmgw_router.http_server import HttpServer
-from tests.router.router_helpers import closed_by_peer, poll, read_response, router_sockets
+from tests.kit.poll import eventually
+from tests.router.router_helpers import (
+    EngineFactory,
+    RouterFactory,
+    StaticFile,
+    closed_by_peer,
+    read_response,
+    router_sockets,
+)
 
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 
@@ -39,7 +49,7 @@ async def _open(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
 
 
 async def test_a_malformed_request_line_is_400_and_the_connection_closed(
-    engines, routers, static_file
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
     eng = await engines("m1")
     r = await routers(static_file({"m1": [eng.url]}, auth=False))
@@ -55,11 +65,15 @@ async def test_a_malformed_request_line_is_400_and_the_connection_closed(
         assert resp.json()["error"]["type"] == "invalid_request_error"
         assert await closed_by_peer(reader, 5.0) == b""
         writer.close()
-    assert await poll(lambda: router_sockets(r.port) == 0 and r.connections.count == 0)
+    await eventually(
+        lambda: router_sockets(r.port) == 0 and r.connections.count == 0,
+        timeout=5.0,
+        what="the server to release the connection and its socket",
+    )
 
 
 async def test_headers_past_the_limit_are_431_and_the_connection_closed(
-    engines, routers, static_file
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
     # httptools gathers a header in memory until it ends: the router must stop a client that never ends it.
     eng = await engines("m1")
@@ -73,11 +87,13 @@ async def test_headers_past_the_limit_are_431_and_the_connection_closed(
     assert resp.status == 431, resp.body
     assert await closed_by_peer(reader, 5.0) == b""
     writer.close()
-    assert await poll(lambda: router_sockets(r.port) == 0)
+    await eventually(
+        lambda: router_sockets(r.port) == 0, timeout=5.0, what="the server to release the socket"
+    )
 
 
 async def test_pipelined_requests_are_answered_in_order_on_one_connection(
-    engines, routers, static_file
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
     eng = await engines("m1")
     r = await routers(static_file({"m1": [eng.url]}, auth=False))
@@ -107,7 +123,9 @@ async def test_pipelined_requests_are_answered_in_order_on_one_connection(
     assert r.ctx.metrics.requests_count("m1", 200) == 2
 
 
-async def test_head_is_answered_as_get_without_a_body(engines, routers, static_file) -> None:
+async def test_head_is_answered_as_get_without_a_body(
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
+) -> None:
     eng = await engines("m1")
     r = await routers(static_file({"m1": [eng.url]}, auth=False))
     reader, writer = await _open(r.port)
@@ -124,7 +142,7 @@ async def test_head_is_answered_as_get_without_a_body(engines, routers, static_f
 
 
 async def test_expect_100_continue_gets_continue_before_the_body_is_sent(
-    engines, routers, static_file
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
     eng = await engines("m1")
     r = await routers(static_file({"m1": [eng.url]}, auth=False))
@@ -137,7 +155,9 @@ async def test_expect_100_continue_gets_continue_before_the_body_is_sent(
     writer.close()
 
 
-async def test_a_slow_reader_of_a_long_stream_holds_bounded_memory(engines, routers, static_file) -> None:
+async def test_a_slow_reader_of_a_long_stream_holds_bounded_memory(
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
+) -> None:
     # The router writes a stream only as fast as the client reads it: its write buffer for the client
     # stays bounded, and the engine's side is held back (upstream.py pauses reading). Without the wait
     # in write() the whole stream piles up in the router's buffer (seen: 1.6 MB of a 1.6 MB stream).
@@ -150,7 +170,9 @@ async def test_a_slow_reader_of_a_long_stream_holds_bounded_memory(engines, rout
     reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 20)
     assert r.http is not None
     http = r.http
-    assert await poll(lambda: len(http.connections) == 1)
+    await eventually(
+        lambda: len(http.connections) == 1, timeout=5.0, what="the server to hold the one connection"
+    )
     # Small kernel buffers on the router's side too: what the client does not read is the router's to hold.
     (conn,) = http.connections
     assert conn.transport is not None
@@ -177,11 +199,11 @@ async def test_a_slow_reader_of_a_long_stream_holds_bounded_memory(engines, rout
     # it paused (256 KB, and one read past it), relayed as one write. Not the stream's length.
     assert peak <= 1024 * 1024, peak
     writer.close()
-    assert await poll(lambda: r.ctx.in_flight == 0)
+    await eventually(lambda: r.ctx.in_flight == 0, timeout=5.0, what="no request to be in flight")
 
 
 async def test_stop_lets_a_stream_in_flight_finish_and_refuses_new_connections(
-    engines, routers, static_file
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
     eng = await engines("m1", ttft_ms=5, tokens_per_s=40)
     r = await routers(static_file({"m1": [eng.url]}, auth=False))
@@ -190,7 +212,11 @@ async def test_stop_lets_a_stream_in_flight_finish_and_refuses_new_connections(
     writer.write(_request(_body(20, stream=True)))  # about half a second
     await writer.drain()
     idle_reader, idle_writer = await _open(port)
-    assert await poll(lambda: r.ctx.in_flight == 1 and r.connections.count == 2)
+    await eventually(
+        lambda: r.ctx.in_flight == 1 and r.connections.count == 2,
+        timeout=5.0,
+        what="one request in flight and two connections held",
+    )
     stopping = asyncio.create_task(r.stop())
     # The idle connection is closed at once; the stream runs to its end, then its connection closes.
     assert await closed_by_peer(idle_reader, 5.0) == b""
@@ -210,7 +236,7 @@ async def test_stop_lets_a_stream_in_flight_finish_and_refuses_new_connections(
 
 
 async def test_http_1_0_gets_no_chunked_framing_and_the_connection_closes(
-    engines, routers, static_file
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
     # An HTTP/1.0 client cannot read chunked encoding: a stream is sent as is, ended by the close.
     eng = await engines("m1")
@@ -232,7 +258,7 @@ async def test_http_1_0_gets_no_chunked_framing_and_the_connection_closes(
         writer.close()
 
 
-async def test_an_answer_that_fails_to_send_closes_the_connection(caplog) -> None:
+async def test_an_answer_that_fails_to_send_closes_the_connection(caplog: pytest.LogCaptureFixture) -> None:
     # A connection whose handler task ended without finishing its answer would otherwise keep its
     # client (and any request queued behind) waiting for ever: it is closed, with one ERROR line.
     class Broken(web.Response):

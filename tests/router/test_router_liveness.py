@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 
 from llmgw_router.admission import AdmissionRefused, Gate
 from llmgw_router.breaker import Breaker, BreakerState
+from tests.kit.poll import eventually
+from tests.router.router_helpers import EngineFactory, RouterFactory, StaticFile, breaker_state
 
 # ---------------------------------------------------------------- admission gate
 
@@ -31,7 +33,7 @@ def _lost_wake_up(g: Gate) -> bool:
     return g.active < g.limit and any(not f.done() for f in g.waiters)
 
 
-async def test_a_waiter_cancelled_as_it_is_woken_passes_the_slot_to_the_next():
+async def test_a_waiter_cancelled_as_it_is_woken_passes_the_slot_to_the_next() -> None:
     g = Gate("m", limit=1, max_queue=4, queue_timeout_s=30.0)
     assert g.try_enter()
     b = asyncio.create_task(g.enter())
@@ -100,12 +102,12 @@ async def _random_gate_schedule(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(12))
-async def test_gate_random_cancels_timeouts_and_errors_lose_no_slot_and_no_wake_up(seed):
+async def test_gate_random_cancels_timeouts_and_errors_lose_no_slot_and_no_wake_up(seed: int) -> None:
     await _random_gate_schedule(seed)
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_gate_random_schedule_on_uvloop(seed):
+def test_gate_random_schedule_on_uvloop(seed: int) -> None:
     # The router runs on uvloop; its futures and call_soon ordering differ from asyncio's.
     uvloop.run(_random_gate_schedule(seed))
 
@@ -133,7 +135,7 @@ _OPS = st.lists(st.tuples(st.integers(0, 3), st.floats(0, 5)), max_size=60)
         (2, 4.172397165401972),
     ]
 )
-def test_breaker_never_locks_once_nothing_is_in_flight(ops):
+def test_breaker_never_locks_once_nothing_is_in_flight(ops: list[tuple[int, float]]) -> None:
     # Every permission forward() takes ends in exactly one of success/failure/abandon (its finally).
     # Whatever the order, once nothing is in flight and the longest cool-down has passed, a request is
     # let through again: no probe slot stays taken, no state refuses forever.
@@ -162,7 +164,9 @@ def test_breaker_never_locks_once_nothing_is_in_flight(ops):
 # ---------------------------------------------------------------- the request path, over HTTP
 
 
-async def test_every_endpoint_excluded_answers_at_once(engines, routers, static_file):
+async def test_every_endpoint_excluded_answers_at_once(
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
+) -> None:
     # Scheduling with no candidate (every breaker open) must answer 503 now, not wait for one.
     eng = await engines("m1")
     r = await routers(static_file({"m1": [eng.url]}, auth=False))
@@ -181,8 +185,8 @@ async def test_every_endpoint_excluded_answers_at_once(engines, routers, static_
 
 
 async def test_a_long_stream_as_half_open_probe_does_not_hold_the_endpoint_shut(
-    engines, routers, static_file
-):
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
+) -> None:
     # The probe's verdict must not wait for the end of its answer: a 60 s stream as the probe would
     # otherwise keep every other request on a 503 "circuit open" for 60 s, on an engine that is fine.
     eng = await engines("m1", startup_s=0.5, ttft_ms=5, tokens_per_s=20)
@@ -194,7 +198,11 @@ async def test_a_long_stream_as_half_open_probe_does_not_hold_the_endpoint_shut(
         async with s.post(url, json={"model": "m1", "prompt": "a"}) as resp:
             assert resp.status == 503  # loading: opens the breaker
         assert ep.breaker.state is BreakerState.OPEN
-        assert await _poll(lambda: eng.engine.loaded and ep.breaker.allows(r.ctx.clock()))
+        await eventually(
+            lambda: eng.engine.loaded and ep.breaker.allows(r.ctx.clock()),
+            timeout=5.0,
+            what="the engine to load and the breaker to allow a probe",
+        )
         probe = await s.post(url, json={"model": "m1", "prompt": "a", "max_tokens": 1000, "stream": True})
         try:
             assert probe.status == 200
@@ -202,16 +210,7 @@ async def test_a_long_stream_as_half_open_probe_does_not_hold_the_endpoint_shut(
             # The probe's first token arrived: the engine answers. The next request goes through.
             async with s.post(url, json={"model": "m1", "prompt": "a", "max_tokens": 1}) as resp:
                 assert resp.status == 200, await resp.text()
-            assert ep.breaker.state is BreakerState.CLOSED
+            assert breaker_state(ep.breaker) is BreakerState.CLOSED
         finally:
             probe.close()
-    assert await _poll(lambda: r.ctx.in_flight == 0)
-
-
-async def _poll(cond, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        await asyncio.sleep(0.01)
-    return cond()
+    await eventually(lambda: r.ctx.in_flight == 0, timeout=5.0, what="no request to be in flight")

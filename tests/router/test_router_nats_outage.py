@@ -8,6 +8,7 @@ router restart, dropping every client connection. The server is killed and start
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import aiohttp
 import nats
@@ -17,6 +18,8 @@ from llmgw_common.codec import encode
 from llmgw_common.messages import Endpoint, RoutingEndpoints
 from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
+from tests.kit.poll import eventually
+from tests.router.router_helpers import EngineFactory, RouterFactory
 
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
 
@@ -37,7 +40,9 @@ async def _put_endpoints(url: str, prefix: str, eps: list[Endpoint], version: in
         await nc.close()
 
 
-async def test_the_router_runs_and_serves_through_a_nats_outage(tmp_path, engines, routers) -> None:
+async def test_the_router_runs_and_serves_through_a_nats_outage(
+    tmp_path: Path, engines: EngineFactory, routers: RouterFactory
+) -> None:
     from tests.router.test_router_bus import _publish_routing  # the routing values the router reads
 
     eng, eng2 = await engines("m1"), await engines("m1")
@@ -70,11 +75,11 @@ async def test_the_router_runs_and_serves_through_a_nats_outage(tmp_path, engine
         await _put_endpoints(
             srv.url, prefix, [Endpoint(replica_id="r2", model="m1", url=eng2.url, node="n")], version=2
         )
-        for _ in range(200):
-            if [e.replica_id for e in r.ctx.pool.by_model.get("m1", ())] == ["r2"]:
-                break
-            await asyncio.sleep(0.05)
-        assert [e.replica_id for e in r.ctx.pool.by_model.get("m1", ())] == ["r2"]
+        await eventually(
+            lambda: [e.replica_id for e in r.ctx.pool.by_model.get("m1", ())] == ["r2"],
+            timeout=10.0,
+            what="the router to follow the endpoint change made after the outage",
+        )
         assert not run.done(), run
         stop.set()
         await asyncio.wait_for(run, 5)

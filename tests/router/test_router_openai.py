@@ -4,19 +4,29 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import openai
 import pytest
 
 from llmgw_common.apikeys import generate_key, hash_key
+from llmgw_router.service import Router
+from tests.kit.poll import eventually
+from tests.router.router_helpers import EngineFactory, PortFactory, RouterFactory, StaticFile
+
+# What the ``setup`` fixture yields: the router, an openai client with KEY, and the /v1 base URL.
+Setup = tuple[Router, openai.AsyncOpenAI, str]
 
 KEY = generate_key()
 LIMITED = generate_key()
 
 
 @pytest.fixture
-async def setup(engines, routers, static_file, port):
+async def setup(
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile, port: PortFactory
+) -> AsyncIterator[Setup]:
     e1 = await engines("m1")
     e2 = await engines("m1")
     emb = await engines("emb")
@@ -34,14 +44,21 @@ async def setup(engines, routers, static_file, port):
     await client.close()
 
 
-async def test_chat_completions_embeddings_and_models(setup):
+def _code(e: openai.APIStatusError) -> object:
+    """The ``code`` of an error answer's body (openai types the body as ``object``)."""
+    body = e.body
+    assert isinstance(body, dict), body
+    return body.get("code")
+
+
+async def test_chat_completions_embeddings_and_models(setup: Setup) -> None:
     r, client, _ = setup
     chat = await client.chat.completions.create(
         model="m1", messages=[{"role": "user", "content": "hi"}], max_tokens=5
     )
-    assert chat.choices[0].message.content and chat.usage.completion_tokens == 5
+    assert chat.choices[0].message.content and chat.usage is not None and chat.usage.completion_tokens == 5
     comp = await client.completions.create(model="m1", prompt="once upon", max_tokens=3)
-    assert comp.choices[0].text and comp.usage.completion_tokens == 3
+    assert comp.choices[0].text and comp.usage is not None and comp.usage.completion_tokens == 3
     emb = await client.embeddings.create(model="emb", input=["a", "b"])
     assert len(emb.data) == 2 and len(emb.data[0].embedding) > 0
     models = sorted(m.id for m in (await client.models.list()).data)
@@ -52,7 +69,7 @@ async def test_chat_completions_embeddings_and_models(setup):
     assert r.ctx.in_flight == 0
 
 
-async def test_streaming_is_passed_through_and_usage_counted(setup):
+async def test_streaming_is_passed_through_and_usage_counted(setup: Setup) -> None:
     r, client, base = setup
     stream = await client.chat.completions.create(
         model="m1",
@@ -88,22 +105,22 @@ async def test_streaming_is_passed_through_and_usage_counted(setup):
     assert strip == strip_d and via.endswith(b"data: [DONE]\n\n")
 
 
-async def test_error_cases(setup):
+async def test_error_cases(setup: Setup) -> None:
     r, client, base = setup
     async with openai.AsyncOpenAI(base_url=base, api_key="llmgw-nope", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError) as e401:
             await bad.models.list()
-    assert e401.value.status_code == 401 and e401.value.body["code"] == "invalid_api_key"
+    assert e401.value.status_code == 401 and _code(e401.value) == "invalid_api_key"
     with pytest.raises(openai.NotFoundError) as e404:
         await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
-    assert e404.value.body["code"] == "model_not_found"
+    assert _code(e404.value) == "model_not_found"
     with pytest.raises(openai.InternalServerError) as e503:
         await client.chat.completions.create(model="down", messages=[{"role": "user", "content": "x"}])
     assert e503.value.status_code == 503 and "no ready replica" in e503.value.message
     assert e503.value.response.headers["Retry-After"]
     with pytest.raises(openai.APIStatusError) as e413:
         await client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "x" * 5000}])
-    assert e413.value.status_code == 413 and e413.value.body["code"] == "request_too_large"
+    assert e413.value.status_code == 413 and _code(e413.value) == "request_too_large"
     # A key limited to one model: other models are 404 (as if absent), and /v1/models lists only its own.
     lim = openai.AsyncOpenAI(base_url=base, api_key=LIMITED, max_retries=0)
     assert [m.id for m in (await lim.models.list()).data] == ["emb"]
@@ -131,7 +148,7 @@ async def test_error_cases(setup):
                 assert resp.status == 401 and (await resp.json())["error"]["code"] == "invalid_api_key"
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as s:
         # Chunked body over the limit (no Content-Length to refuse early).
-        async def gen():
+        async def gen() -> AsyncIterator[bytes]:
             for _ in range(10):
                 yield b"x" * 1000
 
@@ -165,7 +182,7 @@ async def test_error_cases(setup):
     assert "llmgw_router_breaker_state" in text and "llmgw_router_queue_depth" in text
 
 
-async def test_full_queue_is_429_with_retry_after(engines, routers):
+async def test_full_queue_is_429_with_retry_after(engines: EngineFactory, routers: RouterFactory) -> None:
     slow = await engines("m1", ttft_ms=2000, tokens_per_s=1000)
     static = {
         "auth": False,
@@ -182,9 +199,7 @@ async def test_full_queue_is_429_with_retry_after(engines, routers):
     r = await routers(static)
     base = f"http://127.0.0.1:{r.port}/v1"
     client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0)
-    import asyncio
-
-    body = dict(model="m1", messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    body: dict[str, Any] = {"model": "m1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
     # The two requests that fill the slot and the queue are cancelled later: aiohttp closes its
     # connection on cancel (httpx under anyio leaves a transport for the garbage collector).
     raw = aiohttp.ClientSession()
@@ -196,13 +211,17 @@ async def test_full_queue_is_429_with_retry_after(engines, routers):
     first = asyncio.create_task(hold())
     second = asyncio.create_task(hold())
     gate = r.ctx.gates
-    for _ in range(200):
-        if "m1" in gate and gate["m1"].queued == 1:
-            break
-        await asyncio.sleep(0.01)
+    await eventually(
+        lambda: "m1" in gate and gate["m1"].queued == 1,
+        timeout=2.0,
+        every=0.01,
+        what="the second request to queue behind the first",
+    )
     assert gate["m1"].active == 1 and gate["m1"].queued == 1
     with pytest.raises(openai.RateLimitError) as e429:
-        await client.chat.completions.create(**body)
+        await client.chat.completions.create(
+            model="m1", messages=[{"role": "user", "content": "x"}], max_tokens=1
+        )
     assert e429.value.response.headers["Retry-After"] == "1"
     assert "queue of 1 is full" in e429.value.message
     first.cancel()
@@ -210,16 +229,18 @@ async def test_full_queue_is_429_with_retry_after(engines, routers):
     for t in (first, second):
         with pytest.raises(asyncio.CancelledError):
             await t
-    for _ in range(300):
-        if r.ctx.in_flight == 0 and gate["m1"].active == 0:
-            break
-        await asyncio.sleep(0.01)
+    await eventually(
+        lambda: r.ctx.in_flight == 0 and gate["m1"].active == 0,
+        timeout=3.0,
+        every=0.01,
+        what="the cancelled requests to leave the router and the gate",
+    )
     assert r.ctx.in_flight == 0 and gate["m1"].active == 0 and gate["m1"].queued == 0
     await client.close()
     await raw.close()
 
 
-async def test_landing_page_and_health_need_no_key_and_carry_no_data(setup):
+async def test_landing_page_and_health_need_no_key_and_carry_no_data(setup: Setup) -> None:
     r, _, base = setup
     root = base.removesuffix("/v1")
     async with aiohttp.ClientSession() as s:

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from llmgw_common import bus
 from llmgw_common.codec import decode
 from llmgw_common.messages import IdleReport
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.runtime import TaskDied
 from llmgw_common.settings import RouterSettings
 from llmgw_common.subjects import Subjects
 from llmgw_router.service import Router
+from tests.kit.poll import eventually
 
 
 async def _bus_router(url: str, prefix: str) -> Router:
@@ -23,10 +26,12 @@ async def _bus_router(url: str, prefix: str) -> Router:
     return r
 
 
-async def test_a_failing_tick_is_counted_and_the_ticks_go_on(nats_server, prefix, nc):
+async def test_a_failing_tick_is_counted_and_the_ticks_go_on(
+    nats_server: NatsServer, prefix: str, nc: NATS
+) -> None:
     reports: list[IdleReport] = []
 
-    async def on_idle(msg: Any) -> None:
+    async def on_idle(msg: Msg) -> None:
         reports.append(decode(msg.data, IdleReport))
 
     await nc.subscribe(Subjects(prefix).idle("rt"), cb=on_idle)
@@ -46,11 +51,12 @@ async def test_a_failing_tick_is_counted_and_the_ticks_go_on(nats_server, prefix
         r.ctx.upstream.sweep = sweep_once_broken  # type: ignore[method-assign]
         await asyncio.wait_for(failed.wait(), 10)
         seen = len(reports)
-        for _ in range(200):
-            if len(reports) >= seen + 3:
-                break
-            await asyncio.sleep(0.02)
-        assert len(reports) >= seen + 3
+        await eventually(
+            lambda: len(reports) >= seen + 3,
+            timeout=4.0,
+            every=0.02,
+            what="three more reports after the failed tick",
+        )
         assert r.tick_guard.failed == 1
         assert all(not t.done() for t in r._tasks)
     finally:
@@ -58,7 +64,7 @@ async def test_a_failing_tick_is_counted_and_the_ticks_go_on(nats_server, prefix
 
 
 @pytest.mark.parametrize("which", ["router-tick", "router-routing-resync"])
-async def test_a_loop_that_ends_ends_the_run(nats_server, prefix, which):
+async def test_a_loop_that_ends_ends_the_run(nats_server: NatsServer, prefix: str, which: str) -> None:
     r = await _bus_router(nats_server.url, prefix)
     try:
         stop = asyncio.Event()

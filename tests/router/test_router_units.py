@@ -22,6 +22,7 @@ from llmgw_router.keys import KeyTable, allows_model
 from llmgw_router.metrics import RouterMetrics
 from llmgw_router.scheduling import choose, load_score
 from llmgw_router.usage import UsageTable, find_usage
+from tests.router.router_helpers import breaker_state
 
 # ---------------------------------------------------------------- scheduling
 
@@ -36,7 +37,7 @@ class E:
     load_at: float | None = None
 
 
-def test_stale_or_missing_load_falls_back_to_in_flight():
+def test_stale_or_missing_load_falls_back_to_in_flight() -> None:
     fresh = E("a", in_flight=1, running=10, waiting=5, kv_use=0.5, load_at=100.0)
     assert load_score(fresh, now=101.0, stale_s=5.0) == 15.5
     # The same report, too old: ignored, never read as saturated.
@@ -45,7 +46,7 @@ def test_stale_or_missing_load_falls_back_to_in_flight():
     assert load_score(E("b", in_flight=3, load_at=100.0), now=100.0, stale_s=5.0) == 3.0
 
 
-def test_choose_prefers_lighter_of_two_and_handles_small_lists():
+def test_choose_prefers_lighter_of_two_and_handles_small_lists() -> None:
     rng = random.Random(1)
     assert choose([], 0.0, 5.0, rng) is None
     one = E("x", in_flight=99)
@@ -59,7 +60,7 @@ def test_choose_prefers_lighter_of_two_and_handles_small_lists():
     loads=st.lists(st.integers(min_value=0, max_value=50), min_size=2, max_size=12),
     seed=st.integers(min_value=0, max_value=2**32),
 )
-def test_choice_is_never_the_unique_heaviest(loads, seed):
+def test_choice_is_never_the_unique_heaviest(loads: list[int], seed: int) -> None:
     cands = [E(str(i), in_flight=n) for i, n in enumerate(loads)]
     got = choose(cands, 0.0, 5.0, random.Random(seed))
     assert got in cands
@@ -68,7 +69,7 @@ def test_choice_is_never_the_unique_heaviest(loads, seed):
         assert got.in_flight != heaviest or len(set(loads)) == 1
 
 
-def test_power_of_two_spreads_over_equal_endpoints():
+def test_power_of_two_spreads_over_equal_endpoints() -> None:
     cands = [E(str(i)) for i in range(4)]
     rng = random.Random(7)
     seen = {choose(cands, 0.0, 5.0, rng).name for _ in range(200)}  # type: ignore[union-attr]
@@ -78,29 +79,29 @@ def test_power_of_two_spreads_over_equal_endpoints():
 # ---------------------------------------------------------------- breaker
 
 
-def test_breaker_opens_half_opens_and_closes():
+def test_breaker_opens_half_opens_and_closes() -> None:
     b = Breaker(threshold=2, cooldown_s=1.0, max_cooldown_s=4.0)
     assert b.acquire(0.0)
     b.failure(0.0)
-    assert b.state is BreakerState.CLOSED
+    assert breaker_state(b) is BreakerState.CLOSED
     b.failure(0.1)
-    assert b.state is BreakerState.OPEN
+    assert breaker_state(b) is BreakerState.OPEN
     assert not b.allows(0.5) and not b.acquire(0.5)
     # Cool-down over: one probe at a time.
     assert b.allows(1.2)
     assert b.acquire(1.2)
-    assert b.state is BreakerState.HALF_OPEN
+    assert breaker_state(b) is BreakerState.HALF_OPEN
     assert not b.acquire(1.2)
     b.failure(1.3)  # probe failed: open again, longer cool-down (2 s)
-    assert b.state is BreakerState.OPEN
+    assert breaker_state(b) is BreakerState.OPEN
     assert not b.allows(2.5)
     assert b.acquire(3.4)
     b.success()
-    assert b.state is BreakerState.CLOSED and b.failures == 0
+    assert breaker_state(b) is BreakerState.CLOSED and b.failures == 0
     assert b.acquire(3.5)
 
 
-def test_breaker_abandoned_probe_frees_the_slot():
+def test_breaker_abandoned_probe_frees_the_slot() -> None:
     b = Breaker(threshold=1, cooldown_s=1.0)
     b.failure(0.0)
     assert b.acquire(1.0)
@@ -109,7 +110,7 @@ def test_breaker_abandoned_probe_frees_the_slot():
     assert b.acquire(1.0)
 
 
-def test_success_resets_consecutive_failures():
+def test_success_resets_consecutive_failures() -> None:
     b = Breaker(threshold=2)
     b.failure(0.0)
     b.success()
@@ -120,7 +121,7 @@ def test_success_resets_consecutive_failures():
 # ---------------------------------------------------------------- admission
 
 
-async def test_gate_queues_then_refuses_when_full():
+async def test_gate_queues_then_refuses_when_full() -> None:
     g = Gate("m", limit=1, max_queue=1, queue_timeout_s=5.0)
     assert g.try_enter()
     waiter = asyncio.create_task(g.enter())
@@ -136,7 +137,7 @@ async def test_gate_queues_then_refuses_when_full():
     assert g.active == 0
 
 
-async def test_gate_times_out_and_cancelled_waiter_leaves_no_trace():
+async def test_gate_times_out_and_cancelled_waiter_leaves_no_trace() -> None:
     g = Gate("m", limit=1, max_queue=4, queue_timeout_s=0.05)
     assert g.try_enter()
     with pytest.raises(AdmissionRefused) as e:
@@ -153,7 +154,7 @@ async def test_gate_times_out_and_cancelled_waiter_leaves_no_trace():
     assert g.active == 0
 
 
-async def test_gate_without_limit_admits_everything():
+async def test_gate_without_limit_admits_everything() -> None:
     g = Gate("m", limit=None, max_queue=0, queue_timeout_s=0)
     for _ in range(100):
         await g.enter()
@@ -166,7 +167,7 @@ EXEMPT = Exemptions.parse(["/", "/health", "/healthz", "/static/"])
 
 
 @pytest.mark.parametrize("path", ["/", "/health", "/healthz", "/static/app.css", "/static/a/b.js"])
-def test_exempt_paths(path):
+def test_exempt_paths(path: str) -> None:
     assert EXEMPT.exempt(path)
 
 
@@ -192,17 +193,17 @@ def test_exempt_paths(path):
         "/ ",
     ],
 )
-def test_not_exempt_paths(path):
+def test_not_exempt_paths(path: str) -> None:
     assert not EXEMPT.exempt(path)
 
 
-def test_root_entry_is_never_a_prefix_rule():
+def test_root_entry_is_never_a_prefix_rule() -> None:
     ex = Exemptions.parse(["/"])
     assert ex.exempt("/")
     assert not ex.exempt("/v1/models") and not ex.exempt("//")
 
 
-def test_bearer_key_parsing():
+def test_bearer_key_parsing() -> None:
     assert bearer_key({"Authorization": "Bearer abc"}) == "abc"
     assert bearer_key({"Authorization": "bearer  abc "}) == "abc"
     assert bearer_key({"Authorization": "Basic abc"}) is None
@@ -214,13 +215,13 @@ def test_bearer_key_parsing():
 # ---------------------------------------------------------------- landing page (ARCHITECTURE #12)
 
 
-def test_landing_base_url_from_forwarded_headers():
+def test_landing_base_url_from_forwarded_headers() -> None:
     h = {"X-Forwarded-Proto": "https", "X-Forwarded-Host": "llm.example.com", "X-Forwarded-Prefix": "/gw"}
     assert landing.display_base_url(h, "http", "10.0.0.1:8080") == "https://llm.example.com/gw/v1"
     assert landing.display_base_url({}, "http", "10.0.0.1:8080") == "http://10.0.0.1:8080/v1"
 
 
-def test_landing_ignores_forwarded_values_that_are_not_a_host_or_path():
+def test_landing_ignores_forwarded_values_that_are_not_a_host_or_path() -> None:
     h = {
         "X-Forwarded-Proto": "javascript",
         "X-Forwarded-Host": '"><script>alert(1)</script>',
@@ -231,7 +232,7 @@ def test_landing_ignores_forwarded_values_that_are_not_a_host_or_path():
     assert "<script>" not in page and "rm -rf" not in page
 
 
-def test_landing_escapes_whatever_it_is_given():
+def test_landing_escapes_whatever_it_is_given() -> None:
     page = landing.render('http://x/"><b>')
     assert '"><b>' not in page and "&quot;&gt;&lt;b&gt;" in page
 
@@ -239,7 +240,7 @@ def test_landing_escapes_whatever_it_is_given():
 # ---------------------------------------------------------------- usage
 
 
-def test_find_usage_in_answer_and_stream_tail():
+def test_find_usage_in_answer_and_stream_tail() -> None:
     body = b'{"id":"x","choices":[],"usage":{"prompt_tokens":12,"completion_tokens":7,"total_tokens":19}}'
     assert find_usage(body) == (12, 7)
     stream = (
@@ -253,7 +254,7 @@ def test_find_usage_in_answer_and_stream_tail():
     assert find_usage(b"{}") is None
 
 
-def test_usage_table_report():
+def test_usage_table_report() -> None:
     u = UsageTable(since=1.0)
     u.add("k1", "m", (3, 4))
     u.add("k1", "m", None)
@@ -266,29 +267,36 @@ def test_usage_table_report():
 # ---------------------------------------------------------------- keys
 
 
-def _rec(key: str, **kw) -> ApiKeyRecord:
+def _rec(key: str, **kw: Any) -> ApiKeyRecord:
     return ApiKeyRecord(id=kw.pop("id", "k1"), name="n", hash=hash_key(key), created=0.0, **kw)
 
 
-def test_key_table_checks():
+def _problem(t: KeyTable, key: str | None, now: float) -> str:
+    """Why ``t`` refuses ``key`` (failing the test if it accepts it)."""
+    problem = t.check(key, now).problem
+    assert problem is not None, f"{key!r} was accepted"
+    return problem
+
+
+def test_key_table_checks() -> None:
     k = generate_key()
     assert k.startswith("llmgw-") and len(k) > 40 and generate_key() != k
     t = KeyTable([_rec(k, models=("m1",))])
     assert t.check(k, 0.0).record is not None
-    assert t.check(None, 0.0).problem.startswith("no API key")
-    assert t.check("llmgw-wrong", 0.0).problem == "invalid API key"
+    assert _problem(t, None, 0.0).startswith("no API key")
+    assert _problem(t, "llmgw-wrong", 0.0) == "invalid API key"
     t.put(_rec(k, revoked=True))
-    assert "revoked" in t.check(k, 0.0).problem
+    assert "revoked" in _problem(t, k, 0.0)
     t.put(_rec(k, expires=10.0))
     assert t.check(k, 9.0).record is not None
-    assert "expired" in t.check(k, 10.0).problem
+    assert "expired" in _problem(t, k, 10.0)
     t.remove("k1")
     assert t.check(k, 0.0).record is None and len(t) == 0
     assert allows_model(_rec(k, models=("m1",)), "m1") and not allows_model(_rec(k, models=("m1",)), "m2")
     assert allows_model(_rec(k), "anything") and allows_model(None, "x")
 
 
-def test_key_table_replacing_a_record_drops_its_old_hash():
+def test_key_table_replacing_a_record_drops_its_old_hash() -> None:
     t = KeyTable([_rec("old-key")])
     t.put(_rec("new-key"))
     assert t.check("old-key", 0.0).record is None
@@ -307,7 +315,7 @@ def _eps(*pairs: tuple[str, str], draining: frozenset[str] = frozenset()) -> Rou
     return RoutingEndpoints(version=1, endpoints={k: tuple(v) for k, v in out.items()})
 
 
-def test_pool_keeps_live_state_across_unrelated_updates():
+def test_pool_keeps_live_state_across_unrelated_updates() -> None:
     p = Pool()
     p.set_endpoints(_eps(("r1", "http://a:1"), ("r2", "http://b:1")))
     a = p.by_key[("r1", "http://a:1")]
@@ -327,7 +335,7 @@ def test_pool_keeps_live_state_across_unrelated_updates():
     assert p.by_key[("r1", "http://a:2")].in_flight == 0
 
 
-def test_pool_returns_withdrawn_endpoints_holding_answers_but_not_draining_ones():
+def test_pool_returns_withdrawn_endpoints_holding_answers_but_not_draining_ones() -> None:
     p = Pool()
     p.set_endpoints(_eps(("r1", "http://a:1"), ("r2", "http://b:1"), ("r3", "http://c:1")))
     a, b = p.by_key[("r1", "http://a:1")], p.by_key[("r2", "http://b:1")]
@@ -339,7 +347,7 @@ def test_pool_returns_withdrawn_endpoints_holding_answers_but_not_draining_ones(
     assert p.set_endpoints(_eps(("r1", "http://a:1"), draining=frozenset({"r1"}))) == [b]
 
 
-def test_draining_endpoints_take_no_new_requests_and_load_reports_apply():
+def test_draining_endpoints_take_no_new_requests_and_load_reports_apply() -> None:
     p = Pool()
     p.set_endpoints(_eps(("r1", "http://a:1"), ("r2", "http://b:1"), draining=frozenset({"r1"})))
     assert [e.replica_id for e in p.routable("m", 0.0)] == ["r2"]
@@ -358,13 +366,13 @@ def _only_draining() -> Pool:
     return p
 
 
-def test_unavailable_reason_comes_from_routing():
+def test_unavailable_reason_comes_from_routing() -> None:
     p = Pool()
     p.set_endpoints(RoutingEndpoints(version=2, unavailable={"m": "needs 2 x H100-80GB, 0 free"}))
     assert p.why_unavailable("m", 0.0) == "model 'm' has no ready replica: needs 2 x H100-80GB, 0 free"
 
 
-def test_metrics_exposition_counts_buckets_like_prometheus():
+def test_metrics_exposition_counts_buckets_like_prometheus() -> None:
     m = RouterMetrics(Pool(), {}, lambda: 2)
     # 0.005 is a bound: it belongs to le="0.005" (Prometheus buckets are "less or equal").
     for v in (0.001, 0.005, 0.0051, 500.0):

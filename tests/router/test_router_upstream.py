@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import Awaitable, Callable
-from typing import cast
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, cast
 
 import pytest
 import uvloop
@@ -14,6 +14,7 @@ import uvloop
 from llmgw_router.upstream import Abortable, Aborted, ConnectFailed, Disconnected, ReadTimeout, UpstreamClient
 from llmgw_sim import engine as sim_engine
 from llmgw_sim.options import SimOptions
+from tests.kit.poll import eventually
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 BODY = b'{"model":"m","prompt":"x","max_tokens":3}'
@@ -283,10 +284,7 @@ async def scenario_abort_while_the_head_is_awaited() -> None:
     held: set[Abortable] = set()
     try:
         post = asyncio.ensure_future(c.post(url, "/", b"{}", held=held))
-        for _ in range(200):
-            if held:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: held, timeout=2.0, every=0.01, what="the post to be held, abortable")
         assert len(held) == 1 and not post.done()
         next(iter(held)).abort("withdrawn")
         with pytest.raises(Aborted, match="withdrawn"):
@@ -297,7 +295,8 @@ async def scenario_abort_while_the_head_is_awaited() -> None:
         srv.close()
 
 
-SCENARIOS = [
+Scenario = Callable[[], Coroutine[Any, Any, None]]
+SCENARIOS: list[Scenario] = [
     scenario_keep_alive_reuse,
     scenario_server_closed_idle_connection,
     scenario_length_by_close_garbage_timeout_refused,
@@ -309,11 +308,11 @@ SCENARIOS = [
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)
-async def test_upstream_on_asyncio(scenario):
+async def test_upstream_on_asyncio(scenario: Scenario) -> None:
     await scenario()
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)
-def test_upstream_on_uvloop(scenario):
+def test_upstream_on_uvloop(scenario: Scenario) -> None:
     # The router runs on uvloop in production; its transports differ from asyncio's.
     uvloop.run(scenario())

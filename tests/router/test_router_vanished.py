@@ -18,10 +18,20 @@ from typing import Any
 
 import aiohttp
 import pytest
+from nats.aio.client import Client as NATS
 
 from llmgw_common.messages import Endpoint
+from llmgw_common.natsserver import NatsServer
+from llmgw_router.service import Router
 from llmgw_sim.options import SimOptions
-from tests.router.router_helpers import poll, start_engine_process, stop_engine_processes
+from tests.kit.poll import eventually
+from tests.router.router_helpers import (
+    EngineProcs,
+    RouterFactory,
+    StaticFile,
+    start_engine_process,
+    stop_engine_processes,
+)
 from tests.router.test_router_bus import _publish_routing
 from tests.router.test_router_failover import _check, _stream
 
@@ -33,7 +43,7 @@ DEADLINE_S = 25.0
 
 
 @pytest.fixture
-def sims() -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
+def sims() -> Iterator[EngineProcs]:
     """Two sim engine processes (own sessions), 50 tokens/s: a 200-token answer takes 4 s."""
     procs: list[tuple[subprocess.Popen[bytes], str]] = []
     try:
@@ -55,9 +65,7 @@ def _chat() -> dict[str, Any]:
     }
 
 
-def _endpoints(
-    sims: list[tuple[subprocess.Popen[bytes], str]], **draining: bool
-) -> dict[str, list[Endpoint]]:
+def _endpoints(sims: EngineProcs, **draining: bool) -> dict[str, list[Endpoint]]:
     eps = [
         Endpoint(replica_id=f"r{i}", model="m1", url=url, node=f"n{i}", draining=draining.get(f"r{i}", False))
         for i, (_, url) in enumerate(sims)
@@ -65,27 +73,33 @@ def _endpoints(
     return {"m1": eps}
 
 
-async def _serving(r: Any, sims: list[tuple[subprocess.Popen[bytes], str]]) -> int:
+async def _serving(r: Router, sims: EngineProcs) -> int:
     """The index of the engine the one stream in flight went to, once tokens flow on it."""
 
     def busy() -> list[int]:
         eps = r.ctx.pool.by_key.values()
         return [i for i, (_, u) in enumerate(sims) for e in eps if e.url == u and e.in_flight]
 
-    assert await poll(lambda: len(busy()) == 1, 10), "the stream reached no engine"
+    await eventually(lambda: len(busy()) == 1, timeout=10.0, what="the stream to reach an engine")
     await asyncio.sleep(0.5)  # about 25 tokens reach the client
     return busy()[0]
 
 
-async def _bus_router(routers: Any, nats_server: Any, prefix: str, nc: Any, sims: Any) -> Any:
+async def _bus_router(
+    routers: RouterFactory, nats_server: NatsServer, prefix: str, nc: NATS, sims: EngineProcs
+) -> Router:
     await _publish_routing(nc, prefix, _endpoints(sims))
     r = await routers(nats_urls=[nats_server.url], prefix=prefix, auth=False, tick_s=0.2)
     await asyncio.wait_for(r.synced.wait(), 10)
-    assert await poll(lambda: len(r.ctx.pool.by_key) == 2, 10)
+    await eventually(
+        lambda: len(r.ctx.pool.by_key) == 2, timeout=10.0, what="the router to know both endpoints"
+    )
     return r
 
 
-async def test_withdrawn_endpoint_aborts_its_frozen_stream(nats_server, prefix, nc, routers, sims) -> None:
+async def test_withdrawn_endpoint_aborts_its_frozen_stream(
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory, sims: EngineProcs
+) -> None:
     r = await _bus_router(routers, nats_server, prefix, nc, sims)
     url = f"http://127.0.0.1:{r.port}/v1/chat/completions"
     body = _chat()
@@ -99,12 +113,16 @@ async def test_withdrawn_endpoint_aborts_its_frozen_stream(nats_server, prefix, 
         status, events = await asyncio.wait_for(task, DEADLINE_S)
     assert _check("/v1/chat/completions", body, status, events) == ""
     assert r.ctx.metrics.migrations_count("m1", "ok") == 1
-    assert await poll(
-        lambda: r.ctx.in_flight == 0 and all(e.in_flight == 0 for e in r.ctx.pool.by_key.values())
+    await eventually(
+        lambda: r.ctx.in_flight == 0 and all(e.in_flight == 0 for e in r.ctx.pool.by_key.values()),
+        timeout=5.0,
+        what="no request to be in flight at the router or any endpoint",
     )
 
 
-async def test_a_draining_flag_aborts_nothing(nats_server, prefix, nc, routers, sims) -> None:
+async def test_a_draining_flag_aborts_nothing(
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory, sims: EngineProcs
+) -> None:
     r = await _bus_router(routers, nats_server, prefix, nc, sims)
     url = f"http://127.0.0.1:{r.port}/v1/chat/completions"
     body = _chat()
@@ -112,7 +130,11 @@ async def test_a_draining_flag_aborts_nothing(nats_server, prefix, nc, routers, 
         task = asyncio.create_task(_stream(s, url, body))
         serving = await _serving(r, sims)
         await _publish_routing(nc, prefix, _endpoints(sims, **{f"r{serving}": True}), version=2)
-        assert await poll(lambda: any(e.draining for e in r.ctx.pool.by_key.values()), 10)
+        await eventually(
+            lambda: any(e.draining for e in r.ctx.pool.by_key.values()),
+            timeout=10.0,
+            what="an endpoint to be draining",
+        )
         status, events = await asyncio.wait_for(task, DEADLINE_S)
     assert _check("/v1/chat/completions", body, status, events) == ""
     # The drained replica finished what it held: nothing migrated.
@@ -120,7 +142,9 @@ async def test_a_draining_flag_aborts_nothing(nats_server, prefix, nc, routers, 
     assert r.ctx.metrics.migrations_count("m1", "failed") == 0
 
 
-async def test_a_stalled_stream_migrates_after_stream_stall_s(routers, static_file, sims) -> None:
+async def test_a_stalled_stream_migrates_after_stream_stall_s(
+    routers: RouterFactory, static_file: StaticFile, sims: EngineProcs
+) -> None:
     r = await routers(static_file({"m1": [u for _, u in sims]}, auth=False), stream_stall_s=1.0)
     assert r.settings.read_timeout_s == 600.0
     url = f"http://127.0.0.1:{r.port}/v1/chat/completions"

@@ -12,16 +12,19 @@ import os
 import signal
 import socket
 import sys
-import time
+from pathlib import Path
 
 import aiohttp
 import psutil
 import yaml
+from nats.aio.client import Client as NATS
 
 from llmgw_common import bus
 from llmgw_common.messages import UsageReport
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
-from tests.router.router_helpers import poll
+from tests.kit.poll import eventually
+from tests.router.router_helpers import EngineFactory, PortFactory, wait_serving
 
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
 
@@ -41,22 +44,8 @@ def _two_free_ports() -> int:
     raise RuntimeError("no two consecutive free ports")
 
 
-async def _wait_http(url: str, proc: asyncio.subprocess.Process, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
-        while True:
-            try:
-                async with s.get(url) as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            assert time.monotonic() < deadline and proc.returncode is None, "not serving"
-            await asyncio.sleep(0.1)
-
-
 async def test_two_workers_share_the_port_and_both_serve(
-    nats_server, prefix, nc, engines, tmp_path, port
+    nats_server: NatsServer, prefix: str, nc: NATS, engines: EngineFactory, tmp_path: Path, port: PortFactory
 ) -> None:
     eng = await engines("m1")
     static = tmp_path / "static.yaml"
@@ -95,8 +84,8 @@ async def test_two_workers_share_the_port_and_both_serve(
     )
     try:
         for url in (f"http://127.0.0.1:{p}/health", f"http://127.0.0.1:{admin}/health"):
-            await _wait_http(url, proc)
-        await _wait_http(f"http://127.0.0.1:{admin + 1}/health", proc)
+            await wait_serving(url, proc)
+        await wait_serving(f"http://127.0.0.1:{admin + 1}/health", proc)
         workers = psutil.Process(proc.pid).children()
         assert len(workers) == 2
         # A new connection per request: the kernel picks a listening socket per connection.
@@ -112,7 +101,11 @@ async def test_two_workers_share_the_port_and_both_serve(
             return rep.usage.get("-", {}).get("m1", [0])[0] if rep is not None else 0
 
         # Each worker reports on the bus under its own id, and each served some of the requests.
-        assert await poll(lambda: served("rw-w0") + served("rw-w1") == n, 10.0), usage
+        await eventually(
+            lambda: served("rw-w0") + served("rw-w1") == n,
+            timeout=10.0,
+            what="both workers' usage to add up to all requests",
+        )
         assert served("rw-w0") > 0 and served("rw-w1") > 0, (served("rw-w0"), served("rw-w1"))
         # Each worker's metrics on its own admin port: admin_port + index.
         async with aiohttp.ClientSession() as s:
@@ -130,7 +123,9 @@ async def test_two_workers_share_the_port_and_both_serve(
             await proc.wait()
 
 
-async def test_a_worker_that_dies_ends_the_set_with_its_status(engines, tmp_path, port) -> None:
+async def test_a_worker_that_dies_ends_the_set_with_its_status(
+    engines: EngineFactory, tmp_path: Path, port: PortFactory
+) -> None:
     # One worker short would serve on at half the capacity with nobody told: the parent ends the other
     # workers and exits with the dead one's status, so that a supervisor restarts the whole set.
     eng = await engines("m1")
@@ -144,20 +139,26 @@ async def test_a_worker_that_dies_ends_the_set_with_its_status(engines, tmp_path
         stderr=asyncio.subprocess.DEVNULL,
     )
     try:
-        await _wait_http(f"http://127.0.0.1:{p}/health", proc)
+        await wait_serving(f"http://127.0.0.1:{p}/health", proc)
         parent = psutil.Process(proc.pid)
-        assert await poll(lambda: len(parent.children()) == 2, 10.0)
+        await eventually(
+            lambda: len(parent.children()) == 2, timeout=10.0, what="the supervisor to have two workers again"
+        )
         first, second = parent.children()
         first.kill()
         assert await asyncio.wait_for(proc.wait(), 20) == 128 + signal.SIGKILL
-        assert await poll(lambda: not second.is_running() or second.status() == psutil.STATUS_ZOMBIE, 5.0)
+        await eventually(
+            lambda: not second.is_running() or second.status() == psutil.STATUS_ZOMBIE,
+            timeout=5.0,
+            what="the replaced worker to exit",
+        )
     finally:
         if proc.returncode is None:
             os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
 
 
-def test_workers_need_a_fixed_port(tmp_path) -> None:
+def test_workers_need_a_fixed_port(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from llmgw_cli.main import app

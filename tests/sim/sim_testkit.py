@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import re
 import signal
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,16 +22,6 @@ def parse_metrics(text: str) -> dict[str, tuple[str, float]]:
         assert m, f"not a Prometheus sample line: {line!r}"
         out[m.group(1)] = (m.group(2) or "", float(m.group(3)))
     return out
-
-
-async def poll(cond: Callable[[], Awaitable[bool]], deadline_s: float, what: str) -> None:
-    """Await ``cond()`` until true, failing with ``what`` after ``deadline_s``."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + deadline_s
-    while not await cond():
-        if loop.time() > end:
-            raise AssertionError(f"timed out after {deadline_s}s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 @dataclass

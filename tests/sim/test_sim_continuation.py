@@ -13,6 +13,7 @@ import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from openai.types.chat import ChatCompletionMessageParam
 
 from llmgw_sim import openai_api as oai
 from llmgw_sim.engine import Listening
@@ -137,13 +138,14 @@ def test_any_continuation_point_gives_the_rest(prompt: list[str], n: int, data: 
 
 async def test_continue_final_message_over_http(engine: Callable[..., Awaitable[Listening]]) -> None:
     srv = await engine(model=MODEL, zero=True)
+    user: list[ChatCompletionMessageParam] = [{"role": "user", "content": "alpha beta gamma delta"}]
     async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0) as client:
-        full = await client.chat.completions.create(model=MODEL, messages=USER, max_tokens=6)  # type: ignore[arg-type]
+        full = await client.chat.completions.create(model=MODEL, messages=user, max_tokens=6)
         text = full.choices[0].message.content
         assert text == "alpha beta gamma delta alpha beta"
         stream = await client.chat.completions.create(
             model=MODEL,
-            messages=[*USER, {"role": "assistant", "content": "alpha beta"}],  # type: ignore[list-item]
+            messages=[*user, {"role": "assistant", "content": "alpha beta"}],
             max_tokens=4,
             stream=True,
             stream_options={"include_usage": True},
@@ -156,6 +158,6 @@ async def test_continue_final_message_over_http(engine: Callable[..., Awaitable[
         with pytest.raises(openai.BadRequestError):
             await client.chat.completions.create(
                 model=MODEL,
-                messages=USER,
-                extra_body={"continue_final_message": True},  # type: ignore[arg-type]
+                messages=user,
+                extra_body={"continue_final_message": True},
             )

@@ -5,18 +5,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import pytest
 
 from llmgw_sim.engine import Listening
 from llmgw_sim.slots import Slots
-from tests.sim.sim_testkit import parse_metrics, poll
+from tests.kit.poll import eventually
+from tests.sim.sim_testkit import parse_metrics
 
 Engine = Callable[..., Awaitable[Listening]]
 
 
-def chat(max_tokens: int = 4, stream: bool = False) -> dict:
+def chat(max_tokens: int = 4, stream: bool = False) -> dict[str, Any]:
     return {
         "model": "sim-model",
         "messages": [{"role": "user", "content": "w1 w2"}],
@@ -31,7 +33,7 @@ async def metrics(http: aiohttp.ClientSession, srv: Listening) -> dict[str, tupl
         return parse_metrics(await r.text())
 
 
-async def post_chat(http: aiohttp.ClientSession, srv: Listening, body: dict) -> int:
+async def post_chat(http: aiohttp.ClientSession, srv: Listening, body: dict[str, Any]) -> int:
     async with http.post(srv.url + "/v1/chat/completions", json=body) as r:
         await r.read()
         return r.status
@@ -51,7 +53,7 @@ async def test_running_and_waiting_are_true_under_load(
         m = await metrics(http, srv)
         return m[running][1] == 2 and m[waiting][1] == 3
 
-    await poll(queued, 5, "2 running and 3 waiting")
+    await eventually(queued, timeout=5, what="2 running and 3 waiting requests")
     m = await metrics(http, srv)
     if style == "vllm":
         assert m["vllm:kv_cache_usage_perc"][1] == 1.0
@@ -75,7 +77,7 @@ async def test_kv_usage_is_share_of_slots(engine: Engine, http: aiohttp.ClientSe
     async def one_running() -> bool:
         return (await metrics(http, srv))["vllm:num_requests_running"][1] == 1
 
-    await poll(one_running, 5, "one running request")
+    await eventually(one_running, timeout=5, what="one request to be running")
     assert (await metrics(http, srv))["vllm:kv_cache_usage_perc"][1] == 0.25
     assert await task == 200
 
@@ -88,7 +90,7 @@ async def test_kv_usage_by_token_count(engine: Engine, http: aiohttp.ClientSessi
     async def two_running() -> bool:
         return (await metrics(http, srv))["vllm:num_requests_running"][1] == 2
 
-    await poll(two_running, 5, "two running requests")
+    await eventually(two_running, timeout=5, what="two requests to be running")
     assert (await metrics(http, srv))["vllm:kv_cache_usage_perc"][1] == 0.2
     assert await asyncio.gather(*tasks) == [200, 200]
     assert (await metrics(http, srv))["vllm:kv_cache_usage_perc"][1] == 0.0
@@ -135,7 +137,7 @@ async def test_client_hanging_up_frees_its_place(
     async def one_waiting() -> bool:
         return (await metrics(http, srv))["vllm:num_requests_waiting"][1] == 1
 
-    await poll(one_waiting, 5, "one waiting request")
+    await eventually(one_waiting, timeout=5, what="one request to be waiting")
     queued.cancel()
     holder.cancel()
 
@@ -143,7 +145,7 @@ async def test_client_hanging_up_frees_its_place(
         m = await metrics(http, srv)
         return m["vllm:num_requests_waiting"][1] == 0 and m["vllm:num_requests_running"][1] == 0
 
-    await poll(idle, 5, "the engine idle after both clients left")
+    await eventually(idle, timeout=5, what="the engine to be idle after both clients left")
     await asyncio.gather(holder, queued, return_exceptions=True)
 
 
@@ -160,7 +162,7 @@ async def test_startup_delay_then_ready(engine: Engine, http: aiohttp.ClientSess
         async with http.get(srv.url + "/health") as r:
             return r.status == 200
 
-    await poll(healthy, 5, "health 200 after loading")
+    await eventually(healthy, timeout=5, what="/health to answer 200 after loading")
     assert await post_chat(http, srv, chat()) == 200
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import base64
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from llmgw_sim.engine import Listening
 
@@ -62,7 +64,7 @@ async def test_chat_without_max_tokens_uses_default_and_stops(client: openai.Asy
 
 
 async def test_same_prompt_same_answer_and_ids_differ(client: openai.AsyncOpenAI) -> None:
-    msgs: list = [{"role": "user", "content": "one two three"}]
+    msgs: list[ChatCompletionMessageParam] = [{"role": "user", "content": "one two three"}]
     a = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=7)
     b = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=7)
     assert a.choices[0].message.content == b.choices[0].message.content
@@ -70,7 +72,7 @@ async def test_same_prompt_same_answer_and_ids_differ(client: openai.AsyncOpenAI
 
 
 async def test_chat_stream_with_include_usage(client: openai.AsyncOpenAI) -> None:
-    msgs: list = [{"role": "user", "content": "red green blue"}]
+    msgs: list[ChatCompletionMessageParam] = [{"role": "user", "content": "red green blue"}]
     stream = await client.chat.completions.create(
         model=MODEL, messages=msgs, max_tokens=4, stream=True, stream_options={"include_usage": True}
     )
@@ -210,7 +212,7 @@ async def test_malformed_json_is_openai_400(srv: Listening, http: aiohttp.Client
     ],
 )
 async def test_invalid_fields_are_400_naming_the_param(
-    srv: Listening, http: aiohttp.ClientSession, path: str, body: dict, param: str
+    srv: Listening, http: aiohttp.ClientSession, path: str, body: dict[str, Any], param: str
 ) -> None:
     async with http.post(srv.url + path, json=body) as r:
         assert r.status == 400

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import typer
@@ -63,7 +64,7 @@ def test_from_dict_takes_catalog_options_and_coerces() -> None:
         ({"heartbeat_s": 0}, "heartbeat_s is 0.0"),
     ],
 )
-def test_bad_options_name_what_is_wrong(options: dict, needle: str) -> None:
+def test_bad_options_name_what_is_wrong(options: dict[str, Any], needle: str) -> None:
     with pytest.raises(ValueError) as ei:
         SimOptions.from_dict(options)
     assert needle in str(ei.value)

@@ -12,7 +12,8 @@ import pytest
 
 from llmgw_sim.engine import FAULT_EXIT_CODE, Listening
 from llmgw_sim.options import SimOptions
-from tests.sim.sim_testkit import EngineProcess, poll
+from tests.kit.poll import eventually
+from tests.sim.sim_testkit import EngineProcess
 
 Spawn = Callable[[SimOptions], Awaitable[EngineProcess]]
 
@@ -85,23 +86,31 @@ async def test_leader_healthy_only_while_all_followers_beat(
         assert "rank(s) 1, 2" in (await r.json())["error"]["message"]
 
     f1 = await engine_process(SimOptions(port=0, rank=1, world=3, leader=addr, heartbeat_s=hb))
-    await poll(lambda: _is(http, f1.url, 200), 10, "follower 1 joined")
+    await eventually(lambda: _is(http, f1.url, 200), timeout=10, what="follower 1 to join its leader")
     assert await status(http, leader.url) == 503  # rank 2 still missing
     f2 = await engine_process(SimOptions(port=0, rank=2, world=3, leader=addr, heartbeat_s=hb))
-    await poll(lambda: _is(http, leader.url, 200), 10, "leader whole with both followers")
+    await eventually(
+        lambda: _is(http, leader.url, 200), timeout=10, what="the leader to be whole with both followers"
+    )
     assert await status(http, f2.url) == 200
     # Followers serve /health only.
     async with http.get(f2.url + "/v1/models") as r:
         assert r.status == 404
 
     await f2.stop(signal.SIGKILL)
-    await poll(lambda: _is(http, leader.url, 503), 5, "leader unhealthy after a follower died")
+    await eventually(
+        lambda: _is(http, leader.url, 503),
+        timeout=5,
+        what="the leader to turn unhealthy after a follower died",
+    )
     async with http.get(leader.url + "/health") as r:
         assert "rank(s) 2" in (await r.json())["error"]["message"]
 
     # The leader going away takes its followers' health with it.
     await leader.stop()
-    await poll(lambda: _is(http, f1.url, 503), 5, "follower unhealthy without its leader")
+    await eventually(
+        lambda: _is(http, f1.url, 503), timeout=5, what="the follower to turn unhealthy without its leader"
+    )
 
 
 async def _is(http: aiohttp.ClientSession, url: str, code: int) -> bool:
@@ -136,15 +145,12 @@ async def test_follower_of_a_mismatched_leader_stays_unready(
     def refused() -> bool:
         return any("refused rank 1" in r.getMessage() for r in caplog.records)
 
-    async def logged() -> bool:
-        return refused()
-
-    await poll(logged, 5, "the follower logging the leader's refusal")
+    await eventually(refused, timeout=5, what="the follower to log the leader's refusal")
     assert await status(http, wrong.url) == 503
     assert await status(http, leader.url) == 503
     right = await engine(rank=1, world=2, leader=addr, heartbeat_s=0.05)
-    await poll(lambda: _is(http, right.url, 200), 5, "the matching follower joined")
-    await poll(lambda: _is(http, leader.url, 200), 5, "the leader whole")
+    await eventually(lambda: _is(http, right.url, 200), timeout=5, what="the matching follower to join")
+    await eventually(lambda: _is(http, leader.url, 200), timeout=5, what="the leader to be whole")
     # Single-node engines have no join endpoint at all.
     single = await engine()
     async with http.post(single.url + "/_sim/join", json={}) as r:
