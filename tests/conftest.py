@@ -4,7 +4,9 @@ import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import nats
 import pytest
+from nats.aio.client import Client as NATS
 
 from llmgw_common.natsserver import NatsServer, ensure_on_path
 
@@ -30,9 +32,7 @@ def prefix(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-async def nc(nats_server: NatsServer) -> AsyncIterator[object]:
-    import nats
-
+async def nc(nats_server: NatsServer) -> AsyncIterator[NATS]:
     client = await nats.connect(nats_server.url)
     yield client
     await client.close()

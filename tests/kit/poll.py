@@ -17,7 +17,7 @@ T = TypeVar("T")
 
 @overload
 async def eventually(
-    check: Callable[[], Awaitable[T]],
+    check: Callable[[], Awaitable[T | None]],
     *,
     timeout: float = 10.0,
     every: float = 0.05,
@@ -28,7 +28,7 @@ async def eventually(
 
 @overload
 async def eventually(
-    check: Callable[[], T],
+    check: Callable[[], T | None],
     *,
     timeout: float = 10.0,
     every: float = 0.05,
