@@ -27,9 +27,9 @@ from tests.console.console_live import (
     LIVE_CATALOG,
     LiveConsole,
     chromium_path,
-    eventually,
     live_agents,
 )
+from tests.kit.poll import eventually
 
 
 @pytest.fixture
@@ -93,7 +93,8 @@ async def live_console(nats_server: Any, prefix: str, tmp_path: Path) -> AsyncIt
         while not halt.is_set():
             for a in agents:
                 assignment, _ = await bus.kv_get(assign_kv, a.node, Assignment, drops)
-                await a.beat(assignment)
+                a.serve(assignment)
+                await a.beat()
             await asyncio.sleep(0.1)
 
     beating = asyncio.create_task(beat())
@@ -106,7 +107,7 @@ async def live_console(nats_server: Any, prefix: str, tmp_path: Path) -> AsyncIt
             return False
 
     try:
-        await eventually(answering, timeout=30)
+        await eventually(answering, timeout=30, what="the control plane to answer ctl as leader")
         yield LiveConsole(f"http://127.0.0.1:{port}", cp, CtlClient(nc, prefix), nc, prefix, agents)
     finally:
         halt.set()

@@ -10,7 +10,8 @@ from typing import Any
 
 from llmgw_controlplane.admin import PAGES, AdminServer, build_admin_app
 from tests.console.console_fleet import NODES, NOW, UNHEALTHY_REASON, FixedSource
-from tests.console.console_live import LIVE_UNHEALTHY, LiveConsole, eventually
+from tests.console.console_live import LIVE_UNHEALTHY, LiveConsole
+from tests.kit.poll import eventually
 
 log = logging.getLogger("test.console")
 VIEWPORT = {"width": 1440, "height": 900}
@@ -73,7 +74,7 @@ async def test_live_control_plane_in_chromium(browser: Any, live_console: LiveCo
         s = await live.ctl.status()
         return s.nodes_by_state.get("ready") == 4 and [u.model for u in s.unplaceable] == ["giant"]
 
-    await eventually(settled, timeout=15)
+    await eventually(settled, timeout=15, what="all four nodes ready and giant known unplaceable")
     page, errors = await _open(browser, f"{live.url}/nodes")
     body = await page.inner_text("body")
     for node in ("h100-01", "h100-02", "a100-01", "cpu-01"):
