@@ -12,7 +12,8 @@ from llmgw_common.runtime import TaskDied
 from llmgw_notifier import service
 from llmgw_notifier.delivery import NotifierStats
 from llmgw_notifier.targets import Targets
-from tests.notifier.notifier_helpers import fast_settings, wait_until
+from tests.kit.poll import eventually
+from tests.notifier.notifier_helpers import fast_settings
 
 
 async def test_a_failing_housekeeping_pass_is_counted_and_the_next_runs(nats_server, prefix, monkeypatch):
@@ -30,7 +31,9 @@ async def test_a_failing_housekeeping_pass_is_counted_and_the_next_runs(nats_ser
     stop = asyncio.Event()
     task = asyncio.create_task(service.serve(fast_settings(nats_server, prefix), stop, NotifierStats()))
     try:
-        await wait_until(lambda: calls[0] >= 4 or task.done(), what="housekeeping passes after a failure")
+        await eventually(
+            lambda: calls[0] >= 4 or task.done(), what="housekeeping passes to go on after a failure"
+        )
         assert not task.done()
     finally:
         stop.set()
