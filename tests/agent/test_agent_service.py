@@ -41,6 +41,7 @@ from llmgw_common.natsserver import NatsServer
 from llmgw_common.settings import AgentSettings
 from llmgw_common.subjects import Subjects
 from tests.agent.agent_helpers import alive, free_port, kill_group
+from tests.kit.poll import eventually
 
 pytestmark = pytest.mark.e2e
 KINDS: dict[str, type[Any]] = {
@@ -338,12 +339,11 @@ async def test_stop_while_nats_is_unreachable_returns(tmp_path: Path) -> None:
     )
     try:
         # A second attempt is the sign that the first failure did not end the agent: it is retrying.
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 10
-        while attempts < 2:
+        def retrying() -> bool:
             assert not agent.done(), agent
-            assert loop.time() < deadline, f"{attempts} connection attempt(s) in 10 s"
-            await asyncio.sleep(0.02)
+            return attempts >= 2
+
+        await eventually(retrying, timeout=10, what="a second connection attempt")
         assert not agent.done()
         stop.set()
         await asyncio.wait_for(agent, 10)
@@ -430,11 +430,9 @@ async def test_load_report_reads_the_engine_and_blanks_what_it_cannot_scrape(
             state=ShardState.READY,
         )
         agent.supervisor.shards[dead.key] = dead
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 15
-        while live.state is not ShardState.READY:
-            assert loop.time() < deadline
-            await asyncio.sleep(0.05)
+        await eventually(
+            lambda: live.state is ShardState.READY, timeout=15, what="the live shard to be ready"
+        )
         report = await agent.load_report()
         by = {r.replica_id: r for r in report.replicas}
         # The script's /metrics: vLLM names for running and waiting, no KV metric at all.
@@ -574,10 +572,7 @@ async def test_inventory_sent_on_change_and_on_interval_only(nc: NATS, prefix: s
             await agent._inventory_if_due(now)
         await agent._inventory_if_due(1071.0)  # unchanged, but 60 s since the last one: sent again
         await nc.flush()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 5
-        while len(sent) < 3 and loop.time() < deadline:
-            await asyncio.sleep(0.02)
+        await eventually(lambda: len(sent) >= 3, timeout=5, what="three inventories on the bus")
         assert [(m.sent_at, m.labels["role"]) for m in sent] == [
             (1000.0, "a"),
             (1000 + INVENTORY_CHECK_S, "b"),
@@ -625,27 +620,20 @@ async def test_inventory_is_sent_again_when_the_control_plane_asks(
     )
     try:
 
-        async def until(cond: Callable[[], bool], what: str) -> None:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 10
-            while not cond():
-                assert loop.time() < deadline, f"{what}: {len(sent)} inventories, {loads} load reports"
-                await asyncio.sleep(0.01)
-
         async def ticks_pass() -> None:
             # Each tick sends its load report before it judges the inventory: two more reports mean
             # a whole tick judged it on the clock as it is now.
             seen = loads
-            await until(lambda: loads >= seen + 2, "two more ticks")
+            await eventually(lambda: loads >= seen + 2, every=0.01, what="two more load reports (ticks)")
 
-        await until(lambda: len(sent) >= 1, "the first inventory")
+        await eventually(lambda: len(sent) >= 1, every=0.01, what="the first inventory")
         now[0] += 599.0  # unchanged, and not yet due
         await ticks_pass()
         assert len(sent) == 1
         await nc.publish(subj.inventory_request("n9"), b"")
-        await until(lambda: len(sent) >= 2, "an inventory on request")
+        await eventually(lambda: len(sent) >= 2, every=0.01, what="an inventory sent on request")
         now[0] += 600.0  # due again: the interval is kept without being asked
-        await until(lambda: len(sent) >= 3, "an inventory after the interval")
+        await eventually(lambda: len(sent) >= 3, every=0.01, what="an inventory sent after the interval")
     finally:
         stop.set()
         await agent
