@@ -11,6 +11,7 @@ from llmgw_common.codec import encode
 from llmgw_common.messages import Heartbeat
 from llmgw_common.settings import BusSettings
 from llmgw_common.subjects import Subjects
+from tests.kit.poll import eventually
 
 
 async def test_ensure_all_is_idempotent_and_binds(nats_server, prefix):
@@ -53,10 +54,7 @@ async def test_typed_subscribe_drops_garbage_with_one_line(nats_server, prefix, 
                 subj.heartbeat("n1"), encode(Heartbeat(node="n1", boot_id="b", seq=1, sent_at=1.0))
             )
             await nc.flush()
-            for _ in range(100):
-                if got:
-                    break
-                await asyncio.sleep(0.01)
+            await eventually(lambda: got, timeout=5, every=0.01, what="the good heartbeat after the garbage")
         assert [h.node for h in got] == ["n1"]
         assert drops.count == 1
         assert len([r for r in caplog.records if "dropped undecodable" in r.message]) == 1
@@ -76,10 +74,12 @@ async def test_kv_follower_sees_puts_and_deletes(nats_server, prefix):
         assert seen == {"a": b"1"}
         await kv.put("b", b"2")
         await kv.delete("a")
-        for _ in range(200):
-            if seen.get("b") == b"2" and seen.get("a", b"") is None:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(
+            lambda: seen.get("b") == b"2" and seen.get("a", b"") is None,
+            timeout=5,
+            every=0.01,
+            what="the follower to see b put and a deleted",
+        )
         await f.stop()
         assert seen == {"a": None, "b": b"2"}
     finally:
@@ -145,20 +145,16 @@ async def test_kv_follower_retries_a_value_whose_callback_raised_and_keeps_watch
         f = bus.KvFollower(kv, on_change, resync_s=3600, retry_s=0.1, name="flaky")
         await f.start()
         await kv.put("a", b"1")
-        for _ in range(300):
-            if taken:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: taken, timeout=5, every=0.01, what="the retry to deliver the refused value")
         assert taken == [b"1"]
         assert calls == [("a", b"1"), ("a", b"1")]
         assert f.errors == 1
         assert f.revisions["a"] > 0
         assert any("flaky" in r.message and "cannot take it now" in str(r.exc_info) for r in caplog.records)
         await kv.put("a", b"2")
-        for _ in range(300):
-            if len(taken) == 2:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(
+            lambda: len(taken) == 2, timeout=5, every=0.01, what="the watch to deliver the update"
+        )
         await f.stop()
         assert taken == [b"1", b"2"]
         assert f.errors == 1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from llmgw_common.natsauth import Role, all_roles, authorization_config
 from llmgw_common.natsserver import NatsServer
 from llmgw_common.settings import BusSettings
 from llmgw_common.subjects import Subjects
+from tests.kit.poll import eventually
 
 PREFIX = "llmgw"
 SUBJ = Subjects(PREFIX)
@@ -45,11 +45,12 @@ class Denials:
 
     async def wait(self, client: str, subject: str, timeout: float = 5.0) -> None:
         """Until the server refused ``client`` a publish to ``subject``: then it dropped that message."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while subject.lower() not in self.of(client):
-            assert loop.time() < deadline, f"no violation for {subject} from {client}: {self.of(client)}"
-            await asyncio.sleep(0.02)
+        await eventually(
+            lambda: subject.lower() in self.of(client),
+            timeout=timeout,
+            every=0.02,
+            what=f"the server to refuse {client} a publish to {subject}",
+        )
 
 
 @pytest.fixture
@@ -98,14 +99,6 @@ async def clients(secured_server: NatsServer, roles: dict[str, Role]) -> AsyncIt
         await c.close()  # type: ignore[attr-defined]
 
 
-async def _until(cond, what: str, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        assert loop.time() < deadline, what
-        await asyncio.sleep(0.02)
-
-
 async def test_agent_publishes_its_own_heartbeat_only(clients, denials: Denials) -> None:
     cp, agent = clients["controlplane"], clients["agent-gpu-a1"]
     own, other = SUBJ.heartbeat("gpu-a1"), SUBJ.heartbeat("gpu-a2")
@@ -125,14 +118,16 @@ async def test_agent_publishes_its_own_heartbeat_only(clients, denials: Denials)
         return hb
 
     first = await publish(own, 1)
-    await _until(lambda: got[own] == [first], "the agent's own heartbeat never arrived")
+    await eventually(lambda: got[own] == [first], timeout=5, what="the agent's own heartbeat to arrive")
     await publish(other, 2)
     # A permission violation only reaches error_cb: once it did, the server has dropped the message.
     await denials.wait("agent-gpu-a1", other)
     # And a heartbeat the agent sends after it, on the same connection, arriving shows that one the
     # server had let through would have arrived by now.
     marker = await publish(own, 3)
-    await _until(lambda: got[own] == [first, marker], "the agent's later heartbeat never arrived")
+    await eventually(
+        lambda: got[own] == [first, marker], timeout=5, what="the agent's later heartbeat to arrive"
+    )
     assert got[other] == []
 
 
@@ -222,10 +217,12 @@ async def test_an_agent_that_may_not_watch_still_follows_its_assignment(clients)
         assert len(seen) == 1
         new = encode(Assignment(node="gpu-a1", fence=2))
         await cp_kv.put("gpu-a1", new)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 8
-        while new not in seen and loop.time() < deadline:
-            await asyncio.sleep(0.1)
-        assert new in seen and not f.watching
+        await eventually(
+            lambda: new in seen,
+            timeout=8,
+            every=0.1,
+            what="the follower to read the new assignment by polling",
+        )
+        assert not f.watching
     finally:
         await f.stop()
