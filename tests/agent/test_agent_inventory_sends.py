@@ -12,9 +12,7 @@ from nats.aio.msg import Msg
 from llmgw_agent.service import serve
 from llmgw_common import bus
 from llmgw_common.codec import decode
-from llmgw_common.messages import (
-    Inventory,
-)
+from llmgw_common.messages import Inventory
 from llmgw_common.natsserver import NatsServer
 from llmgw_common.settings import AgentSettings
 from llmgw_common.subjects import Subjects

@@ -20,13 +20,7 @@ from nats.aio.client import Client as NATS
 from llmgw_agent.service import serve
 from llmgw_common.bus import ensure_kv
 from llmgw_common.codec import encode
-from llmgw_common.messages import (
-    Assignment,
-    Heartbeat,
-    Inventory,
-    ShardAssignment,
-    ShardState,
-)
+from llmgw_common.messages import Assignment, Heartbeat, Inventory, ShardAssignment, ShardState
 from llmgw_common.natsserver import NatsServer
 from llmgw_common.settings import AgentSettings
 from llmgw_common.subjects import Subjects
