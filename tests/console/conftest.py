@@ -1,6 +1,7 @@
-"""Console fixtures: a live control plane fed by fake agents on the real nats-server, with the console
-wired to it exactly as the service does (``CtlApiSource`` over its ``CtlApi``, a ``UsageBook`` fed by the
-routers' usage subject), and the headless browser when Chromium and Playwright are installed."""
+"""Console fixtures: the console over the fixed fleet (``c``); a live control plane fed by fake agents on
+the real nats-server, with the console wired to it exactly as the service does (``CtlApiSource`` over its
+``CtlApi``, a ``UsageBook`` fed by the routers' usage subject); and the headless browser when Chromium and
+Playwright are installed."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import nats.errors
 import pytest
 
@@ -22,6 +24,7 @@ from llmgw_common.subjects import Subjects
 from llmgw_controlplane.admin import AdminServer, CtlApiSource, build_admin_app
 from llmgw_controlplane.console.usage import UsageBook
 from llmgw_controlplane.service import ControlPlane
+from tests.console.console_fleet import FixedSource
 from tests.console.console_live import (
     DEPS_REASON,
     LIVE_CATALOG,
@@ -29,6 +32,7 @@ from tests.console.console_live import (
     chromium_path,
     live_agents,
 )
+from tests.console.console_pages import client
 from tests.kit.poll import eventually
 
 
@@ -48,6 +52,13 @@ async def browser() -> AsyncIterator[Any]:
             yield b
         finally:
             await b.close()
+
+
+@pytest.fixture
+async def c() -> AsyncIterator[httpx.AsyncClient]:
+    """The console over the fixed fleet (console_fleet.py), through the ASGI app."""
+    async with client(FixedSource()) as cl:
+        yield cl
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from llmgw_common.ctl import StatusReply
 from llmgw_common.messages import Assignment, ClusterSettings, UsageReport, Webhook
 from llmgw_common.subjects import Subjects
 from tests.console.console_live import LIVE_UNHEALTHY, LiveConsole
-from tests.console.test_console_http import rows, text
+from tests.console.console_pages import rows, text
 from tests.kit.poll import eventually
 
 
