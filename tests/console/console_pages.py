@@ -14,8 +14,8 @@ from tests.console.console_fleet import NOW, FixedSource
 PATHS = [p for p, _, _ in PAGES]
 
 
-def client(source: FixedSource, **kw: object) -> httpx.AsyncClient:
-    app = build_admin_app(source, clock=lambda: NOW, **kw)  # type: ignore[arg-type]
+def client(source: FixedSource, *, loopback_only: bool = True) -> httpx.AsyncClient:
+    app = build_admin_app(source, clock=lambda: NOW, loopback_only=loopback_only)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:8081")
 
 

@@ -29,8 +29,8 @@ async def _open(browser: Any, url: str) -> tuple[Any, list[str]]:
     return page, errors
 
 
-async def test_every_page_in_chromium_over_fixed_fleet(browser: Any, artifacts_dir: Path):
-    app = build_admin_app(FixedSource(), clock=lambda: NOW)  # type: ignore[arg-type]
+async def test_every_page_in_chromium_over_fixed_fleet(browser: Any, artifacts_dir: Path) -> None:
+    app = build_admin_app(FixedSource(), clock=lambda: NOW)
     server = AdminServer(app, "127.0.0.1", 0, False, log)
     port = await server.start()
     try:
@@ -67,7 +67,9 @@ async def test_every_page_in_chromium_over_fixed_fleet(browser: Any, artifacts_d
         assert (artifacts_dir / f"console-{key}.png").stat().st_size > 5000
 
 
-async def test_live_control_plane_in_chromium(browser: Any, live_console: LiveConsole, artifacts_dir: Path):
+async def test_live_control_plane_in_chromium(
+    browser: Any, live_console: LiveConsole, artifacts_dir: Path
+) -> None:
     live = live_console
 
     async def settled() -> bool:

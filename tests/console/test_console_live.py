@@ -30,9 +30,11 @@ async def _settled(live: LiveConsole) -> StatusReply:
         )
         return s if ok else None
 
-    return await eventually(
+    settled = await eventually(
         check, timeout=15, what="four ready nodes, llama-8b and qwen-cpu ready, giant unplaceable"
     )
+    assert settled is not None  # eventually returns only a truthy value
+    return settled
 
 
 async def _assigned_gpus(live: LiveConsole) -> dict[str, set[int]]:
@@ -62,7 +64,7 @@ def _expected_capacity(live: LiveConsole, used: dict[str, set[int]]) -> list[str
     return [f"{k} {v['used']} {v['free']} {v['unhealthy']} 0 {v['total']}" for k, v in sorted(cap.items())]
 
 
-async def test_live_console_shows_what_the_fleet_holds(live_console: LiveConsole):
+async def test_live_console_shows_what_the_fleet_holds(live_console: LiveConsole) -> None:
     """The pages' numbers against the fleet the test built (inventories, catalog, assignments), not
     against the ctl replies: ctl and the console share the view code, so comparing them with each other
     could not catch a broken view."""
@@ -138,7 +140,7 @@ async def _compare_with_fleet(live: LiveConsole) -> bool:
     return True
 
 
-async def test_live_webhook_banner_follows_settings(live_console: LiveConsole):
+async def test_live_webhook_banner_follows_settings(live_console: LiveConsole) -> None:
     live = live_console
     async with httpx.AsyncClient(base_url=live.url) as c:
         assert 'id="webhook-warning"' in (await c.get("/")).text
@@ -148,7 +150,7 @@ async def test_live_webhook_banner_follows_settings(live_console: LiveConsole):
     assert "webhook" not in text(page)
 
 
-async def test_live_usage_from_router_reports(live_console: LiveConsole):
+async def test_live_usage_from_router_reports(live_console: LiveConsole) -> None:
     live = live_console
     async with httpx.AsyncClient(base_url=live.url) as c:
         assert "No usage reported yet" in text((await c.get("/usage")).text)
@@ -159,15 +161,15 @@ async def test_live_usage_from_router_reports(live_console: LiveConsole):
             )
         )
 
-        async def shown() -> str | None:
+        async def shown() -> str:
             page = (await c.get("/usage")).text
-            return page if 'id="usage"' in page else None
+            return page if 'id="usage"' in page else ""
 
         page = await eventually(shown, what="the usage page to show the router's report")
     assert rows(page, "usage")[1:] == ["key-ops llama-8b 3 300 90 390"]
 
 
-async def test_live_source_unavailable_when_nats_is_gone(live_console: LiveConsole):
+async def test_live_source_unavailable_when_nats_is_gone(live_console: LiveConsole) -> None:
     """The status verb reads settings from NATS: with the control plane's connection closed, the
     console answers 503 with the reason instead of a traceback."""
     live = live_console

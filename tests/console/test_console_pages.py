@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+import httpx
+
 from llmgw_common.ctl import StatusReply
 from llmgw_controlplane.admin import WEBHOOK_COMMAND
 from llmgw_controlplane.console.usage import UsageView
@@ -23,7 +25,7 @@ from tests.console.console_pages import client, get, rows, text
 # Overview.
 
 
-async def test_overview_shows_status_aggregates(c):
+async def test_overview_shows_status_aggregates(c: httpx.AsyncClient) -> None:
     page = await get(c, "/")
     cap = rows(page, "capacity")
     # class, used, free, unhealthy, held, total: the unhealthy GPU is neither used nor free, and the
@@ -43,7 +45,7 @@ async def test_overview_shows_status_aggregates(c):
     assert "Idle ≥ 1h" in t
 
 
-async def test_overview_idle_lists_only_known_idle_with_their_times(c):
+async def test_overview_idle_lists_only_known_idle_with_their_times(c: httpx.AsyncClient) -> None:
     page = await get(c, "/")
     idle = rows(page, "idle")[1:]
     assert idle == ["r-mistral-1 mistral-7b 2h1m", "r-qwen-1 qwen-7b >=3d"]
@@ -51,7 +53,7 @@ async def test_overview_idle_lists_only_known_idle_with_their_times(c):
     assert "r-llama70-2" not in page
 
 
-async def test_overview_with_nothing_idle_says_unknown_is_not_idle():
+async def test_overview_with_nothing_idle_says_unknown_is_not_idle() -> None:
     src = FixedSource(status_reply=STATUS.model_copy(update={"idle_replicas": ()}))
     async with client(src) as c:
         page = await get(c, "/")
@@ -59,7 +61,7 @@ async def test_overview_with_nothing_idle_says_unknown_is_not_idle():
     assert "replicas" not in src.calls  # no idle replica: the replica table is not read
 
 
-async def test_overview_webhook_warning_with_the_command(c):
+async def test_overview_webhook_warning_with_the_command(c: httpx.AsyncClient) -> None:
     page = await get(c, "/")
     m = re.search(r'<div class="banner bad" id="webhook-warning">(.*?)</div>', page, re.S)
     assert m, "no webhook banner"
@@ -71,7 +73,7 @@ async def test_overview_webhook_warning_with_the_command(c):
     assert "2 model(s) without a ready replica: deepseek-671b, gemma-crash" in text(page)
 
 
-async def test_overview_no_webhook_banner_once_one_is_set():
+async def test_overview_no_webhook_banner_once_one_is_set() -> None:
     status = STATUS.model_copy(update={"warnings": STATUS.warnings[1:]})
     async with client(FixedSource(status_reply=status, cluster=WEBHOOK)) as c:
         page = await get(c, "/")
@@ -80,7 +82,7 @@ async def test_overview_no_webhook_banner_once_one_is_set():
     assert "2 model(s) without a ready replica" in text(page)
 
 
-async def test_overview_of_an_empty_cluster():
+async def test_overview_of_an_empty_cluster() -> None:
     async with client(FixedSource(status_reply=StatusReply())) as c:
         page = await get(c, "/")
     assert rows(page, "capacity")[1:] == ["no GPU reported by any node"]
@@ -88,7 +90,7 @@ async def test_overview_of_an_empty_cluster():
     assert rows(page, "weights")[1:] == ["no node has reported weights"]
 
 
-async def test_standby_banner_only_on_a_standby():
+async def test_standby_banner_only_on_a_standby() -> None:
     async with client(FixedSource()) as c:
         assert "on standby" not in await get(c, "/nodes")
     async with client(FixedSource(status_reply=STATUS.model_copy(update={"leader": False}))) as c:
@@ -99,7 +101,7 @@ async def test_standby_banner_only_on_a_standby():
 # Tables.
 
 
-async def test_nodes_page(c):
+async def test_nodes_page(c: httpx.AsyncClient) -> None:
     page = await get(c, "/nodes")
     r = {row.split()[0]: row for row in rows(page, "nodes")[1:]}
     assert list(r) == ["gpu-a01", "gpu-a02", "gpu-a03", "gpu-a04", "gpu-b01", "gpu-b02", "gpu-b03", "cpu-01"]
@@ -125,7 +127,7 @@ async def test_nodes_page(c):
     assert healthy and 'class="free"' in healthy.group(1)
 
 
-async def test_nodes_page_marks_simulated_nodes():
+async def test_nodes_page_marks_simulated_nodes() -> None:
     from llmgw_common.ctl import NodesReply
     from tests.console.console_fleet import NODES
 
@@ -142,12 +144,12 @@ async def test_nodes_page_marks_simulated_nodes():
     assert m and text(m.group(1)) == "2 simulated nodes: capacity shown is not real (marked SIM)."
 
 
-async def test_nodes_page_of_a_real_fleet_has_no_sim_badge(c):
+async def test_nodes_page_of_a_real_fleet_has_no_sim_badge(c: httpx.AsyncClient) -> None:
     page = await get(c, "/nodes")
     assert 'class="tag sim"' not in page and 'id="simulated-warning"' not in page
 
 
-async def test_overview_shows_the_simulated_warning():
+async def test_overview_shows_the_simulated_warning() -> None:
     warn = "3 simulated nodes: capacity shown is not real"
     src = FixedSource(status_reply=STATUS.model_copy(update={"simulated_nodes": 3, "warnings": (warn,)}))
     async with client(src) as c:
@@ -155,7 +157,7 @@ async def test_overview_shows_the_simulated_warning():
     assert f'<div class="banner warn">{warn}</div>' in page
 
 
-async def test_nodes_page_without_problems_has_no_attention_line():
+async def test_nodes_page_without_problems_has_no_attention_line() -> None:
     from llmgw_common.ctl import NodesReply
     from tests.console.console_fleet import NODES
 
@@ -168,7 +170,7 @@ async def test_nodes_page_without_problems_has_no_attention_line():
     assert len(rows(page, "nodes")) == len(fine) + 1
 
 
-async def test_models_page(c):
+async def test_models_page(c: httpx.AsyncClient) -> None:
     page = await get(c, "/models")
     r = rows(page, "models")[1:]
     assert r[0] == "llama-70b * vllm 8xH100-80GB 2/2 ok"
@@ -176,7 +178,7 @@ async def test_models_page(c):
     assert "crash loop: 3 failure(s)" in r[3]
 
 
-async def test_replicas_page_errors_log_tail_and_idle(c):
+async def test_replicas_page_errors_log_tail_and_idle(c: httpx.AsyncClient) -> None:
     page = await get(c, "/replicas")
     r = rows(page, "replicas")
     by_id = {row.split()[0]: row for row in r[1:] if row.startswith("r-")}
@@ -192,7 +194,7 @@ async def test_replicas_page_errors_log_tail_and_idle(c):
     assert '<pre class="log">loading model /models/gemma\n' in page
 
 
-async def test_placement_page_groups_refusals(c):
+async def test_placement_page_groups_refusals(c: httpx.AsyncClient) -> None:
     page = await get(c, "/placement")
     t = text(page)
     assert "deepseek-671b cannot be placed · 5m ago" in t
@@ -206,13 +208,13 @@ async def test_placement_page_groups_refusals(c):
     ]
 
 
-async def test_placement_page_model_gone_from_catalog():
+async def test_placement_page_model_gone_from_catalog() -> None:
     async with client(FixedSource(explains={})) as c:
         page = await get(c, "/placement")
     assert "no longer in the catalog" in page
 
 
-async def test_placement_page_when_all_is_well():
+async def test_placement_page_when_all_is_well() -> None:
     from llmgw_common.ctl import ModelsReply
 
     src = FixedSource(status_reply=StatusReply(), models_reply=ModelsReply())
@@ -222,7 +224,7 @@ async def test_placement_page_when_all_is_well():
     assert "explain" not in src.calls
 
 
-async def test_usage_page(c):
+async def test_usage_page(c: httpx.AsyncClient) -> None:
     page = await get(c, "/usage")
     r = rows(page, "usage")[1:]
     assert r[0] == "key-ops llama-70b 1 200 2 400 000 600 000 3 000 000"  # thin spaces group digits
@@ -230,7 +232,7 @@ async def test_usage_page(c):
     assert "from 2 router(s)" in text(page)
 
 
-async def test_usage_page_without_usage():
+async def test_usage_page_without_usage() -> None:
     async with client(FixedSource(usage_view=None)) as c:
         page = await get(c, "/usage")
     assert "No usage reported yet: this control plane does not collect" in text(page)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import httpx
 import pytest
 
 from llmgw_controlplane.admin import CONSOLE_DIR, PAGES
@@ -12,7 +13,7 @@ from tests.console.console_fleet import FixedSource
 from tests.console.console_pages import PATHS, client, get
 
 
-async def test_refresh(c):
+async def test_refresh(c: httpx.AsyncClient) -> None:
     assert '<meta http-equiv="refresh" content="10">' in await get(c, "/")
     paused = await get(c, "/nodes?refresh=0")
     assert 'http-equiv="refresh"' not in paused and "paused" in paused
@@ -21,7 +22,7 @@ async def test_refresh(c):
     assert (await c.get("/?refresh=x")).status_code == 422
 
 
-async def test_source_unavailable_gives_503_page():
+async def test_source_unavailable_gives_503_page() -> None:
     async with client(
         FixedSource(fail="status: the control plane could not read its state from NATS (timeout)")
     ) as c:
@@ -34,7 +35,7 @@ async def test_source_unavailable_gives_503_page():
         assert stats.status_code == 200
 
 
-async def test_debug_stats(c):
+async def test_debug_stats(c: httpx.AsyncClient) -> None:
     await get(c, "/")
     await get(c, "/")
     await get(c, "/nodes")
@@ -46,7 +47,7 @@ async def test_debug_stats(c):
     assert d["console"]["render_max_ms"]["overview"] > 0
 
 
-async def test_stylesheet_served_from_the_package(c):
+async def test_stylesheet_served_from_the_package(c: httpx.AsyncClient) -> None:
     r = await c.get("/style.css")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/css")
     assert r.content == (CONSOLE_DIR / "style.css").read_bytes()
@@ -56,7 +57,7 @@ async def test_stylesheet_served_from_the_package(c):
 
 
 @pytest.mark.parametrize("path", PATHS)
-async def test_every_page_has_the_nav_and_marks_itself(c, path):
+async def test_every_page_has_the_nav_and_marks_itself(c: httpx.AsyncClient, path: str) -> None:
     page = await get(c, path)
     for href, _, label in PAGES:
         assert f'href="{href}"' in page and label in page
