@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import nats
 import pytest
@@ -9,12 +10,13 @@ import pytest
 from llmgw_common import bus
 from llmgw_common.codec import encode
 from llmgw_common.messages import Heartbeat
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.settings import BusSettings
 from llmgw_common.subjects import Subjects
 from tests.kit.poll import eventually
 
 
-async def test_ensure_all_is_idempotent_and_binds(nats_server, prefix):
+async def test_ensure_all_is_idempotent_and_binds(nats_server: NatsServer, prefix: str) -> None:
     s = BusSettings(nats_urls=[nats_server.url], prefix=prefix)
     nc = await bus.connect(s, "t", wait=False)
     try:
@@ -40,7 +42,9 @@ async def test_ensure_all_is_idempotent_and_binds(nats_server, prefix):
         await nc.close()
 
 
-async def test_typed_subscribe_drops_garbage_with_one_line(nats_server, prefix, caplog):
+async def test_typed_subscribe_drops_garbage_with_one_line(
+    nats_server: NatsServer, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
     s = BusSettings(nats_urls=[nats_server.url], prefix=prefix)
     nc = await bus.connect(s, "t", wait=False)
     got: list[Heartbeat] = []
@@ -62,7 +66,7 @@ async def test_typed_subscribe_drops_garbage_with_one_line(nats_server, prefix, 
         await nc.close()
 
 
-async def test_kv_follower_sees_puts_and_deletes(nats_server, prefix):
+async def test_kv_follower_sees_puts_and_deletes(nats_server: NatsServer, prefix: str) -> None:
     s = BusSettings(nats_urls=[nats_server.url], prefix=prefix)
     nc = await bus.connect(s, "t", wait=False)
     try:
@@ -86,13 +90,13 @@ async def test_kv_follower_sees_puts_and_deletes(nats_server, prefix):
         await nc.close()
 
 
-async def test_connect_without_wait_fails_fast_when_no_server():
+async def test_connect_without_wait_fails_fast_when_no_server() -> None:
     s = BusSettings(nats_urls=["nats://127.0.0.1:1"])
     with pytest.raises((OSError, nats.errors.Error)):
         await bus.connect(s, "t", connect_timeout=0.5, wait=False)
 
 
-async def test_single_key_follower_sees_a_delete_on_resync(nats_server, prefix):
+async def test_single_key_follower_sees_a_delete_on_resync(nats_server: NatsServer, prefix: str) -> None:
     s = BusSettings(nats_urls=[nats_server.url], prefix=prefix)
     nc = await bus.connect(s, "t", wait=False)
     try:
@@ -110,9 +114,7 @@ async def test_single_key_follower_sees_a_delete_on_resync(nats_server, prefix):
         await nc.close()
 
 
-def test_nats_server_restarts_on_the_same_port(tmp_path):
-    from llmgw_common.natsserver import NatsServer
-
+def test_nats_server_restarts_on_the_same_port(tmp_path: Path) -> None:
     srv = NatsServer(tmp_path)
     srv.start()
     try:
@@ -125,8 +127,8 @@ def test_nats_server_restarts_on_the_same_port(tmp_path):
 
 
 async def test_kv_follower_retries_a_value_whose_callback_raised_and_keeps_watching(
-    nats_server, prefix, caplog
-):
+    nats_server: NatsServer, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """A raising callback neither ends the watch nor loses the value: it is delivered again."""
     s = BusSettings(nats_urls=[nats_server.url], prefix=prefix)
     nc = await bus.connect(s, "t", wait=False)
@@ -162,7 +164,9 @@ async def test_kv_follower_retries_a_value_whose_callback_raised_and_keeps_watch
         await nc.close()
 
 
-async def test_kv_follower_retries_a_delete_whose_callback_raised(nats_server, prefix):
+async def test_kv_follower_retries_a_delete_whose_callback_raised(
+    nats_server: NatsServer, prefix: str
+) -> None:
     s = BusSettings(nats_urls=[nats_server.url], prefix=prefix)
     nc = await bus.connect(s, "t", wait=False)
     try:
@@ -189,7 +193,7 @@ async def test_kv_follower_retries_a_delete_whose_callback_raised(nats_server, p
         await nc.close()
 
 
-async def test_stop_ends_a_loop_that_swallowed_a_cancel(nats_server, prefix):
+async def test_stop_ends_a_loop_that_swallowed_a_cancel(nats_server: NatsServer, prefix: str) -> None:
     """Python 3.11's asyncio.wait_for, inside nats-py's request and so inside resync()'s kv.get, returns
     the answer and drops a cancel that lands as the answer arrives (CPython gh-86296): the resync loop
     goes on, and a stop() that cancels once waits for ever (a router's stop hung so in a test)."""

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import asyncio
 
+from nats.aio.client import Client as NATS
+
 from llmgw_common import bus
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
 from tests.kit.poll import eventually
 
 
-async def test_a_forged_key_is_skipped_and_the_other_keys_are_followed(nats_server, nc, prefix) -> None:
+async def test_a_forged_key_is_skipped_and_the_other_keys_are_followed(
+    nats_server: NatsServer, nc: NATS, prefix: str
+) -> None:
     js = nc.jetstream()
     kv = await bus.ensure_kv(js, Subjects(prefix).bucket_keys)
     await kv.put("k1", b"one")
