@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -31,7 +32,7 @@ def _closed_port() -> int:
     ],
     ids=["controlplane", "router", "notifier", "agent"],
 )
-def test_sigterm_while_waiting_for_nats_stops_the_service(argv: list[str], tmp_path) -> None:
+def test_sigterm_while_waiting_for_nats_stops_the_service(argv: list[str], tmp_path: Path) -> None:
     url = f"nats://127.0.0.1:{_closed_port()}"
     env = {**os.environ, "LLMGW_NATS_URLS": url}
     proc = subprocess.Popen(

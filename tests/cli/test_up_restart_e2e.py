@@ -9,6 +9,7 @@ import json
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,8 +35,8 @@ def wait_output(c: Cluster, *needles: str, timeout: float = 60.0) -> None:
         raise AssertionError(f"{e}\n{c.diagnostics()}") from None
 
 
-def state(c: Cluster) -> dict[str, object]:
-    data: dict[str, object] = json.loads((c.data_dir / "up.json").read_text())
+def state(c: Cluster) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((c.data_dir / "up.json").read_text())
     return data
 
 
@@ -88,7 +89,7 @@ def test_up_restarts_a_killed_router_and_nats_server(tmp_path: Path) -> None:
             "llmgw up: router restarted (pid ",
         )
         wait_model(c, "tiny")
-        routers = [ch for ch in state(c)["children"] if ch["name"] == "router"]  # type: ignore[attr-defined]
+        routers = [ch for ch in state(c)["children"] if ch["name"] == "router"]
         assert routers[0]["restarts"] == 1 and routers[0]["pid"] != router["pid"]
 
         nats_pid = int(c.state["nats_pid"])

@@ -363,7 +363,9 @@ def test_dead_children_and_nats_are_restarted_with_backoff_and_announced(
     assert f"llmgw up: cp restarted (pid {sup.children[0].pid})" in err
     assert "llmgw up: nats-server restarted (pid " in err
     # The state file (up.json) tells the pids and restart counts.
-    children = {c["name"]: c for c in state["children"]}  # type: ignore[attr-defined]
+    listed = state["children"]
+    assert isinstance(listed, list)
+    children = {c["name"]: c for c in listed}
     assert children["cp"]["restarts"] == 1 and children["cp"]["pid"] == sup.children[0].pid
     assert children["router"]["restarts"] >= 4
     assert state["nats_restarts"] == 1

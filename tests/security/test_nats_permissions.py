@@ -8,6 +8,8 @@ from pathlib import Path
 
 import nats
 import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from llmgw_common import bus
 from llmgw_common.codec import encode
@@ -75,7 +77,7 @@ def secured_server(tmp_path_factory: pytest.TempPathFactory, roles: dict[str, Ro
     srv.stop()
 
 
-async def _connect(srv: NatsServer, role: Role) -> nats.aio.client.Client:
+async def _connect(srv: NatsServer, role: Role) -> NATS:
     s = BusSettings(
         nats_urls=[srv.url],
         prefix=PREFIX,
@@ -87,24 +89,24 @@ async def _connect(srv: NatsServer, role: Role) -> nats.aio.client.Client:
 
 
 @pytest.fixture
-async def clients(secured_server: NatsServer, roles: dict[str, Role]) -> AsyncIterator[dict[str, object]]:
+async def clients(secured_server: NatsServer, roles: dict[str, Role]) -> AsyncIterator[dict[str, NATS]]:
     out = {
         name: await _connect(secured_server, roles[name])
         for name in ("controlplane", "agent-gpu-a1", "router")
     }
     cp = out["controlplane"]
-    await bus.ensure_all(cp.jetstream(), SUBJ)  # type: ignore[attr-defined]
+    await bus.ensure_all(cp.jetstream(), SUBJ)
     yield out
     for c in out.values():
-        await c.close()  # type: ignore[attr-defined]
+        await c.close()
 
 
-async def test_agent_publishes_its_own_heartbeat_only(clients, denials: Denials) -> None:
+async def test_agent_publishes_its_own_heartbeat_only(clients: dict[str, NATS], denials: Denials) -> None:
     cp, agent = clients["controlplane"], clients["agent-gpu-a1"]
     own, other = SUBJ.heartbeat("gpu-a1"), SUBJ.heartbeat("gpu-a2")
     got: dict[str, list[bytes]] = {own: [], other: []}
 
-    async def cb(m) -> None:  # type: ignore[no-untyped-def]
+    async def cb(m: Msg) -> None:
         got[m.subject].append(m.data)
 
     for subject in (own, other):
@@ -131,7 +133,9 @@ async def test_agent_publishes_its_own_heartbeat_only(clients, denials: Denials)
     assert got[other] == []
 
 
-async def test_agent_reads_its_own_assignment_and_cannot_write_one(clients, denials: Denials) -> None:
+async def test_agent_reads_its_own_assignment_and_cannot_write_one(
+    clients: dict[str, NATS], denials: Denials
+) -> None:
     cp, agent = clients["controlplane"], clients["agent-gpu-a1"]
     cp_kv = await cp.jetstream().key_value(SUBJ.bucket_assign)
     mine = encode(Assignment(node="gpu-a1", fence=1))
@@ -156,7 +160,9 @@ async def test_agent_reads_its_own_assignment_and_cannot_write_one(clients, deni
     assert (after.value, after.revision) == (mine, entry.revision)
 
 
-async def test_router_cannot_write_assignments_or_desired_state(clients, denials: Denials) -> None:
+async def test_router_cannot_write_assignments_or_desired_state(
+    clients: dict[str, NATS], denials: Denials
+) -> None:
     cp, router = clients["controlplane"], clients["router"]
     cp_js = cp.jetstream()
     js = router.jetstream(timeout=1.0)
@@ -171,7 +177,7 @@ async def test_router_cannot_write_assignments_or_desired_state(clients, denials
         assert (after.value, after.revision) == (b"before", revision), bucket
 
 
-async def test_router_can_read_routing(clients) -> None:
+async def test_router_can_read_routing(clients: dict[str, NATS]) -> None:
     cp, router = clients["controlplane"], clients["router"]
     await (await cp.jetstream().key_value(SUBJ.bucket_routing)).put("catalog", b"v1")
     kv = await router.jetstream(timeout=2.0).key_value(SUBJ.bucket_routing)
@@ -179,14 +185,18 @@ async def test_router_can_read_routing(clients) -> None:
 
 
 async def test_notifier_and_router_can_bind_every_bucket_but_write_none(
-    secured_server, roles, clients, denials: Denials
+    secured_server: NatsServer, roles: dict[str, Role], clients: dict[str, NATS], denials: Denials
 ) -> None:
     cp_kv = await clients["controlplane"].jetstream().key_value(SUBJ.bucket_desired)
     revision = await cp_kv.put("settings", b"before")
     # What the server holds for this prefix is what Subjects declares (the test's list is not stale).
     streams = await clients["controlplane"].jetstream().streams_info()
     assert (
-        sorted(s.config.name[3:] for s in streams if s.config.name.startswith(f"KV_{PREFIX}_"))
+        sorted(
+            s.config.name[3:]
+            for s in streams
+            if s.config.name is not None and s.config.name.startswith(f"KV_{PREFIX}_")
+        )
         == EVERY_BUCKET
     )
     for name in ("notifier", "router"):
@@ -204,7 +214,7 @@ async def test_notifier_and_router_can_bind_every_bucket_but_write_none(
     assert (after.value, after.revision) == (b"before", revision)
 
 
-async def test_an_agent_that_may_not_watch_still_follows_its_assignment(clients) -> None:
+async def test_an_agent_that_may_not_watch_still_follows_its_assignment(clients: dict[str, NATS]) -> None:
     """The agent role reads its key by direct get only; without a watch the follower polls often."""
     cp, agent = clients["controlplane"], clients["agent-gpu-a1"]
     cp_kv = await cp.jetstream().key_value(SUBJ.bucket_assign)
