@@ -46,7 +46,9 @@ async def test_real_sim_engine_in_llamacpp_style_scraped_by_the_agent_gives_load
         options={**profile.options, "slots": 1, "tokens_per_s": 50},
     )
     spec = launch_spec(a, AgentSettings(node="n1"))
-    assert isinstance(spec, LaunchSpec) and spec.metrics_url and spec.health_url
+    assert isinstance(spec, LaunchSpec)
+    health_url, metrics_url = spec.health_url, spec.metrics_url
+    assert health_url and metrics_url
     proc = await asyncio.create_subprocess_exec(
         *spec.argv,
         env={**os.environ, **spec.env},
@@ -57,7 +59,7 @@ async def test_real_sim_engine_in_llamacpp_style_scraped_by_the_agent_gives_load
         async with httpx.AsyncClient(timeout=30) as http:
 
             async def healthy() -> bool:
-                return (await http.get(spec.health_url)).status_code == 200
+                return (await http.get(health_url)).status_code == 200
 
             await eventually(
                 healthy, timeout=30, what="the engine to answer healthy", tolerate=(httpx.HTTPError,)
@@ -70,7 +72,7 @@ async def test_real_sim_engine_in_llamacpp_style_scraped_by_the_agent_gives_load
 
             async def loaded() -> tuple[float | None, float | None] | None:
                 # The agent's own scrape: its parser and the names of the spec it launched with.
-                r = await http.get(spec.metrics_url)  # type: ignore[arg-type]
+                r = await http.get(metrics_url)
                 load = extract_load(parse_prometheus(r.text), spec.metrics)
                 return (load.running, load.waiting) if (load.running, load.waiting) == (1, 1) else None
 

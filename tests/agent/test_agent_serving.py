@@ -137,8 +137,8 @@ async def test_multi_node_sim_replica_leader_ready_only_with_its_follower(
     kv = await ensure_kv(nc.jetstream(), Subjects(prefix).bucket_assign)
     leader_port, follower_port = free_port(), free_port()
     common = dict(replica_id="mn", shards=2, model="big", engine="sim", leader=f"127.0.0.1:{leader_port}")
-    lead = ShardAssignment(shard=0, port=leader_port, startup_timeout_s=30, **common)  # type: ignore[arg-type]
-    follow = ShardAssignment(shard=1, port=follower_port, **common)  # type: ignore[arg-type]
+    lead = ShardAssignment(shard=0, port=leader_port, startup_timeout_s=30, **common)
+    follow = ShardAssignment(shard=1, port=follower_port, **common)
     seen_a, seen_b = await watch_node(nc, prefix, "na"), await watch_node(nc, prefix, "nb")
 
     def settings(node: str) -> AgentSettings:

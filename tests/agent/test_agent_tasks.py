@@ -8,6 +8,7 @@ error let the agent exit 0.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 from nats.aio.client import Client as NATS
@@ -26,7 +27,7 @@ def _collect(s: AgentSettings, boot_id: str, now: float) -> Inventory:
 
 @pytest.mark.parametrize("which", ["assign-watch", "assign-resync", "agent-tick"])
 async def test_a_loop_that_ends_ends_the_run(
-    nats_server: NatsServer, nc: NATS, prefix: str, tmp_path, which: str
+    nats_server: NatsServer, nc: NATS, prefix: str, tmp_path: Path, which: str
 ) -> None:
     s = AgentSettings(
         node="n1",

@@ -99,8 +99,8 @@ class Receiver:
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
         server = site._server
-        assert server is not None
-        self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        assert isinstance(server, asyncio.Server)  # what loop.create_server made: it has sockets
+        self.port = server.sockets[0].getsockname()[1]
         return self
 
     async def stop(self) -> None:
@@ -158,11 +158,13 @@ class Bus:
             info = await self.js.consumer_info(self.subjects.events_stream, name)
             return info if info.num_pending == 0 and info.num_ack_pending == 0 else None
 
-        return await eventually(
+        info = await eventually(
             info_if_settled,
             timeout=timeout,
             what=f"consumer {name} to have nothing pending or awaiting acknowledgement",
         )
+        assert info is not None  # eventually returns only a truthy value
+        return info
 
     async def wait_consumer(self, name: str, present: bool = True, timeout: float = 10.0) -> None:
         async def as_wanted() -> bool:

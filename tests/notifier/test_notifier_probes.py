@@ -18,7 +18,8 @@ from llmgw_common.messages import RoutingEndpoints, Webhook
 from llmgw_common.natsserver import NatsServer
 from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import ROUTING_ENDPOINTS
-from llmgw_notifier.probes import DOWN, RECOVERED, probe_once
+from llmgw_notifier.outages import DOWN, RECOVERED
+from llmgw_notifier.probes import probe_once
 from tests.kit.poll import eventually
 from tests.notifier.notifier_helpers import Bus, running
 
@@ -66,8 +67,8 @@ class FakeRouter:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
-        assert site._server is not None
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        assert isinstance(site._server, asyncio.Server)  # what loop.create_server made: it has sockets
+        self.port = site._server.sockets[0].getsockname()[1]
         return self
 
     async def stop(self) -> None:

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from llmgw_common import bus
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.runtime import TaskDied
 from llmgw_notifier import service
 from llmgw_notifier.delivery import NotifierStats
@@ -16,7 +17,9 @@ from tests.kit.poll import eventually
 from tests.notifier.notifier_helpers import fast_settings
 
 
-async def test_a_failing_housekeeping_pass_is_counted_and_the_next_runs(nats_server, prefix, monkeypatch):
+async def test_a_failing_housekeeping_pass_is_counted_and_the_next_runs(
+    nats_server: NatsServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(service, "HOUSEKEEPING_S", 0.05)
     real = Targets.reconcile
     calls = [0]
@@ -40,7 +43,9 @@ async def test_a_failing_housekeeping_pass_is_counted_and_the_next_runs(nats_ser
         await asyncio.wait_for(task, 15)
 
 
-async def test_a_follower_loop_that_ends_ends_the_notifier(nats_server, prefix, monkeypatch):
+async def test_a_follower_loop_that_ends_ends_the_notifier(
+    nats_server: NatsServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     class DeafFollower(bus.KvFollower):
         async def _resync_loop(self) -> None:
             if self.name == "catalog":
