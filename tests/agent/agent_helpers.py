@@ -1,4 +1,5 @@
-"""Helpers of the agent tests: free ports, a tiny scripted engine, a recorder of supervisor changes."""
+"""Helpers of the agent tests: free ports, a tiny scripted engine, a recorder of supervisor changes,
+and a watcher of what an agent publishes."""
 
 from __future__ import annotations
 
@@ -9,15 +10,28 @@ import signal
 import socket
 import sys
 import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from llmgw_agent.engines import LaunchSpec
 from llmgw_agent.metrics import VLLM_METRICS
 from llmgw_agent.supervisor import Shard
-from llmgw_common.messages import ShardAssignment, ShardState
+from llmgw_common.codec import DecodeError, decode
+from llmgw_common.messages import (
+    Heartbeat,
+    Inventory,
+    LoadReport,
+    ShardAssignment,
+    ShardState,
+    ShardStatus,
+)
+from llmgw_common.settings import AgentSettings
 
 # A stand-in engine whose behaviour the test chooses: health answers, exit, output, a grandchild.
 ENGINE_SCRIPT = textwrap.dedent(
@@ -125,3 +139,61 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+# Watching what an agent publishes on the bus (the end-to-end tests of the agent service).
+KINDS: dict[str, type[Any]] = {
+    "heartbeat": Heartbeat,
+    "inventory": Inventory,
+    "status": ShardStatus,
+    "load": LoadReport,
+}
+
+
+@dataclass
+class Seen:
+    """Everything a node published, decoded, with a way to wait for a condition on it."""
+
+    msgs: dict[str, list[Any]] = field(default_factory=lambda: {k: [] for k in KINDS})
+    bad: list[str] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def on_msg(self, msg: Msg) -> None:
+        kind = msg.subject.rsplit(".", 1)[-1]
+        try:
+            self.msgs[kind].append(decode(msg.data, KINDS[kind]))
+        except (DecodeError, KeyError):
+            self.bad.append(msg.subject)
+        self.changed.set()
+
+    def mark(self, kind: str) -> int:
+        return len(self.msgs[kind])
+
+    async def wait(
+        self, kind: str, pred: Callable[[Any], bool], timeout: float = 20.0, since: int = 0
+    ) -> Any:
+        """The first message of ``kind`` from index ``since`` on that satisfies ``pred``."""
+
+        async def find() -> Any:
+            while True:
+                for m in self.msgs[kind][since:]:
+                    if pred(m):
+                        return m
+                self.changed.clear()
+                await self.changed.wait()
+
+        return await asyncio.wait_for(find(), timeout)
+
+
+async def watch_node(nc: NATS, prefix: str, node: str) -> Seen:
+    seen = Seen()
+    await nc.subscribe(f"{prefix}.node.{node}.*", cb=seen.on_msg)
+    return seen
+
+
+def shard_of(hb: Heartbeat, replica: str) -> Any:
+    return next((s for s in hb.shards if s.replica_id == replica), None)
+
+
+def fake_collect(s: AgentSettings, boot_id: str, now: float) -> Inventory:
+    return Inventory(node=s.node, boot_id=boot_id, sent_at=now)

@@ -1,4 +1,5 @@
-"""``llmgw agent`` option parsing (the service itself is tested in test_agent_service.py)."""
+"""``llmgw agent`` option parsing (the service itself is tested in test_agent_serving.py,
+test_agent_lifecycle.py and test_agent_inventory_sends.py)."""
 
 from __future__ import annotations
 

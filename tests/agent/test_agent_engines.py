@@ -280,7 +280,7 @@ def test_custom_mapping_from_profile_options_reaches_the_spec() -> None:
     assert r.metrics == MetricNames(running="r", waiting="w", kv_use=())
 
 
-def test_llama_server_is_found_by_setting_or_not_at_all(tmp_path) -> None:
+def test_llama_server_is_found_by_setting_or_not_at_all(tmp_path: Path) -> None:
     from llmgw_agent.engines import llama_server_path
 
     exe = tmp_path / "my-llama"

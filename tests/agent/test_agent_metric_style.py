@@ -4,7 +4,6 @@ the names it serves, so its load reports carry running and waiting."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 from pathlib import Path
 
@@ -16,21 +15,9 @@ from llmgw_common.catalog import load_catalog_file
 from llmgw_common.messages import ShardAssignment
 from llmgw_common.settings import AgentSettings
 from tests.agent.agent_helpers import free_port
+from tests.kit.poll import eventually
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "catalog.yaml"
-
-
-async def _until(cond, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    last = None
-    while loop.time() < end:
-        with contextlib.suppress(httpx.HTTPError):
-            last = await cond()
-            if last:
-                return last
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout}s (last: {last!r})")
 
 
 def test_sim_profile_in_llamacpp_style_gets_llamacpp_names() -> None:
@@ -59,7 +46,9 @@ async def test_real_sim_engine_in_llamacpp_style_scraped_by_the_agent_gives_load
         options={**profile.options, "slots": 1, "tokens_per_s": 50},
     )
     spec = launch_spec(a, AgentSettings(node="n1"))
-    assert isinstance(spec, LaunchSpec) and spec.metrics_url and spec.health_url
+    assert isinstance(spec, LaunchSpec)
+    health_url, metrics_url = spec.health_url, spec.metrics_url
+    assert health_url and metrics_url
     proc = await asyncio.create_subprocess_exec(
         *spec.argv,
         env={**os.environ, **spec.env},
@@ -70,9 +59,11 @@ async def test_real_sim_engine_in_llamacpp_style_scraped_by_the_agent_gives_load
         async with httpx.AsyncClient(timeout=30) as http:
 
             async def healthy() -> bool:
-                return (await http.get(spec.health_url)).status_code == 200
+                return (await http.get(health_url)).status_code == 200
 
-            await _until(healthy, 30, "engine healthy")
+            await eventually(
+                healthy, timeout=30, what="the engine to answer healthy", tolerate=(httpx.HTTPError,)
+            )
             body = {"model": "tiny-cpu", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}
             reqs = [
                 asyncio.create_task(http.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body))
@@ -81,11 +72,16 @@ async def test_real_sim_engine_in_llamacpp_style_scraped_by_the_agent_gives_load
 
             async def loaded() -> tuple[float | None, float | None] | None:
                 # The agent's own scrape: its parser and the names of the spec it launched with.
-                r = await http.get(spec.metrics_url)  # type: ignore[arg-type]
+                r = await http.get(metrics_url)
                 load = extract_load(parse_prometheus(r.text), spec.metrics)
                 return (load.running, load.waiting) if (load.running, load.waiting) == (1, 1) else None
 
-            assert await _until(loaded, 15, "1 running and 1 waiting in the agent's scrape") == (1, 1)
+            assert await eventually(
+                loaded,
+                timeout=15,
+                what="1 running and 1 waiting in the agent's scrape",
+                tolerate=(httpx.HTTPError,),
+            ) == (1, 1)
             for t in reqs:
                 t.cancel()
             await asyncio.gather(*reqs, return_exceptions=True)

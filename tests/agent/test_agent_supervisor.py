@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import socket
@@ -20,15 +19,6 @@ from llmgw_common.settings import AgentSettings
 from tests.agent.agent_helpers import Recorder, alive, assignment, free_port, script_spec
 
 Fixture = tuple[Supervisor, Recorder]
-
-
-async def wait_until(pred: object, timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not pred():  # type: ignore[operator]
-        if loop.time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
 
 
 async def test_sim_engine_start_ready_stop(sup: Fixture, reap_groups: list[int]) -> None:

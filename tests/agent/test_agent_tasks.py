@@ -8,6 +8,7 @@ error let the agent exit 0.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 from nats.aio.client import Client as NATS
@@ -17,6 +18,7 @@ from llmgw_common.messages import Inventory
 from llmgw_common.natsserver import NatsServer
 from llmgw_common.runtime import TaskDied
 from llmgw_common.settings import AgentSettings
+from tests.kit.poll import eventually
 
 
 def _collect(s: AgentSettings, boot_id: str, now: float) -> Inventory:
@@ -25,7 +27,7 @@ def _collect(s: AgentSettings, boot_id: str, now: float) -> Inventory:
 
 @pytest.mark.parametrize("which", ["assign-watch", "assign-resync", "agent-tick"])
 async def test_a_loop_that_ends_ends_the_run(
-    nats_server: NatsServer, nc: NATS, prefix: str, tmp_path, which: str
+    nats_server: NatsServer, nc: NATS, prefix: str, tmp_path: Path, which: str
 ) -> None:
     s = AgentSettings(
         node="n1",
@@ -40,12 +42,13 @@ async def test_a_loop_that_ends_ends_the_run(
     run = asyncio.create_task(agent.run(stop))
     try:
 
-        async def loops() -> list[asyncio.Task[object]]:
-            while agent.follower is None or not agent.follower.tasks or not agent.tasks:
-                await asyncio.sleep(0.02)
+        def loops() -> list[asyncio.Task[object]]:
+            """The agent's loops and its assignment follower's, once both have started them."""
+            if agent.follower is None or not agent.follower.tasks or not agent.tasks:
+                return []
             return [*agent.tasks, *agent.follower.tasks]
 
-        running = await asyncio.wait_for(loops(), 10)
+        running = await eventually(loops, timeout=10, what="the agent and its follower to start their loops")
         names = sorted(t.get_name() for t in running)
         victim = next((t for t in running if t.get_name() == which), None)
         assert victim is not None, names

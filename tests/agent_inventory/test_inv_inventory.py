@@ -7,6 +7,7 @@ import os
 import re
 import stat
 from pathlib import Path
+from typing import Any
 
 import pynvml
 import pytest
@@ -25,8 +26,8 @@ from tests.agent_inventory.weights_files import safetensors_bytes, write
 MEMINFO = "MemTotal:       2113389016 kB\nMemFree:        1904121212 kB\nMemAvailable:   2001234567 kB\n"
 
 
-def _settings(**kw: object) -> AgentSettings:
-    return AgentSettings(node="n1", **kw)  # type: ignore[arg-type]
+def _settings(**kw: Any) -> AgentSettings:
+    return AgentSettings(node="n1", **kw)
 
 
 def _exe(path: Path) -> str:

@@ -3,7 +3,8 @@ cold-start times, recent evictions, and what would be evicted."""
 
 from __future__ import annotations
 
-from llmgw_cli.cmd_ctl import render_explain, render_status
+from llmgw_cli.ctl_render import render_explain
+from llmgw_cli.ctl_status import render_status
 from llmgw_common.ctl import EvictionInfo, ExplainReply, StatusReply
 
 

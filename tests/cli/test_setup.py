@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import nats
 import pytest
@@ -10,6 +11,7 @@ from typer.testing import CliRunner
 from llmgw_cli.main import app
 from llmgw_common.codec import decode
 from llmgw_common.messages import ClusterSettings
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import DESIRED_SETTINGS, Subjects
 
 runner = CliRunner()
@@ -20,14 +22,18 @@ def _settings(url: str, prefix: str) -> ClusterSettings:
         nc = await nats.connect(url)
         try:
             kv = await nc.jetstream().key_value(Subjects(prefix).bucket_desired)
-            return decode((await kv.get(DESIRED_SETTINGS)).value, ClusterSettings)
+            value = (await kv.get(DESIRED_SETTINGS)).value
+            assert value is not None, "the settings key holds no value"
+            return decode(value, ClusterSettings)
         finally:
             await nc.close()
 
     return asyncio.run(get())
 
 
-def test_setup_writes_settings_file_and_stores_webhooks(nats_server, prefix, tmp_path) -> None:
+def test_setup_writes_settings_file_and_stores_webhooks(
+    nats_server: NatsServer, prefix: str, tmp_path: Path
+) -> None:
     out = tmp_path / "llmgw.yaml"
     args = [
         "setup",
@@ -59,7 +65,7 @@ def test_setup_writes_settings_file_and_stores_webhooks(nats_server, prefix, tmp
     assert [h.url for h in _settings(nats_server.url, prefix).webhooks] == ["http://127.0.0.1:9/c"]
 
 
-def test_setup_without_webhook_says_what_that_means(tmp_path) -> None:
+def test_setup_without_webhook_says_what_that_means(tmp_path: Path) -> None:
     r = runner.invoke(app, ["setup", "--no-input", "--out", str(tmp_path / "x.yaml")])
     assert r.exit_code == 0
     assert "nobody will be told" in r.output
@@ -77,7 +83,7 @@ def test_setup_names_the_unreachable_nats() -> None:
     assert "nats://127.0.0.1:1 did not answer" in r.output
 
 
-def test_setup_generates_per_role_credentials(tmp_path) -> None:
+def test_setup_generates_per_role_credentials(tmp_path: Path) -> None:
     auth, creds = tmp_path / "auth.conf", tmp_path / "creds"
     r = runner.invoke(
         app,
@@ -101,13 +107,13 @@ def test_setup_generates_per_role_credentials(tmp_path) -> None:
     assert oct(auth.stat().st_mode & 0o777) == "0o600"
 
 
-def test_setup_refuses_a_node_name_that_is_not_a_subject_token(tmp_path) -> None:
+def test_setup_refuses_a_node_name_that_is_not_a_subject_token(tmp_path: Path) -> None:
     r = runner.invoke(app, ["setup", "--no-input", "--nats-auth", str(tmp_path / "a"), "--nodes", "bad.node"])
     assert r.exit_code == 1
     assert "node 'bad.node'" in r.output
 
 
-def test_setup_auth_without_nodes_warns_that_no_agent_can_connect(tmp_path) -> None:
+def test_setup_auth_without_nodes_warns_that_no_agent_can_connect(tmp_path: Path) -> None:
     """The deploy configs require the generated file: one without agent users locks every agent out."""
     auth = tmp_path / "auth.conf"
     args = ["setup", "--no-input", "--nats-auth", str(auth), "--creds-dir", str(tmp_path / "c")]

@@ -8,9 +8,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import pytest
+
+from tests.kit.poll import eventually_sync
 
 
 def _closed_port() -> int:
@@ -30,7 +32,7 @@ def _closed_port() -> int:
     ],
     ids=["controlplane", "router", "notifier", "agent"],
 )
-def test_sigterm_while_waiting_for_nats_stops_the_service(argv: list[str], tmp_path) -> None:
+def test_sigterm_while_waiting_for_nats_stops_the_service(argv: list[str], tmp_path: Path) -> None:
     url = f"nats://127.0.0.1:{_closed_port()}"
     env = {**os.environ, "LLMGW_NATS_URLS": url}
     proc = subprocess.Popen(
@@ -43,18 +45,25 @@ def test_sigterm_while_waiting_for_nats_stops_the_service(argv: list[str], tmp_p
     )
     try:
         # Wait until it is retrying: it has said so at least once.
-        deadline = time.monotonic() + 60
         seen = b""
         assert proc.stderr is not None
-        os.set_blocking(proc.stderr.fileno(), False)
-        while b"refused" not in seen.lower() and time.monotonic() < deadline:
-            chunk = proc.stderr.read(4096)
-            if chunk:
-                seen += chunk
-            elif proc.poll() is not None:
-                break
-            else:
-                time.sleep(0.1)
+        stderr = proc.stderr
+        os.set_blocking(stderr.fileno(), False)
+
+        def said_refused_or_exited() -> bool:
+            nonlocal seen
+            seen += stderr.read(4096) or b""
+            return b"refused" in seen.lower() or proc.poll() is not None
+
+        try:
+            eventually_sync(
+                said_refused_or_exited,
+                timeout=60,
+                every=0.1,
+                what="the service to say NATS refused it (or to exit)",
+            )
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{seen.decode()[-2000:]}") from None
         assert proc.poll() is None, f"exited before the test could stop it: {seen.decode()[-2000:]}"
         assert b"refused" in seen.lower(), seen.decode()[-2000:]
         proc.send_signal(signal.SIGTERM)

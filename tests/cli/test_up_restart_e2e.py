@@ -8,8 +8,8 @@ import asyncio
 import json
 import os
 import signal
-import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,47 +18,55 @@ from llmgw_common import bus
 from llmgw_common.ctl import CtlClient, CtlError
 from llmgw_common.settings import BusSettings
 from tests.e2e.e2e_cluster import Cluster, start_up, stop_up, wait_model
+from tests.kit.poll import eventually, eventually_sync
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def wait_output(c: Cluster, *needles: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(n in c.output() for n in needles):
-        assert time.monotonic() < deadline, f"not all of {needles} in the output\n{c.diagnostics()}"
-        time.sleep(0.2)
+    try:
+        eventually_sync(
+            lambda: all(n in c.output() for n in needles),
+            timeout=timeout,
+            every=0.2,
+            what=f"all of {needles} in up's output",
+        )
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{c.diagnostics()}") from None
 
 
-def state(c: Cluster) -> dict[str, object]:
-    data: dict[str, object] = json.loads((c.data_dir / "up.json").read_text())
+def state(c: Cluster) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((c.data_dir / "up.json").read_text())
     return data
 
 
 def controlplane_leads(c: Cluster, timeout: float = 60.0) -> None:
-    async def main() -> None:
-        s = BusSettings(nats_urls=[c.nats_url], prefix=c.prefix)
-        deadline = time.monotonic() + timeout
-        last = ""
-        while time.monotonic() < deadline:
-            try:
-                nc = await bus.connect(s, "test-up-restart", wait=False)
-            except Exception as e:  # the server may still be starting: keep asking until the deadline
-                last = repr(e)
-                await asyncio.sleep(0.3)
-                continue
-            try:
-                st = await CtlClient(nc, c.prefix, timeout=1.0).debug_stats()
-                if st.leader:
-                    return
-                last = repr(st)
-            except CtlError as e:
-                last = repr(e)
-            finally:
-                await nc.close()
-            await asyncio.sleep(0.3)
-        raise AssertionError(f"the control plane does not answer as leader: {last}\n{c.diagnostics()}")
+    s = BusSettings(nats_urls=[c.nats_url], prefix=c.prefix)
+    last = ""
 
-    asyncio.run(main())
+    async def leads() -> bool:
+        nonlocal last
+        try:
+            nc = await bus.connect(s, "test-up-restart", wait=False)
+        except Exception as e:  # the server may still be starting: keep asking until the deadline
+            last = repr(e)
+            return False
+        try:
+            st = await CtlClient(nc, c.prefix, timeout=1.0).debug_stats()
+            last = repr(st)
+            return st.leader
+        except CtlError as e:
+            last = repr(e)
+            return False
+        finally:
+            await nc.close()
+
+    try:
+        asyncio.run(
+            eventually(leads, timeout=timeout, every=0.3, what="the control plane to answer ctl as leader")
+        )
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {last}\n{c.diagnostics()}") from None
 
 
 def test_up_restarts_a_killed_router_and_nats_server(tmp_path: Path) -> None:
@@ -81,7 +89,7 @@ def test_up_restarts_a_killed_router_and_nats_server(tmp_path: Path) -> None:
             "llmgw up: router restarted (pid ",
         )
         wait_model(c, "tiny")
-        routers = [ch for ch in state(c)["children"] if ch["name"] == "router"]  # type: ignore[attr-defined]
+        routers = [ch for ch in state(c)["children"] if ch["name"] == "router"]
         assert routers[0]["restarts"] == 1 and routers[0]["pid"] != router["pid"]
 
         nats_pid = int(c.state["nats_pid"])

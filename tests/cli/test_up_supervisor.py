@@ -14,7 +14,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -35,6 +35,7 @@ from llmgw_cli.restarts import Restarts
 from llmgw_cli.upkeep import supervise
 from llmgw_common.catalog import Catalog
 from llmgw_common.natsserver import NatsServer
+from tests.kit.poll import eventually_sync
 
 STANDIN = textwrap.dedent(
     """
@@ -81,14 +82,6 @@ def gone(pid: int) -> bool:
         return True
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.02)
-
-
 def make_layout(tmp_path: Path) -> Layout:
     return Layout(
         data_dir=tmp_path,
@@ -122,7 +115,7 @@ def sup(tmp_path: Path, rec: Path) -> Iterator[Supervisor]:
 
 def start_ready(sup: Supervisor, rec: Path, spec: ChildSpec) -> None:
     sup.start(spec)
-    wait_for(lambda: Path(f"{rec}.{spec.name}.ready").exists())
+    eventually_sync(lambda: Path(f"{rec}.{spec.name}.ready").exists(), what=f"{spec.name} to say it is ready")
 
 
 def test_stop_runs_in_reverse_tiers_and_leaves_no_engine(sup: Supervisor, rec: Path) -> None:
@@ -143,7 +136,7 @@ def test_stop_runs_in_reverse_tiers_and_leaves_no_engine(sup: Supervisor, rec: P
     # The agents left their engines (as a crashed agent would): the sweep finds them.
     killed = {int(k.split()[0]) for k in sup.sweep()}
     assert set(engines) <= killed
-    wait_for(lambda: all(gone(p) for p in engines))
+    eventually_sync(lambda: all(gone(p) for p in engines), what="the swept engines to be gone")
     assert run_processes(sup.run_token, sup.layout.data_dir) == []
 
 
@@ -155,7 +148,7 @@ def test_a_process_that_is_no_descendant_is_found_by_the_run_marker(sup: Supervi
     assert engine in run_processes(sup.run_token)
     sup.stop_all()
     assert engine in {int(k.split()[0]) for k in sup.sweep()}
-    wait_for(lambda: gone(engine))
+    eventually_sync(lambda: gone(engine), what="the swept engine to be gone")
 
 
 def test_a_child_that_ignores_sigterm_is_killed_after_its_grace(sup: Supervisor, rec: Path) -> None:
@@ -230,10 +223,10 @@ def test_children_die_with_a_killed_up(tmp_path: Path, rec: Path) -> None:
     try:
         assert up.stdout is not None
         child = int(up.stdout.readline())
-        wait_for(lambda: Path(f"{rec}.agent.ready").exists())
+        eventually_sync(lambda: Path(f"{rec}.agent.ready").exists(), what="the agent to say it is ready")
         up.kill()
         up.wait(5)
-        wait_for(lambda: gone(child))
+        eventually_sync(lambda: gone(child), what="the killed up's child to be gone")
         assert rec.read_text().split() == ["agent"]  # it was told with SIGTERM, not killed
     finally:
         if up.poll() is None:
@@ -293,7 +286,10 @@ def test_sweep_spares_other_processes_naming_the_data_dir(sup: Supervisor, tmp_p
     script = 'exec -a nats-server "$0" -c "import time; time.sleep(600)" -sd "$1"'
     fake_nats = subprocess.Popen(["bash", "-c", script, sys.executable, str(tmp_path / "nats" / "jetstream")])
     try:
-        wait_for(lambda: "nats-server" in " ".join(psutil.Process(fake_nats.pid).cmdline()))
+        eventually_sync(
+            lambda: "nats-server" in " ".join(psutil.Process(fake_nats.pid).cmdline()),
+            what="the stand-in to be named nats-server",
+        )
         found = run_processes("no-such-token", tmp_path)
         assert fake_nats.pid in found
         assert tail.pid not in found
@@ -320,15 +316,25 @@ def test_dead_children_and_nats_are_restarted_with_backoff_and_announced(
     )
     t.start()
     try:
-        wait_for(lambda: restarts.count.get("router", 0) >= 4, timeout=20)
+        eventually_sync(
+            lambda: restarts.count.get("router", 0) >= 4,
+            timeout=20,
+            what="the router to be restarted four times",
+        )
         cp = sup.children[0]
         os.remove(f"{rec}.cp.ready")
         cp.proc.kill()
         old_nats = nats.pid
         assert old_nats is not None
         os.kill(old_nats, signal.SIGKILL)
-        wait_for(lambda: Path(f"{rec}.cp.ready").exists(), timeout=20)
-        wait_for(lambda: nats.pid not in (None, old_nats) and nats._healthy(), timeout=20)
+        eventually_sync(
+            lambda: Path(f"{rec}.cp.ready").exists(), timeout=20, what="the control plane to say it is ready"
+        )
+        eventually_sync(
+            lambda: nats.pid not in (None, old_nats) and nats._healthy(),
+            timeout=20,
+            what="a new, healthy nats-server in place of the killed one",
+        )
         assert nats.port == port  # clients reconnect to the same URL
         assert sup.children[0].pid != cp.pid and sup.children[0].alive()
         assert [c.spec.name for c in sup.children] == ["cp", "router"]  # stop order kept
@@ -357,11 +363,16 @@ def test_dead_children_and_nats_are_restarted_with_backoff_and_announced(
     assert f"llmgw up: cp restarted (pid {sup.children[0].pid})" in err
     assert "llmgw up: nats-server restarted (pid " in err
     # The state file (up.json) tells the pids and restart counts.
-    children = {c["name"]: c for c in state["children"]}  # type: ignore[attr-defined]
+    listed = state["children"]
+    assert isinstance(listed, list)
+    children = {c["name"]: c for c in listed}
     assert children["cp"]["restarts"] == 1 and children["cp"]["pid"] == sup.children[0].pid
     assert children["router"]["restarts"] >= 4
     assert state["nats_restarts"] == 1
     # Stopping still leaves nothing behind.
     sup.stop_all()
     sup.sweep()
-    wait_for(lambda: run_processes(sup.run_token, sup.layout.data_dir) == [])
+    eventually_sync(
+        lambda: run_processes(sup.run_token, sup.layout.data_dir) == [],
+        what="no process of the run to be left",
+    )

@@ -1,10 +1,19 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw_common.catalog import CatalogError, catalog_to_yaml, load_catalog_file, parse_catalog
+from llmgw_common.catalog import (
+    Catalog,
+    CatalogError,
+    ModelProfile,
+    catalog_to_yaml,
+    load_catalog_file,
+    parse_catalog,
+)
 
 GOOD = """
 models:
@@ -20,12 +29,19 @@ models:
 """
 
 
+def _profile(cat: Catalog, name: str) -> ModelProfile:
+    p = cat.get(name)
+    assert p is not None, f"{name} is not in the catalog"
+    return p
+
+
 def test_valid_catalog_parses_and_round_trips() -> None:
     cat = parse_catalog(GOOD)
     assert cat.names == ("llama-3.1-8b", "tiny", "judge")
-    assert cat.get("llama-3.1-8b").gpus == 1  # type: ignore[union-attr]
-    assert cat.get("tiny").gpus == 0  # type: ignore[union-attr]
-    assert cat.get("judge").watch.probe_every == 30.0  # type: ignore[union-attr]
+    assert _profile(cat, "llama-3.1-8b").gpus == 1
+    assert _profile(cat, "tiny").gpus == 0
+    watch = _profile(cat, "judge").watch
+    assert watch is not None and watch.probe_every == 30.0
     assert parse_catalog(catalog_to_yaml(cat)) == cat
 
 
@@ -74,7 +90,7 @@ def test_refusals_say_what_is_wrong(text: str, fragment: str) -> None:
     assert fragment in str(e.value)
 
 
-def test_missing_file_is_a_catalog_error(tmp_path) -> None:
+def test_missing_file_is_a_catalog_error(tmp_path: Path) -> None:
     with pytest.raises(CatalogError, match="cannot read"):
         load_catalog_file(str(tmp_path / "none.yaml"))
 
@@ -121,7 +137,7 @@ _val = st.one_of(
         max_size=4,
     )
 )
-def test_any_structure_parses_or_raises_catalog_error(models: list) -> None:
+def test_any_structure_parses_or_raises_catalog_error(models: list[object]) -> None:
     try:
         parse_catalog({"models": models})
     except CatalogError as e:
@@ -154,7 +170,7 @@ def test_non_finite_numbers_are_refused(field: str, fragment: str) -> None:
 )
 def test_failover_is_on_unless_turned_off(line: str, expected: bool) -> None:
     cat = parse_catalog(f"models:\n  - name: m\n    engine: sim\n    {line}\n")
-    assert cat.get("m").failover is expected  # type: ignore[union-attr]
+    assert _profile(cat, "m").failover is expected
     assert parse_catalog(catalog_to_yaml(cat)) == cat
 
 

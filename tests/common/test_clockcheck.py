@@ -34,7 +34,9 @@ def test_a_kept_time_ranks_no_later_than_its_arrival() -> None:
     assert order_time(50.0, 10.0) == 10.0  # one from the future counts as arrived now
 
 
-def test_doubts_say_each_sender_and_kind_once_per_interval_and_count_all(caplog) -> None:
+def test_doubts_say_each_sender_and_kind_once_per_interval_and_count_all(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     d = Doubts(logging.getLogger("llmgw.test"), every_s=60.0)
     with caplog.at_level(logging.WARNING, logger="llmgw.test"):
         for t in (0.0, 1.0, 59.0):

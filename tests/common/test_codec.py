@@ -131,7 +131,7 @@ _json = st.recursive(
 
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.sampled_from(["_v", "node", "boot_id", "seq", "sent_at", "shards", "x"]), _json))
-def test_any_map_decodes_or_raises_decode_error(d: dict) -> None:
+def test_any_map_decodes_or_raises_decode_error(d: dict[str, object]) -> None:
     try:
         hb = decode(msgpack.packb(d), Heartbeat)
     except DecodeError:

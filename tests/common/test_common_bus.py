@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import nats
 import pytest
@@ -9,11 +10,13 @@ import pytest
 from llmgw_common import bus
 from llmgw_common.codec import encode
 from llmgw_common.messages import Heartbeat
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.settings import BusSettings
 from llmgw_common.subjects import Subjects
+from tests.kit.poll import eventually
 
 
-async def test_ensure_all_is_idempotent_and_binds(nats_server, prefix):
+async def test_ensure_all_is_idempotent_and_binds(nats_server: NatsServer, prefix: str) -> None:
     s = BusSettings(nats_urls=[nats_server.url], prefix=prefix)
     nc = await bus.connect(s, "t", wait=False)
     try:
@@ -39,7 +42,9 @@ async def test_ensure_all_is_idempotent_and_binds(nats_server, prefix):
         await nc.close()
 
 
-async def test_typed_subscribe_drops_garbage_with_one_line(nats_server, prefix, caplog):
+async def test_typed_subscribe_drops_garbage_with_one_line(
+    nats_server: NatsServer, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
     s = BusSettings(nats_urls=[nats_server.url], prefix=prefix)
     nc = await bus.connect(s, "t", wait=False)
     got: list[Heartbeat] = []
@@ -53,10 +58,7 @@ async def test_typed_subscribe_drops_garbage_with_one_line(nats_server, prefix, 
                 subj.heartbeat("n1"), encode(Heartbeat(node="n1", boot_id="b", seq=1, sent_at=1.0))
             )
             await nc.flush()
-            for _ in range(100):
-                if got:
-                    break
-                await asyncio.sleep(0.01)
+            await eventually(lambda: got, timeout=5, every=0.01, what="the good heartbeat after the garbage")
         assert [h.node for h in got] == ["n1"]
         assert drops.count == 1
         assert len([r for r in caplog.records if "dropped undecodable" in r.message]) == 1
@@ -64,7 +66,7 @@ async def test_typed_subscribe_drops_garbage_with_one_line(nats_server, prefix, 
         await nc.close()
 
 
-async def test_kv_follower_sees_puts_and_deletes(nats_server, prefix):
+async def test_kv_follower_sees_puts_and_deletes(nats_server: NatsServer, prefix: str) -> None:
     s = BusSettings(nats_urls=[nats_server.url], prefix=prefix)
     nc = await bus.connect(s, "t", wait=False)
     try:
@@ -76,23 +78,25 @@ async def test_kv_follower_sees_puts_and_deletes(nats_server, prefix):
         assert seen == {"a": b"1"}
         await kv.put("b", b"2")
         await kv.delete("a")
-        for _ in range(200):
-            if seen.get("b") == b"2" and seen.get("a", b"") is None:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(
+            lambda: seen.get("b") == b"2" and seen.get("a", b"") is None,
+            timeout=5,
+            every=0.01,
+            what="the follower to see b put and a deleted",
+        )
         await f.stop()
         assert seen == {"a": None, "b": b"2"}
     finally:
         await nc.close()
 
 
-async def test_connect_without_wait_fails_fast_when_no_server():
+async def test_connect_without_wait_fails_fast_when_no_server() -> None:
     s = BusSettings(nats_urls=["nats://127.0.0.1:1"])
     with pytest.raises((OSError, nats.errors.Error)):
         await bus.connect(s, "t", connect_timeout=0.5, wait=False)
 
 
-async def test_single_key_follower_sees_a_delete_on_resync(nats_server, prefix):
+async def test_single_key_follower_sees_a_delete_on_resync(nats_server: NatsServer, prefix: str) -> None:
     s = BusSettings(nats_urls=[nats_server.url], prefix=prefix)
     nc = await bus.connect(s, "t", wait=False)
     try:
@@ -110,9 +114,7 @@ async def test_single_key_follower_sees_a_delete_on_resync(nats_server, prefix):
         await nc.close()
 
 
-def test_nats_server_restarts_on_the_same_port(tmp_path):
-    from llmgw_common.natsserver import NatsServer
-
+def test_nats_server_restarts_on_the_same_port(tmp_path: Path) -> None:
     srv = NatsServer(tmp_path)
     srv.start()
     try:
@@ -125,8 +127,8 @@ def test_nats_server_restarts_on_the_same_port(tmp_path):
 
 
 async def test_kv_follower_retries_a_value_whose_callback_raised_and_keeps_watching(
-    nats_server, prefix, caplog
-):
+    nats_server: NatsServer, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """A raising callback neither ends the watch nor loses the value: it is delivered again."""
     s = BusSettings(nats_urls=[nats_server.url], prefix=prefix)
     nc = await bus.connect(s, "t", wait=False)
@@ -145,20 +147,16 @@ async def test_kv_follower_retries_a_value_whose_callback_raised_and_keeps_watch
         f = bus.KvFollower(kv, on_change, resync_s=3600, retry_s=0.1, name="flaky")
         await f.start()
         await kv.put("a", b"1")
-        for _ in range(300):
-            if taken:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: taken, timeout=5, every=0.01, what="the retry to deliver the refused value")
         assert taken == [b"1"]
         assert calls == [("a", b"1"), ("a", b"1")]
         assert f.errors == 1
         assert f.revisions["a"] > 0
         assert any("flaky" in r.message and "cannot take it now" in str(r.exc_info) for r in caplog.records)
         await kv.put("a", b"2")
-        for _ in range(300):
-            if len(taken) == 2:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(
+            lambda: len(taken) == 2, timeout=5, every=0.01, what="the watch to deliver the update"
+        )
         await f.stop()
         assert taken == [b"1", b"2"]
         assert f.errors == 1
@@ -166,7 +164,9 @@ async def test_kv_follower_retries_a_value_whose_callback_raised_and_keeps_watch
         await nc.close()
 
 
-async def test_kv_follower_retries_a_delete_whose_callback_raised(nats_server, prefix):
+async def test_kv_follower_retries_a_delete_whose_callback_raised(
+    nats_server: NatsServer, prefix: str
+) -> None:
     s = BusSettings(nats_urls=[nats_server.url], prefix=prefix)
     nc = await bus.connect(s, "t", wait=False)
     try:
@@ -193,7 +193,7 @@ async def test_kv_follower_retries_a_delete_whose_callback_raised(nats_server, p
         await nc.close()
 
 
-async def test_stop_ends_a_loop_that_swallowed_a_cancel(nats_server, prefix):
+async def test_stop_ends_a_loop_that_swallowed_a_cancel(nats_server: NatsServer, prefix: str) -> None:
     """Python 3.11's asyncio.wait_for, inside nats-py's request and so inside resync()'s kv.get, returns
     the answer and drops a cancel that lands as the answer arrives (CPython gh-86296): the resync loop
     goes on, and a stop() that cancels once waits for ever (a router's stop hung so in a test)."""

@@ -20,12 +20,12 @@ from llmgw_common.subjects import Subjects, check_token
         (1.5, 1.5),
     ],
 )
-def test_parse_duration(text, seconds) -> None:
+def test_parse_duration(text: str | float, seconds: float) -> None:
     assert parse_duration(text) == pytest.approx(seconds)
 
 
 @pytest.mark.parametrize("bad", ["", "soon", "10x", "-5", "5m soon", -1, True])
-def test_parse_duration_refuses(bad) -> None:
+def test_parse_duration_refuses(bad: str | int) -> None:
     with pytest.raises(ValueError):
         parse_duration(bad)
 
@@ -33,7 +33,7 @@ def test_parse_duration_refuses(bad) -> None:
 @pytest.mark.parametrize(
     "seconds, text", [(0, "0s"), (59, "59s"), (61, "1m1s"), (3600, "1h"), (90000, "1d1h")]
 )
-def test_format_duration(seconds, text) -> None:
+def test_format_duration(seconds: float, text: str) -> None:
     assert format_duration(seconds) == text
 
 
@@ -49,6 +49,6 @@ def test_subjects_use_the_prefix_everywhere() -> None:
 
 
 @pytest.mark.parametrize("bad", ["a.b", "a b", "a*", ">", ""])
-def test_tokens_refuse_subject_syntax(bad) -> None:
+def test_tokens_refuse_subject_syntax(bad: str) -> None:
     with pytest.raises(ValueError):
         check_token(bad)

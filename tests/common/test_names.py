@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from pydantic import ValidationError
 from typer.testing import CliRunner
@@ -66,16 +68,20 @@ def test_agent_settings_node_with_a_newline_is_bad_settings() -> None:
     assert "bad settings" in r.output and "node id 'n1\\n'" in r.output
 
 
+NodeMessage = Heartbeat | Inventory | ShardStatus | LoadReport
+
+
 @pytest.mark.parametrize("cls", [Heartbeat, Inventory, ShardStatus, LoadReport])
-def test_bus_messages_naming_a_node_with_control_characters_do_not_decode(cls: type) -> None:
-    fields = {
+def test_bus_messages_naming_a_node_with_control_characters_do_not_decode(cls: type[NodeMessage]) -> None:
+    by_class: dict[type[NodeMessage], dict[str, Any]] = {
         Heartbeat: dict(boot_id="b", seq=1, sent_at=1.0),
         Inventory: dict(boot_id="b", sent_at=1.0),
         ShardStatus: dict(
             boot_id="b", sent_at=1.0, replica_id="r", shard=0, model="m", state=ShardState.READY
         ),
         LoadReport: dict(sent_at=1.0),
-    }[cls]
+    }
+    fields = by_class[cls]
     good = encode(cls(node="n1", **fields))
     assert decode(good, cls).node == "n1"
     bad = encode(cls.model_construct(node="evil\x1b[2J", **fields))

@@ -1,6 +1,7 @@
-"""Console fixtures: a live control plane fed by fake agents on the real nats-server, with the console
-wired to it exactly as the service does (``CtlApiSource`` over its ``CtlApi``, a ``UsageBook`` fed by the
-routers' usage subject), and the headless browser when Chromium and Playwright are installed."""
+"""Console fixtures: the console over the fixed fleet (``c``); a live control plane fed by fake agents on
+the real nats-server, with the console wired to it exactly as the service does (``CtlApiSource`` over its
+``CtlApi``, a ``UsageBook`` fed by the routers' usage subject); and the headless browser when Chromium and
+Playwright are installed."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import nats.errors
 import pytest
 
@@ -22,14 +24,16 @@ from llmgw_common.subjects import Subjects
 from llmgw_controlplane.admin import AdminServer, CtlApiSource, build_admin_app
 from llmgw_controlplane.console.usage import UsageBook
 from llmgw_controlplane.service import ControlPlane
+from tests.console.console_fleet import FixedSource
 from tests.console.console_live import (
     DEPS_REASON,
     LIVE_CATALOG,
     LiveConsole,
     chromium_path,
-    eventually,
     live_agents,
 )
+from tests.console.console_pages import client
+from tests.kit.poll import eventually
 
 
 @pytest.fixture
@@ -48,6 +52,13 @@ async def browser() -> AsyncIterator[Any]:
             yield b
         finally:
             await b.close()
+
+
+@pytest.fixture
+async def c() -> AsyncIterator[httpx.AsyncClient]:
+    """The console over the fixed fleet (console_fleet.py), through the ASGI app."""
+    async with client(FixedSource()) as cl:
+        yield cl
 
 
 @pytest.fixture
@@ -93,7 +104,8 @@ async def live_console(nats_server: Any, prefix: str, tmp_path: Path) -> AsyncIt
         while not halt.is_set():
             for a in agents:
                 assignment, _ = await bus.kv_get(assign_kv, a.node, Assignment, drops)
-                await a.beat(assignment)
+                a.serve(assignment)
+                await a.beat()
             await asyncio.sleep(0.1)
 
     beating = asyncio.create_task(beat())
@@ -106,7 +118,7 @@ async def live_console(nats_server: Any, prefix: str, tmp_path: Path) -> AsyncIt
             return False
 
     try:
-        await eventually(answering, timeout=30)
+        await eventually(answering, timeout=30, what="the control plane to answer ctl as leader")
         yield LiveConsole(f"http://127.0.0.1:{port}", cp, CtlClient(nc, prefix), nc, prefix, agents)
     finally:
         halt.set()

@@ -10,7 +10,8 @@ from typing import Any
 
 from llmgw_controlplane.admin import PAGES, AdminServer, build_admin_app
 from tests.console.console_fleet import NODES, NOW, UNHEALTHY_REASON, FixedSource
-from tests.console.console_live import LIVE_UNHEALTHY, LiveConsole, eventually
+from tests.console.console_live import LIVE_UNHEALTHY, LiveConsole
+from tests.kit.poll import eventually
 
 log = logging.getLogger("test.console")
 VIEWPORT = {"width": 1440, "height": 900}
@@ -28,8 +29,8 @@ async def _open(browser: Any, url: str) -> tuple[Any, list[str]]:
     return page, errors
 
 
-async def test_every_page_in_chromium_over_fixed_fleet(browser: Any, artifacts_dir: Path):
-    app = build_admin_app(FixedSource(), clock=lambda: NOW)  # type: ignore[arg-type]
+async def test_every_page_in_chromium_over_fixed_fleet(browser: Any, artifacts_dir: Path) -> None:
+    app = build_admin_app(FixedSource(), clock=lambda: NOW)
     server = AdminServer(app, "127.0.0.1", 0, False, log)
     port = await server.start()
     try:
@@ -66,14 +67,16 @@ async def test_every_page_in_chromium_over_fixed_fleet(browser: Any, artifacts_d
         assert (artifacts_dir / f"console-{key}.png").stat().st_size > 5000
 
 
-async def test_live_control_plane_in_chromium(browser: Any, live_console: LiveConsole, artifacts_dir: Path):
+async def test_live_control_plane_in_chromium(
+    browser: Any, live_console: LiveConsole, artifacts_dir: Path
+) -> None:
     live = live_console
 
     async def settled() -> bool:
         s = await live.ctl.status()
         return s.nodes_by_state.get("ready") == 4 and [u.model for u in s.unplaceable] == ["giant"]
 
-    await eventually(settled, timeout=15)
+    await eventually(settled, timeout=15, what="all four nodes ready and giant known unplaceable")
     page, errors = await _open(browser, f"{live.url}/nodes")
     body = await page.inner_text("body")
     for node in ("h100-01", "h100-02", "a100-01", "cpu-01"):

@@ -3,7 +3,6 @@ the real handlers, and checked against the fleet the test built."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import Counter
 
@@ -13,8 +12,9 @@ from llmgw_common import bus
 from llmgw_common.ctl import StatusReply
 from llmgw_common.messages import Assignment, ClusterSettings, UsageReport, Webhook
 from llmgw_common.subjects import Subjects
-from tests.console.console_live import LIVE_UNHEALTHY, LiveConsole, eventually
-from tests.console.test_console_http import rows, text
+from tests.console.console_live import LIVE_UNHEALTHY, LiveConsole
+from tests.console.console_pages import rows, text
+from tests.kit.poll import eventually
 
 
 async def _settled(live: LiveConsole) -> StatusReply:
@@ -30,7 +30,11 @@ async def _settled(live: LiveConsole) -> StatusReply:
         )
         return s if ok else None
 
-    return await eventually(check, timeout=15)
+    settled = await eventually(
+        check, timeout=15, what="four ready nodes, llama-8b and qwen-cpu ready, giant unplaceable"
+    )
+    assert settled is not None  # eventually returns only a truthy value
+    return settled
 
 
 async def _assigned_gpus(live: LiveConsole) -> dict[str, set[int]]:
@@ -60,7 +64,7 @@ def _expected_capacity(live: LiveConsole, used: dict[str, set[int]]) -> list[str
     return [f"{k} {v['used']} {v['free']} {v['unhealthy']} 0 {v['total']}" for k, v in sorted(cap.items())]
 
 
-async def test_live_console_shows_what_the_fleet_holds(live_console: LiveConsole):
+async def test_live_console_shows_what_the_fleet_holds(live_console: LiveConsole) -> None:
     """The pages' numbers against the fleet the test built (inventories, catalog, assignments), not
     against the ctl replies: ctl and the console share the view code, so comparing them with each other
     could not catch a broken view."""
@@ -69,19 +73,17 @@ async def test_live_console_shows_what_the_fleet_holds(live_console: LiveConsole
     # On a loaded machine a fake agent's heartbeat can be late and the fleet change under the test for a
     # moment: compare again until one read of the assignments and the pages agree, or fail with the
     # last difference (a broken view never agrees).
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 20
-    while True:
-        try:
-            await _compare_with_fleet(live)
-            return
-        except AssertionError:
-            if loop.time() > deadline:
-                raise
-            await asyncio.sleep(0.2)
+    await eventually(
+        lambda: _compare_with_fleet(live),
+        timeout=20,
+        every=0.2,
+        what="the console pages to agree with the fleet's inventories and assignments",
+        tolerate=(AssertionError,),
+    )
 
 
-async def _compare_with_fleet(live: LiveConsole) -> None:
+async def _compare_with_fleet(live: LiveConsole) -> bool:
+    """True when every page agrees with the fleet; otherwise an AssertionError naming the difference."""
     used = await _assigned_gpus(live)
     # llama-8b takes 2 healthy H100s on one node; qwen-cpu runs on the CPU node.
     assert sorted(len(g) for g in used.values()) == [0, 0, 0, 2]
@@ -135,9 +137,10 @@ async def _compare_with_fleet(live: LiveConsole) -> None:
         stats = (await c.get("/debug/stats")).json()
         assert stats["leader"] is True and stats["nodes"] == len(inv) and stats["passes"] > 0
         assert stats["console"]["requests"]["overview"] >= 1
+    return True
 
 
-async def test_live_webhook_banner_follows_settings(live_console: LiveConsole):
+async def test_live_webhook_banner_follows_settings(live_console: LiveConsole) -> None:
     live = live_console
     async with httpx.AsyncClient(base_url=live.url) as c:
         assert 'id="webhook-warning"' in (await c.get("/")).text
@@ -147,7 +150,7 @@ async def test_live_webhook_banner_follows_settings(live_console: LiveConsole):
     assert "webhook" not in text(page)
 
 
-async def test_live_usage_from_router_reports(live_console: LiveConsole):
+async def test_live_usage_from_router_reports(live_console: LiveConsole) -> None:
     live = live_console
     async with httpx.AsyncClient(base_url=live.url) as c:
         assert "No usage reported yet" in text((await c.get("/usage")).text)
@@ -158,15 +161,15 @@ async def test_live_usage_from_router_reports(live_console: LiveConsole):
             )
         )
 
-        async def shown() -> str | None:
+        async def shown() -> str:
             page = (await c.get("/usage")).text
-            return page if 'id="usage"' in page else None
+            return page if 'id="usage"' in page else ""
 
-        page = await eventually(shown)
+        page = await eventually(shown, what="the usage page to show the router's report")
     assert rows(page, "usage")[1:] == ["key-ops llama-8b 3 300 90 390"]
 
 
-async def test_live_source_unavailable_when_nats_is_gone(live_console: LiveConsole):
+async def test_live_source_unavailable_when_nats_is_gone(live_console: LiveConsole) -> None:
     """The status verb reads settings from NATS: with the control plane's connection closed, the
     console answers 503 with the reason instead of a traceback."""
     live = live_console

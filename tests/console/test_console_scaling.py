@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from llmgw_common.ctl import EvictionInfo, StatusReply
-from tests.console.console_fleet import NOW
-from tests.console.test_console_http import FixedSource, client, get, rows
+from tests.console.console_fleet import NOW, FixedSource
+from tests.console.console_pages import client, get, rows
 
 
 async def test_overview_shows_cold_waking_cold_starts_and_evictions() -> None:

@@ -9,6 +9,7 @@ import socket
 
 import httpx
 import pytest
+from fastapi import FastAPI
 
 from llmgw_controlplane.admin import (
     AdminBindError,
@@ -23,11 +24,11 @@ from tests.console.console_fleet import FixedSource
 log = logging.getLogger("test.console")
 
 
-def app():  # type: ignore[no-untyped-def]
-    return build_admin_app(FixedSource())  # type: ignore[arg-type]
+def app() -> FastAPI:
+    return build_admin_app(FixedSource())
 
 
-async def test_serve_admin_on_port_0_reports_port_serves_and_stops():
+async def test_serve_admin_on_port_0_reports_port_serves_and_stops() -> None:
     stop = asyncio.Event()
     bound: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(
@@ -47,7 +48,7 @@ async def test_serve_admin_on_port_0_reports_port_serves_and_stops():
             await c.get(f"http://127.0.0.1:{port}/")
 
 
-async def test_serve_admin_leaves_the_process_signal_handlers_alone():
+async def test_serve_admin_leaves_the_process_signal_handlers_alone() -> None:
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     server = AdminServer(app(), "127.0.0.1", 0, False, log)
     await server.start()
@@ -59,7 +60,7 @@ async def test_serve_admin_leaves_the_process_signal_handlers_alone():
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "console.example"])
-async def test_non_loopback_without_flag_refused(host, caplog):
+async def test_non_loopback_without_flag_refused(host: str, caplog: pytest.LogCaptureFixture) -> None:
     stop = asyncio.Event()
     with pytest.raises(AdminBindError) as ei:
         await serve_admin(app(), host, 0, False, stop, log)
@@ -68,9 +69,9 @@ async def test_non_loopback_without_flag_refused(host, caplog):
     assert repr(host) in msg
 
 
-async def test_non_loopback_with_flag_warns_and_serves(caplog):
+async def test_non_loopback_with_flag_warns_and_serves(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="test.console")
-    server = AdminServer(build_admin_app(FixedSource(), loopback_only=False), "0.0.0.0", 0, True, log)  # type: ignore[arg-type]
+    server = AdminServer(build_admin_app(FixedSource(), loopback_only=False), "0.0.0.0", 0, True, log)
     port = await server.start()
     try:
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -84,7 +85,7 @@ async def test_non_loopback_with_flag_warns_and_serves(caplog):
         await server.close()
 
 
-async def test_loopback_logs_no_warning(caplog):
+async def test_loopback_logs_no_warning(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="test.console")
     server = AdminServer(app(), "127.0.0.1", 0, False, log)
     port = await server.start()
@@ -93,7 +94,7 @@ async def test_loopback_logs_no_warning(caplog):
     assert f"console on http://127.0.0.1:{port}/ (read-only)" in caplog.text
 
 
-async def test_port_in_use_is_a_clear_error():
+async def test_port_in_use_is_a_clear_error() -> None:
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
@@ -107,12 +108,12 @@ async def test_port_in_use_is_a_clear_error():
         taken.close()
 
 
-async def test_unresolvable_public_host_is_a_clear_error():
+async def test_unresolvable_public_host_is_a_clear_error() -> None:
     with pytest.raises(AdminBindError, match=r"cannot resolve 'no-such-host\.invalid'"):
         await AdminServer(app(), "no-such-host.invalid", 0, True, log).start()
 
 
-async def test_ipv6_loopback():
+async def test_ipv6_loopback() -> None:
     try:
         probe = socket.socket(socket.AF_INET6)
         probe.bind(("::1", 0))
@@ -145,7 +146,7 @@ async def test_ipv6_loopback():
         ("", False),
     ],
 )
-def test_is_loopback(host, loop):
+def test_is_loopback(host: str, loop: bool) -> None:
     assert is_loopback(host) is loop
 
 
@@ -160,11 +161,13 @@ def test_is_loopback(host, loop):
         ("", ""),
     ],
 )
-def test_host_name(header, name):
+def test_host_name(header: str, name: str) -> None:
     assert _host_name(header) == name
 
 
-async def test_close_after_the_listener_was_cancelled_or_failed(caplog):
+async def test_close_after_the_listener_was_cancelled_or_failed(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     server = AdminServer(app(), "127.0.0.1", 0, False, log)
     await server.start()
     assert server._task is not None
@@ -179,7 +182,7 @@ async def test_close_after_the_listener_was_cancelled_or_failed(caplog):
     async def broken_tick(counter: int) -> bool:
         raise OSError("tick failed")
 
-    failing._server.on_tick = broken_tick  # type: ignore[method-assign]
+    monkeypatch.setattr(failing._server, "on_tick", broken_tick)
     await asyncio.wait({failing._task}, timeout=5)
     await failing.close()
     assert "admin listener ended with an error: tick failed" in caplog.text

@@ -9,7 +9,7 @@ from llmgw_controlplane.console import format as fmt
 from llmgw_controlplane.console.usage import UsageBook, UsageRow
 
 
-def test_bar_unhealthy_is_neither_used_nor_free():
+def test_bar_unhealthy_is_neither_used_nor_free() -> None:
     segs = fmt.bar(used=4, free=3, unhealthy=1, total=8)
     assert [(s.kind, s.count, s.start, s.percent) for s in segs] == [
         ("used", 4, 0.0, 50.0),
@@ -18,21 +18,21 @@ def test_bar_unhealthy_is_neither_used_nor_free():
     ]
 
 
-def test_bar_healthy_unplaceable_is_held_not_free():
+def test_bar_healthy_unplaceable_is_held_not_free() -> None:
     segs = fmt.bar(used=20, free=3, unhealthy=1, total=32)
     assert [(s.kind, s.count) for s in segs] == [("used", 20), ("free", 3), ("unhealthy", 1), ("held", 8)]
     assert sum(s.percent for s in segs) == pytest.approx(100.0)
     assert segs[-1].start + segs[-1].percent == pytest.approx(100.0)
 
 
-def test_bar_empty_and_inconsistent():
+def test_bar_empty_and_inconsistent() -> None:
     assert fmt.bar(0, 0, 0, 0) == ()
     assert [s.kind for s in fmt.bar(0, 0, 0, 4)] == ["held"]
     # More counted than total never makes a negative segment.
     assert [s.kind for s in fmt.bar(3, 2, 0, 4)] == ["used", "free"]
 
 
-def test_dash_none_is_not_zero():
+def test_dash_none_is_not_zero() -> None:
     assert fmt.dash(None) == "-"
     assert fmt.dash(None, " GB") == "-"
     assert fmt.dash(0) == "0"
@@ -40,7 +40,7 @@ def test_dash_none_is_not_zero():
     assert fmt.dash(512.0, " GB") == "512 GB"
 
 
-def test_durations_and_times():
+def test_durations_and_times() -> None:
     assert fmt.duration(None) == "-"
     assert fmt.duration(-1.0) == "-"  # the JSON form of "unknown"
     assert fmt.duration(0) == "0s"
@@ -69,11 +69,11 @@ def test_durations_and_times():
         ("new", "dim"),
     ],
 )
-def test_tone(state, tone):
+def test_tone(state: str | None, tone: str) -> None:
     assert fmt.tone(state) == tone
 
 
-def test_attention_worst_first_with_first_reason():
+def test_attention_worst_first_with_first_reason() -> None:
     from llmgw_common.ctl import NodeInfo
 
     nodes = [
@@ -102,7 +102,7 @@ def _rep(
     return UsageReport(router=router, since=since, sent_at=sent_at, usage=usage)
 
 
-def test_usage_book_sums_routers_keeps_newest_per_router():
+def test_usage_book_sums_routers_keeps_newest_per_router() -> None:
     book = UsageBook()
     assert book.view().rows == () and book.view().routers == 0 and book.view().since is None
     book.add(_rep("r1", 10, {"k1": {"m": (1, 10, 5)}}, since=5), now=11)
@@ -115,7 +115,7 @@ def test_usage_book_sums_routers_keeps_newest_per_router():
     assert v.rows[0].total_tokens == 245
 
 
-def test_usage_book_forgets_the_longest_silent_router_past_its_cap():
+def test_usage_book_forgets_the_longest_silent_router_past_its_cap() -> None:
     book = UsageBook(max_routers=2)
     book.add(_rep("old", 1, {"k": {"m": (1, 1, 1)}}), now=1)
     book.add(_rep("mid", 2, {"k": {"m": (1, 1, 1)}}), now=2)
@@ -124,7 +124,7 @@ def test_usage_book_forgets_the_longest_silent_router_past_its_cap():
     assert v.routers == 2 and v.rows[0].requests == 2
 
 
-def test_usage_book_drops_forged_future_reports_and_keeps_counting(caplog) -> None:
+def test_usage_book_drops_forged_future_reports_and_keeps_counting(caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
     book = UsageBook()
@@ -149,7 +149,9 @@ def _wide(router: str, sent_at: float, entries: int) -> UsageReport:
     return _rep(router, sent_at, {f"k{i}": {"m": (1, 1, 1)} for i in range(entries)})
 
 
-def test_usage_book_refuses_a_report_with_too_many_entries_and_says_so_once_a_minute(caplog) -> None:
+def test_usage_book_refuses_a_report_with_too_many_entries_and_says_so_once_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     import logging
 
     from llmgw_common.clockcheck import Doubts

@@ -25,15 +25,7 @@ from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import DESIRED_SETTINGS, ROUTING_CATALOG, Subjects
 from llmgw_notifier.delivery import NotifierStats
 from llmgw_notifier.service import serve
-
-
-async def wait_until(pred: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    """Poll ``pred`` until it holds; fail the test with ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
+from tests.kit.poll import eventually
 
 
 class FakeTime:
@@ -107,8 +99,8 @@ class Receiver:
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
         server = site._server
-        assert server is not None
-        self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        assert isinstance(server, asyncio.Server)  # what loop.create_server made: it has sockets
+        self.port = server.sockets[0].getsockname()[1]
         return self
 
     async def stop(self) -> None:
@@ -161,19 +153,26 @@ class Bus:
 
     async def settled(self, name: str, timeout: float = 10.0) -> ConsumerInfo:
         """The consumer's info once it has nothing left to deliver or to see acknowledged (both lag)."""
-        deadline = time.monotonic() + timeout
-        while True:
+
+        async def info_if_settled() -> ConsumerInfo | None:
             info = await self.js.consumer_info(self.subjects.events_stream, name)
-            if (info.num_pending == 0 and info.num_ack_pending == 0) or time.monotonic() > deadline:
-                return info
-            await asyncio.sleep(0.05)
+            return info if info.num_pending == 0 and info.num_ack_pending == 0 else None
+
+        info = await eventually(
+            info_if_settled,
+            timeout=timeout,
+            what=f"consumer {name} to have nothing pending or awaiting acknowledgement",
+        )
+        assert info is not None  # eventually returns only a truthy value
+        return info
 
     async def wait_consumer(self, name: str, present: bool = True, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while (name in await self.consumer_names()) != present:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"consumer {name} {'never appeared' if present else 'is still there'}")
-            await asyncio.sleep(0.05)
+        async def as_wanted() -> bool:
+            return (name in await self.consumer_names()) == present
+
+        await eventually(
+            as_wanted, timeout=timeout, what=f"consumer {name} to {'appear' if present else 'go away'}"
+        )
 
     async def consumer_names(self) -> list[str]:
         return [c.name for c in await self.js.consumers_info(self.subjects.events_stream)]

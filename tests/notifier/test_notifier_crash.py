@@ -15,7 +15,8 @@ from llmgw_common.messages import Webhook
 from llmgw_common.natsserver import NatsServer
 from llmgw_notifier.delivery import consumer_name
 from llmgw_notifier.targets import target_id
-from tests.notifier.notifier_helpers import Bus, ev, wait_until
+from tests.kit.poll import eventually
+from tests.notifier.notifier_helpers import Bus, ev
 
 pytestmark = pytest.mark.e2e
 
@@ -47,8 +48,14 @@ async def test_sigkill_mid_delivery_loses_nothing_and_repeats_only_the_unconfirm
     try:
         for e in events:
             await bus.publish(e)
-        await wait_until(lambda: events[3].id in stuck.ids, timeout=20, what="the 4th event in flight")
-        await wait_until(lambda: len(fast.taken()) == 10, timeout=10, what="the fast receiver takes all")
+        await eventually(
+            lambda: events[3].id in stuck.ids,
+            timeout=20,
+            what="the stuck receiver to hold the 4th event in flight",
+        )
+        await eventually(
+            lambda: len(fast.taken()) == 10, timeout=10, what="the fast receiver to take all ten events"
+        )
         # Taken is not yet confirmed: wait for the fast target's acks to reach the server.
         settled = await bus.settled(consumer_name(prefix, target_id(fast.url)))
         assert settled.num_ack_pending == 0
@@ -58,13 +65,21 @@ async def test_sigkill_mid_delivery_loses_nothing_and_repeats_only_the_unconfirm
         assert stuck.ids == [e.id for e in events[:4]]
 
         proc = start_notifier(nats_server, prefix, log)
-        await wait_until(lambda: log.read_text().count("notifier up") == 2, timeout=20, what="the restart")
+        await eventually(
+            lambda: log.read_text().count("notifier up") == 2,
+            timeout=20,
+            what="the notifier to log that it is up a second time",
+        )
         late = ev("node.lost", "n-late", 10)
         # Published before the dead notifier's unconfirmed events come back (after ack_wait_s): it must
         # not overtake them.
         await bus.publish(late)
-        await wait_until(lambda: late.id in stuck.ids, timeout=20, what="the late event")
-        await wait_until(lambda: late.id in fast.ids, timeout=10, what="the late event (fast)")
+        await eventually(
+            lambda: late.id in stuck.ids, timeout=20, what="the stuck receiver to get the late event"
+        )
+        await eventually(
+            lambda: late.id in fast.ids, timeout=10, what="the fast receiver to get the late event"
+        )
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

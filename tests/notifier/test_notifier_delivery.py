@@ -13,7 +13,8 @@ from llmgw_common.natsserver import NatsServer
 from llmgw_notifier.delivery import consumer_name
 from llmgw_notifier.formats import verify
 from llmgw_notifier.targets import target_id
-from tests.notifier.notifier_helpers import Bus, ev, fast_settings, running, wait_until
+from tests.kit.poll import eventually
+from tests.notifier.notifier_helpers import Bus, ev, fast_settings, running
 
 
 async def test_slack_and_signed_json_payloads(
@@ -28,8 +29,9 @@ async def test_slack_and_signed_json_payloads(
     async with running(fast_settings(nats_server, prefix)):
         lost = ev("node.lost", "gpu-a3", 1, replicas=2)
         await bus.publish(lost)
-        await wait_until(
-            lambda: slack.requests and signed.requests and plain.requests, what="all three targets"
+        await eventually(
+            lambda: slack.requests and signed.requests and plain.requests,
+            what="all three targets to receive a request",
         )
 
     text = slack.requests[0].json["text"]
@@ -62,8 +64,8 @@ async def test_receiver_500_then_recovering_gets_every_event_once_in_order(
     async with running(fast_settings(nats_server, prefix, retry_base_s=0.1, retry_max_s=0.3)) as stats:
         for e in sent:
             await bus.publish(e)
-        await wait_until(lambda: len(rx.taken()) >= len(sent), what="every event taken")
-        await wait_until(lambda: stats.delivered_events == len(sent), what="acks")
+        await eventually(lambda: len(rx.taken()) >= len(sent), what="the receiver to take every event")
+        await eventually(lambda: stats.delivered_events == len(sent), what="every event to be acknowledged")
         info = await bus.settled(consumer_name(prefix, target_id(rx.url)))
     assert any(r.status == 500 for r in rx.requests), "the receiver never refused: the test proves nothing"
     assert [r.event_id for r in rx.taken()] == [e.id for e in sent]
@@ -84,8 +86,11 @@ async def test_storm_is_one_message(nats_server: NatsServer, prefix: str, bus: B
         for e in storm:
             await bus.publish(e)
         await bus.publish(down)
-        await wait_until(lambda: len(rx.requests) >= 2 and len(slack.requests) >= 2, what="two messages each")
-        await wait_until(lambda: stats.delivered_events == 2 * 41, what="all acked")
+        await eventually(
+            lambda: len(rx.requests) >= 2 and len(slack.requests) >= 2,
+            what="both targets to receive two messages each",
+        )
+        await eventually(lambda: stats.delivered_events == 2 * 41, what="all 82 events to be acknowledged")
         info = await bus.settled(consumer_name(prefix, target_id(rx.url)))
     assert len(rx.requests) == 2
     group = rx.requests[0].json
@@ -107,21 +112,24 @@ async def test_new_webhook_takes_effect_without_restart_and_removed_one_stops(
     async with running(fast_settings(nats_server, prefix)):
         first = ev("node.lost", "n1", 1)
         await bus.publish(first)
-        await wait_until(lambda: a.ids == [first.id], what="a gets the first event")
+        await eventually(lambda: a.ids == [first.id], what="target a to get the first event")
 
         await bus.set_webhooks(Webhook(url=a.url), Webhook(url=b.url, events=("model.*",)))
         await bus.wait_consumer(consumer_name(prefix, target_id(b.url)))
         second, third = ev("node.lost", "n2", 2), ev("model.down", "judge", 3)
         await bus.publish(second)
         await bus.publish(third)
-        await wait_until(lambda: b.ids == [third.id] and a.ids[-1:] == [third.id], what="both deliver")
+        await eventually(
+            lambda: b.ids == [third.id] and a.ids[-1:] == [third.id],
+            what="both targets to deliver the third event",
+        )
         assert a.ids == [first.id, second.id, third.id]  # b's filter does not affect a
 
         await bus.set_webhooks(Webhook(url=b.url, events=("model.*",)))
         await bus.wait_consumer(consumer_name(prefix, target_id(a.url)), present=False)
         fourth = ev("model.recovered", "judge", 4)
         await bus.publish(fourth)
-        await wait_until(lambda: b.ids[-1:] == [fourth.id], what="b keeps delivering")
+        await eventually(lambda: b.ids[-1:] == [fourth.id], what="target b to deliver the fourth event")
     assert a.ids == [first.id, second.id, third.id]
     assert b.ids == [third.id, fourth.id]  # the first two were before it was added / filtered out
 
@@ -140,8 +148,12 @@ async def test_gives_up_after_retry_for_and_moves_on(
     async with running(s.model_copy(update={"retry_for_s": 2 * s.http_timeout_s})) as stats:
         await bus.publish(doomed)
         await bus.publish(next_one)
-        await wait_until(lambda: next_one.id in rx.ids, timeout=30, what="the next event after giving up")
-        await wait_until(lambda: stats.delivered_events == 1, what="the ack of the next event")
+        await eventually(
+            lambda: next_one.id in rx.ids,
+            timeout=30,
+            what="the next event to be delivered after giving up on the first",
+        )
+        await eventually(lambda: stats.delivered_events == 1, what="the next event to be acknowledged")
         assert stats.gave_up_events == 1
         info = await bus.settled(consumer_name(prefix, target_id(rx.url)))
     assert rx.ids.count(doomed.id) >= 2  # it was retried before giving up
@@ -160,7 +172,7 @@ async def test_undecodable_event_is_dropped_and_the_next_delivered(
             bus.subjects.event("node.lost"), b"\xc1not msgpack", stream=bus.subjects.events_stream
         )
         await bus.publish(good)
-        await wait_until(lambda: rx.ids == [good.id], what="the good event")
+        await eventually(lambda: rx.ids == [good.id], what="the good event to be delivered")
         assert stats.undecodable_events == 1
 
 
@@ -173,13 +185,13 @@ async def test_undecodable_settings_keep_the_known_targets(
     async with running(fast_settings(nats_server, prefix)) as stats:
         await bus.wait_consumer(name)
         await bus.buckets[bus.subjects.bucket_desired].put("settings", b"garbage")
-        await wait_until(lambda: bool(stats.up))
+        await eventually(lambda: bool(stats.up), what="the notifier to be up")
         e = ev("node.lost", "n1", 1)
         await bus.publish(e)
-        await wait_until(lambda: rx.ids == [e.id], what="delivery under the old settings")
+        await eventually(lambda: rx.ids == [e.id], what="the event to be delivered under the old settings")
     # Started with garbage in the settings: the target's consumer (its place in the stream) is kept.
     async with running(fast_settings(nats_server, prefix)) as stats:
-        await wait_until(lambda: bool(stats.up), what="the notifier up")
+        await eventually(lambda: bool(stats.up), what="the notifier to be up")
         assert name in await bus.consumer_names()
 
 
@@ -194,7 +206,7 @@ async def test_no_settings_key_means_no_targets_and_stale_consumers_go(
     # The webhook disappears while the notifier is down: a new start removes its consumer.
     await bus.buckets[bus.subjects.bucket_desired].delete("settings")
     async with running(fast_settings(nats_server, prefix)) as stats:
-        await wait_until(lambda: bool(stats.up), what="the notifier up")
+        await eventually(lambda: bool(stats.up), what="the notifier to be up")
         await bus.wait_consumer(name, present=False)
     with pytest.raises(nats.js.errors.NotFoundError):
         await bus.js.consumer_info(bus.subjects.events_stream, name)

@@ -29,9 +29,9 @@ from llmgw_controlplane import autoscale
 from llmgw_controlplane import events as cp_events
 from llmgw_controlplane.events import EventDetector
 from llmgw_notifier import formats
+from llmgw_notifier.outages import DOWN, RECOVERED, fold
 from llmgw_notifier.outages import KINDS as MERGED_KINDS
-from llmgw_notifier.outages import fold
-from llmgw_notifier.probes import DOWN, RECOVERED, ProbeState, Transition, probe_event
+from llmgw_notifier.probes import ProbeState, Transition, probe_event
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

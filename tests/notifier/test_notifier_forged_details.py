@@ -18,7 +18,8 @@ import pytest
 
 from llmgw_common.messages import Event, Webhook
 from llmgw_common.natsserver import NatsServer
-from tests.notifier.notifier_helpers import Bus, ev, fast_settings, running, wait_until
+from tests.kit.poll import eventually
+from tests.notifier.notifier_helpers import Bus, ev, fast_settings, running
 
 
 def _forged(kind: str, **details: Any) -> Event:
@@ -57,7 +58,9 @@ async def test_an_event_with_wrong_typed_details_is_dropped_with_one_line_and_th
         async with running(fast_settings(nats_server, prefix)) as stats:
             await bus.publish(rec)
             await bus.publish(good)
-            await wait_until(lambda: good.id in rx.ids, timeout=15, what="the event after the forged one")
+            await eventually(
+                lambda: good.id in rx.ids, timeout=15, what="the event after the forged one to be delivered"
+            )
             assert stats.undecodable_events == 1
     assert forged.id not in rx.ids
     said = [r for r in caplog.records if forged.id in r.getMessage()]

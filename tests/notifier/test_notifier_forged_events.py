@@ -17,7 +17,8 @@ from llmgw_common.codec import encode
 from llmgw_common.messages import Event, Webhook
 from llmgw_common.natsserver import NatsServer
 from llmgw_notifier.formats import EVENT_ID_HEADER, EVENT_KIND_HEADER, render
-from tests.notifier.notifier_helpers import Bus, ev, fast_settings, running, wait_until
+from tests.kit.poll import eventually
+from tests.notifier.notifier_helpers import Bus, ev, fast_settings, running
 
 
 def _forged(field: str) -> Event:
@@ -43,7 +44,9 @@ async def test_an_event_with_non_ascii_header_text_is_delivered_and_so_is_the_ne
             stream=bus.subjects.events_stream,
         )
         await bus.publish(good)
-        await wait_until(lambda: good.id in rx.ids, timeout=15, what="the event after the forged one")
+        await eventually(
+            lambda: good.id in rx.ids, timeout=15, what="the event after the forged one to be delivered"
+        )
     first = rx.requests[0]
     # The forged one went out first, its text whole in the body, its headers plain ASCII, one each.
     assert first.json[field] == getattr(forged, field)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats
@@ -18,7 +16,8 @@ from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
 from llmgw_notifier.delivery import consumer_name
 from llmgw_notifier.outages import DOWN, RECOVERED, OutageLedger
 from llmgw_notifier.targets import target_id
-from tests.notifier.notifier_helpers import Bus, fast_settings, running, wait_until
+from tests.kit.poll import eventually
+from tests.notifier.notifier_helpers import Bus, fast_settings, running
 from tests.notifier.test_notifier_probes import FakeRouter, probe_settings
 
 
@@ -46,10 +45,13 @@ async def test_two_sources_one_outage_live_and_after_a_restart(
     # First outage, live: the ledger catches up as each event arrives.
     first = [cp(DOWN, "judge", t), pr(DOWN, "judge", t + 1, t + 0.5), cp(RECOVERED, "judge", t + 2)]
     async with running(fast_settings(nats_server, prefix)) as stats:
-        await wait_until(lambda: stats.up, what="notifier up")
+        await eventually(lambda: stats.up, what="the notifier to be up")
         for e in first:
             await bus.publish(e)
-        await wait_until(lambda: len(plain.taken()) == 1 and len(slack.taken()) == 1, what="the down")
+        await eventually(
+            lambda: len(plain.taken()) == 1 and len(slack.taken()) == 1,
+            what="both targets to take the model.down",
+        )
         for r in (slack, plain):
             info = await bus.settled(consumer_name(prefix, target_id(r.url)))
             assert info.num_pending == 0 and info.num_ack_pending == 0  # all three decided and acknowledged
@@ -64,7 +66,10 @@ async def test_two_sources_one_outage_live_and_after_a_restart(
     for e in [last, *second]:
         await bus.publish(e)
     async with running(fast_settings(nats_server, prefix)) as stats:
-        await wait_until(lambda: len(plain.taken()) == 4 and len(slack.taken()) == 4, what="the rest")
+        await eventually(
+            lambda: len(plain.taken()) == 4 and len(slack.taken()) == 4,
+            what="both targets to take the rest of the events",
+        )
         for r in (slack, plain):
             await bus.settled(consumer_name(prefix, target_id(r.url)))
         assert stats.merged_events == 2 * 2  # the second outage's control plane down and recovery
@@ -112,25 +117,14 @@ async def test_probe_failures_count_only_once_the_model_was_up(
             await kv.put(ROUTING_ENDPOINTS, encode(RoutingEndpoints(version=1, endpoints={"judge": (ep,)})))
 
         async with running(probe_settings(nats_server, prefix, router)):
-            await wait_until(lambda: router.count("judge") >= 5, what="failing probes")
+            await eventually(lambda: router.count("judge") >= 5, what="five failing probes of judge")
             await endpoints(draining=True)  # a draining endpoint is not a ready one
             n = router.count("judge")
-            await wait_until(lambda: router.count("judge") >= n + 5, what="more failing probes")
+            await eventually(lambda: router.count("judge") >= n + 5, what="more failing probes of judge")
             assert await bus.events((DOWN, RECOVERED)) == []
             await endpoints(draining=False)  # it was up: now failures count
-            await wait_until_async(lambda: bus.events((DOWN, RECOVERED)), what="model.down")
+            await eventually(lambda: bus.events((DOWN, RECOVERED)), what="a model.down event on the bus")
         (down,) = await bus.events((DOWN, RECOVERED))
         assert down.kind == DOWN and down.details["source"] == "probe"
     finally:
         await router.stop()
-
-
-async def wait_until_async(
-    get: Callable[[], Awaitable[object]], timeout: float = 10.0, what: str = "condition"
-) -> None:
-    """Poll the coroutine ``get`` until it returns something truthy; fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not await get():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)

@@ -21,7 +21,8 @@ from llmgw_common.settings import NotifierSettings
 from llmgw_notifier.delivery import consumer_name, post_until_taken
 from llmgw_notifier.formats import render
 from llmgw_notifier.targets import target_id
-from tests.notifier.notifier_helpers import Bus, FakeTime, ev, fast_settings, running, wait_until
+from tests.kit.poll import eventually
+from tests.notifier.notifier_helpers import Bus, FakeTime, ev, fast_settings, running
 
 # The IDNA codec refuses this host (an "xn--" label with no punycode): httpx raises UnicodeError, not
 # an httpx.HTTPError, before any connection is made.
@@ -52,8 +53,10 @@ async def test_an_unrenderable_event_is_terminated_and_the_next_delivered(
             bus.subjects.event("node.lost"), encode(poison), stream=bus.subjects.events_stream
         )
         await bus.publish(good)
-        await wait_until(lambda: good.id in rx.ids, timeout=15, what="the event after the unrenderable one")
-        await wait_until(lambda: stats.delivered_events == 1, what="the ack of the good event")
+        await eventually(
+            lambda: good.id in rx.ids, timeout=15, what="the event after the unrenderable one to be delivered"
+        )
+        await eventually(lambda: stats.delivered_events == 1, what="the good event to be acknowledged")
         info = await bus.settled(consumer_name(prefix, target_id(rx.url)))
         assert stats.unrenderable_events == 1
         assert stats.gave_up_events == 0
@@ -84,7 +87,9 @@ async def test_a_target_whose_url_the_client_refuses_gives_up_each_event_and_liv
     async with running(fast_settings(nats_server, prefix, retry_for_s=0.3)) as stats:
         await bus.publish(first)
         await bus.publish(second)
-        await wait_until(lambda: stats.gave_up_events == 2, timeout=15, what="both events given up")
+        await eventually(
+            lambda: stats.gave_up_events == 2, timeout=15, what="the notifier to give up on both events"
+        )
         info = await bus.settled(consumer_name(prefix, target_id(UNENCODABLE_URL)))
     assert stats.failed_attempts >= 2 and stats.delivered_events == 0
     assert info.num_ack_pending == 0 and info.num_redelivered == 0

@@ -18,8 +18,10 @@ from llmgw_common.messages import RoutingEndpoints, Webhook
 from llmgw_common.natsserver import NatsServer
 from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import ROUTING_ENDPOINTS
-from llmgw_notifier.probes import DOWN, RECOVERED, probe_once
-from tests.notifier.notifier_helpers import Bus, running, wait_until
+from llmgw_notifier.outages import DOWN, RECOVERED
+from llmgw_notifier.probes import probe_once
+from tests.kit.poll import eventually
+from tests.notifier.notifier_helpers import Bus, running
 
 KEY = "sk-probe-test"
 
@@ -65,8 +67,8 @@ class FakeRouter:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
-        assert site._server is not None
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        assert isinstance(site._server, asyncio.Server)  # what loop.create_server made: it has sockets
+        self.port = site._server.sockets[0].getsockname()[1]
         return self
 
     async def stop(self) -> None:
@@ -127,21 +129,25 @@ async def test_failing_probes_give_one_model_down_and_one_recovered_across_a_res
     await bus.set_watched({"judge": WatchSpec(probe_every=0.3, budget=0.25, failures=2), "other": None})
     s = probe_settings(nats_server, prefix, router)
     async with running(s):
-        await wait_until(lambda: router.answered.get("judge", 0) >= 2, what="healthy probes")
+        await eventually(lambda: router.answered.get("judge", 0) >= 2, what="two healthy probes of judge")
         assert await bus.events((DOWN, RECOVERED)) == []
         router.mode = "hang"  # every probe now overruns its budget
-        await wait_until(lambda: len(rx.requests) >= 1, what="model.down delivered")
+        await eventually(lambda: len(rx.requests) >= 1, what="the model.down to be delivered")
         n = router.count("judge")
-        await wait_until(lambda: router.count("judge") >= n + 3, what="more failing probes")
+        await eventually(lambda: router.count("judge") >= n + 3, what="more failing probes of judge")
     # A restart while still down must not announce it again.
     async with running(s):
         n = router.count("judge")
-        await wait_until(lambda: router.count("judge") >= n + 3, what="failing probes after the restart")
+        await eventually(
+            lambda: router.count("judge") >= n + 3, what="failing probes of judge after the restart"
+        )
         assert [e.kind for e in await bus.events((DOWN, RECOVERED))] == [DOWN]
         router.mode = "ok"
-        await wait_until(lambda: len(rx.requests) >= 2, what="model.recovered delivered")
+        await eventually(lambda: len(rx.requests) >= 2, what="the model.recovered to be delivered")
         n = router.answered["judge"]
-        await wait_until(lambda: router.answered["judge"] >= n + 2, what="healthy probes after recovery")
+        await eventually(
+            lambda: router.answered["judge"] >= n + 2, what="healthy probes of judge after the recovery"
+        )
     events = await bus.events((DOWN, RECOVERED))
     assert [e.kind for e in events] == [DOWN, RECOVERED]
     down, rec = events
@@ -165,24 +171,28 @@ async def test_slow_within_budget_and_refused_key_produce_nothing(
     # has passed, where a sleep would only guess.
     await bus.set_watched({"judge": spec, "pace": spec})
     async with running(probe_settings(nats_server, prefix, router)):
-        await wait_until(lambda: router.answered.get("judge", 0) >= 3, what="three slow answers")
+        await eventually(
+            lambda: router.answered.get("judge", 0) >= 3, what="three slow answers from the router"
+        )
         router.mode = "unauth"
         n = router.count("judge")
-        await wait_until(lambda: router.count("judge") >= n + 2, what="probes refused for their key")
+        await eventually(lambda: router.count("judge") >= n + 2, what="probes refused for their key")
         assert await bus.events((DOWN, RECOVERED)) == []
         # A model leaves the watch list: its probes stop.
         await bus.set_watched({"judge": None, "pace": spec})
-        await wait_until(
+        await eventually(
             lambda: any("judge is no longer watched" in r.getMessage() for r in caplog.records),
             what="the notifier stopping judge's probes",
         )
         # A judge probe sent before the stop lands before a pace probe sent after it is answered.
         p = router.count("pace")
-        await wait_until(lambda: router.count("pace") >= p + 1, what="a pace probe after the stop")
+        await eventually(
+            lambda: router.count("pace") >= p + 1, what="a probe of pace after judge's probes stopped"
+        )
         n = router.count("judge")
         # Two more pace probes: judge's loop, on the same period, would have probed at least once.
         p = router.count("pace")
-        await wait_until(lambda: router.count("pace") >= p + 2, what="two more pace probes")
+        await eventually(lambda: router.count("pace") >= p + 2, what="two more probes of pace")
         assert router.count("judge") == n
     assert await bus.events((DOWN, RECOVERED)) == []
 
@@ -205,7 +215,9 @@ async def test_a_cold_watched_model_is_not_probed_until_it_is_warm_again(
     await bus.set_watched({"judge": spec, "warm": spec})
     async with running(probe_settings(nats_server, prefix, router)):
         # The warm model is probed again and again meanwhile: the cold one never is.
-        await wait_until(lambda: router.count("warm") >= 4, what="probes of the warm model")
+        await eventually(lambda: router.count("warm") >= 4, what="four probes of the warm model")
         assert router.count("judge") == 0
         await _routing(bus, 2, ())
-        await wait_until(lambda: router.count("judge") >= 1, what="probes once it is no longer cold")
+        await eventually(
+            lambda: router.count("judge") >= 1, what="a probe of judge once it is no longer cold"
+        )

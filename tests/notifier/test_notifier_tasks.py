@@ -8,14 +8,18 @@ import asyncio
 import pytest
 
 from llmgw_common import bus
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.runtime import TaskDied
 from llmgw_notifier import service
 from llmgw_notifier.delivery import NotifierStats
 from llmgw_notifier.targets import Targets
-from tests.notifier.notifier_helpers import fast_settings, wait_until
+from tests.kit.poll import eventually
+from tests.notifier.notifier_helpers import fast_settings
 
 
-async def test_a_failing_housekeeping_pass_is_counted_and_the_next_runs(nats_server, prefix, monkeypatch):
+async def test_a_failing_housekeeping_pass_is_counted_and_the_next_runs(
+    nats_server: NatsServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(service, "HOUSEKEEPING_S", 0.05)
     real = Targets.reconcile
     calls = [0]
@@ -30,14 +34,18 @@ async def test_a_failing_housekeeping_pass_is_counted_and_the_next_runs(nats_ser
     stop = asyncio.Event()
     task = asyncio.create_task(service.serve(fast_settings(nats_server, prefix), stop, NotifierStats()))
     try:
-        await wait_until(lambda: calls[0] >= 4 or task.done(), what="housekeeping passes after a failure")
+        await eventually(
+            lambda: calls[0] >= 4 or task.done(), what="housekeeping passes to go on after a failure"
+        )
         assert not task.done()
     finally:
         stop.set()
         await asyncio.wait_for(task, 15)
 
 
-async def test_a_follower_loop_that_ends_ends_the_notifier(nats_server, prefix, monkeypatch):
+async def test_a_follower_loop_that_ends_ends_the_notifier(
+    nats_server: NatsServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     class DeafFollower(bus.KvFollower):
         async def _resync_loop(self) -> None:
             if self.name == "catalog":

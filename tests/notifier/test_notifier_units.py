@@ -18,8 +18,8 @@ from llmgw_common.urls import shown_url
 from llmgw_notifier.delivery import StartGate, post_until_taken, retry_after_s, wants
 from llmgw_notifier.formats import group_id, render, sign, slack_text, verify
 from llmgw_notifier.grouping import Held, plan_groups
-from llmgw_notifier.outages import Outage, Verdict, fold
-from llmgw_notifier.probes import DOWN, RECOVERED, ProbeState, event_id, observe, probe_event
+from llmgw_notifier.outages import DOWN, RECOVERED, Outage, Verdict, fold
+from llmgw_notifier.probes import ProbeState, event_id, observe, probe_event
 from tests.notifier.notifier_helpers import FakeTime
 
 

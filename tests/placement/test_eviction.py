@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llmgw_common.catalog import ModelProfile
 from llmgw_controlplane.eviction import plan_eviction
 from llmgw_controlplane.idle import UNKNOWN, IdleKind, IdleKnowledge
 from llmgw_controlplane.placement import Placement, place
 from llmgw_controlplane.scaling import IdleLookup
+from llmgw_controlplane.snapshot import ReplicaView
 from tests.placement.placement_kit import H100, node, profile, replica, snap
 
 NOW = 100_000.0
@@ -27,12 +30,12 @@ def lookup(table: Mapping[str, IdleKnowledge]) -> IdleLookup:
     return lambda rid, created: table.get(rid, UNKNOWN)
 
 
-def gpu_model(name: str, floor: int | None = 0, gpus: int = 1, **kw: object):
+def gpu_model(name: str, floor: int | None = 0, gpus: int = 1, **kw: Any) -> ModelProfile:
     extra: dict[str, object] = {} if floor is None else {"min_replicas": floor, "idle_after": 600.0}
     return profile(name, engine="sim", gpu_class=H100, gpus_per_node=gpus, **extra, **kw)
 
 
-def on(rid: str, model: str, n: str, g: int, created: float = 0.0):
+def on(rid: str, model: str, n: str, g: int, created: float = 0.0) -> ReplicaView:
     return replica(rid, model, [(n, (g,))], created=created)
 
 
@@ -61,7 +64,7 @@ WANTED = gpu_model("want")
     ],
 )
 def test_eviction_table(
-    case: str, others: list, idle: dict[str, IdleKnowledge], victims: list[str], why: str
+    case: str, others: list[ModelProfile], idle: dict[str, IdleKnowledge], victims: list[str], why: str
 ) -> None:
     s = snap([node("n1", 1)], [on("b-0", "b", "n1", 0)], [WANTED, *others], now=NOW)
     ev = plan_eviction(WANTED, s, lookup(idle), min_residency_s=RESIDENCY)
@@ -160,7 +163,7 @@ def test_never_evicts_unknown_watched_young_or_below_floor_and_picks_the_longest
     nodes = [node(f"n{i}", 1) for i in range(len(rows))]
     models, reps, table = [WANTED], [], {}
     for i, (idle, watched, floor, age) in enumerate(rows):
-        kw: dict[str, object] = {"watch": {"allow_scale_to_zero": True}} if watched else {}
+        kw: dict[str, Any] = {"watch": {"allow_scale_to_zero": True}} if watched else {}
         models.append(gpu_model(f"m{i}", floor=floor, **kw))
         reps.append(on(f"m{i}-0", f"m{i}", f"n{i}", 0, created=NOW - age))
         if idle is not None:

@@ -6,11 +6,11 @@ from dataclasses import replace
 
 import pytest
 
+from llmgw_common.backoff import backoff_delay
 from llmgw_common.catalog import Catalog
 from llmgw_controlplane.ports import PortsExhausted, allocate_port, ports_by_address
 from llmgw_controlplane.reconciler import (
     ReplicaState,
-    backoff_delay,
     default_replica_id,
     reconcile,
     replica_status,

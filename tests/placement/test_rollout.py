@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from llmgw_common.catalog import Catalog
+from llmgw_common.catalog import Catalog, ModelProfile
 from llmgw_common.messages import ReplicaSpec
 from llmgw_controlplane.reconciler import reconcile
 from llmgw_controlplane.snapshot import Snapshot
@@ -15,7 +15,7 @@ OLD = profile(replicas=3, args=("--max-model-len", "4096"))
 NEW = profile(replicas=3, args=("--max-model-len", "8192"))
 
 
-def rolled(models=(NEW,), n: int = 3) -> Snapshot:
+def rolled(models: tuple[ModelProfile, ...] = (NEW,), n: int = 3) -> Snapshot:
     old = ReplicaSpec.of(OLD)
     reps = [replica(f"old{i}", "m", [("a", (i,))], created=float(i), spec=old) for i in range(n)]
     return snap([node("a"), node("b")], reps, models=list(models))

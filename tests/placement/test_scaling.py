@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llmgw_common.catalog import ModelProfile
 from llmgw_controlplane.idle import UNKNOWN, IdleKind, IdleKnowledge
 from llmgw_controlplane.reconciler import reconcile
 from llmgw_controlplane.scaling import IdleLookup, ScaleMemo, decide
+from llmgw_controlplane.snapshot import ReplicaView
 from tests.placement.placement_kit import node, profile, replica, snap
 
 NOW = 10_000.0
@@ -28,11 +31,13 @@ def lookup(table: Mapping[str, IdleKnowledge]) -> IdleLookup:
     return lambda rid, created: table.get(rid, UNKNOWN)
 
 
-def scaling(name: str = "m", replicas: int = 1, floor: int = 0, idle_after: float = 600.0, **kw: object):
+def scaling(
+    name: str = "m", replicas: int = 1, floor: int = 0, idle_after: float = 600.0, **kw: Any
+) -> ModelProfile:
     return profile(name, engine="sim", replicas=replicas, min_replicas=floor, idle_after=idle_after, **kw)
 
 
-def reps(model: str, n: int, created: float = 0.0):
+def reps(model: str, n: int, created: float = 0.0) -> list[ReplicaView]:
     return [replica(f"{model}-{i}", model, [("n1", ())], created=created) for i in range(n)]
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import nats
 import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from llmgw_common import bus
 from llmgw_common.codec import encode
@@ -17,6 +18,7 @@ from llmgw_common.natsauth import Role, all_roles, authorization_config
 from llmgw_common.natsserver import NatsServer
 from llmgw_common.settings import BusSettings
 from llmgw_common.subjects import Subjects
+from tests.kit.poll import eventually
 
 PREFIX = "llmgw"
 SUBJ = Subjects(PREFIX)
@@ -45,11 +47,12 @@ class Denials:
 
     async def wait(self, client: str, subject: str, timeout: float = 5.0) -> None:
         """Until the server refused ``client`` a publish to ``subject``: then it dropped that message."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while subject.lower() not in self.of(client):
-            assert loop.time() < deadline, f"no violation for {subject} from {client}: {self.of(client)}"
-            await asyncio.sleep(0.02)
+        await eventually(
+            lambda: subject.lower() in self.of(client),
+            timeout=timeout,
+            every=0.02,
+            what=f"the server to refuse {client} a publish to {subject}",
+        )
 
 
 @pytest.fixture
@@ -74,7 +77,7 @@ def secured_server(tmp_path_factory: pytest.TempPathFactory, roles: dict[str, Ro
     srv.stop()
 
 
-async def _connect(srv: NatsServer, role: Role) -> nats.aio.client.Client:
+async def _connect(srv: NatsServer, role: Role) -> NATS:
     s = BusSettings(
         nats_urls=[srv.url],
         prefix=PREFIX,
@@ -86,32 +89,24 @@ async def _connect(srv: NatsServer, role: Role) -> nats.aio.client.Client:
 
 
 @pytest.fixture
-async def clients(secured_server: NatsServer, roles: dict[str, Role]) -> AsyncIterator[dict[str, object]]:
+async def clients(secured_server: NatsServer, roles: dict[str, Role]) -> AsyncIterator[dict[str, NATS]]:
     out = {
         name: await _connect(secured_server, roles[name])
         for name in ("controlplane", "agent-gpu-a1", "router")
     }
     cp = out["controlplane"]
-    await bus.ensure_all(cp.jetstream(), SUBJ)  # type: ignore[attr-defined]
+    await bus.ensure_all(cp.jetstream(), SUBJ)
     yield out
     for c in out.values():
-        await c.close()  # type: ignore[attr-defined]
+        await c.close()
 
 
-async def _until(cond, what: str, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        assert loop.time() < deadline, what
-        await asyncio.sleep(0.02)
-
-
-async def test_agent_publishes_its_own_heartbeat_only(clients, denials: Denials) -> None:
+async def test_agent_publishes_its_own_heartbeat_only(clients: dict[str, NATS], denials: Denials) -> None:
     cp, agent = clients["controlplane"], clients["agent-gpu-a1"]
     own, other = SUBJ.heartbeat("gpu-a1"), SUBJ.heartbeat("gpu-a2")
     got: dict[str, list[bytes]] = {own: [], other: []}
 
-    async def cb(m) -> None:  # type: ignore[no-untyped-def]
+    async def cb(m: Msg) -> None:
         got[m.subject].append(m.data)
 
     for subject in (own, other):
@@ -125,18 +120,22 @@ async def test_agent_publishes_its_own_heartbeat_only(clients, denials: Denials)
         return hb
 
     first = await publish(own, 1)
-    await _until(lambda: got[own] == [first], "the agent's own heartbeat never arrived")
+    await eventually(lambda: got[own] == [first], timeout=5, what="the agent's own heartbeat to arrive")
     await publish(other, 2)
     # A permission violation only reaches error_cb: once it did, the server has dropped the message.
     await denials.wait("agent-gpu-a1", other)
     # And a heartbeat the agent sends after it, on the same connection, arriving shows that one the
     # server had let through would have arrived by now.
     marker = await publish(own, 3)
-    await _until(lambda: got[own] == [first, marker], "the agent's later heartbeat never arrived")
+    await eventually(
+        lambda: got[own] == [first, marker], timeout=5, what="the agent's later heartbeat to arrive"
+    )
     assert got[other] == []
 
 
-async def test_agent_reads_its_own_assignment_and_cannot_write_one(clients, denials: Denials) -> None:
+async def test_agent_reads_its_own_assignment_and_cannot_write_one(
+    clients: dict[str, NATS], denials: Denials
+) -> None:
     cp, agent = clients["controlplane"], clients["agent-gpu-a1"]
     cp_kv = await cp.jetstream().key_value(SUBJ.bucket_assign)
     mine = encode(Assignment(node="gpu-a1", fence=1))
@@ -161,7 +160,9 @@ async def test_agent_reads_its_own_assignment_and_cannot_write_one(clients, deni
     assert (after.value, after.revision) == (mine, entry.revision)
 
 
-async def test_router_cannot_write_assignments_or_desired_state(clients, denials: Denials) -> None:
+async def test_router_cannot_write_assignments_or_desired_state(
+    clients: dict[str, NATS], denials: Denials
+) -> None:
     cp, router = clients["controlplane"], clients["router"]
     cp_js = cp.jetstream()
     js = router.jetstream(timeout=1.0)
@@ -176,7 +177,7 @@ async def test_router_cannot_write_assignments_or_desired_state(clients, denials
         assert (after.value, after.revision) == (b"before", revision), bucket
 
 
-async def test_router_can_read_routing(clients) -> None:
+async def test_router_can_read_routing(clients: dict[str, NATS]) -> None:
     cp, router = clients["controlplane"], clients["router"]
     await (await cp.jetstream().key_value(SUBJ.bucket_routing)).put("catalog", b"v1")
     kv = await router.jetstream(timeout=2.0).key_value(SUBJ.bucket_routing)
@@ -184,14 +185,18 @@ async def test_router_can_read_routing(clients) -> None:
 
 
 async def test_notifier_and_router_can_bind_every_bucket_but_write_none(
-    secured_server, roles, clients, denials: Denials
+    secured_server: NatsServer, roles: dict[str, Role], clients: dict[str, NATS], denials: Denials
 ) -> None:
     cp_kv = await clients["controlplane"].jetstream().key_value(SUBJ.bucket_desired)
     revision = await cp_kv.put("settings", b"before")
     # What the server holds for this prefix is what Subjects declares (the test's list is not stale).
     streams = await clients["controlplane"].jetstream().streams_info()
     assert (
-        sorted(s.config.name[3:] for s in streams if s.config.name.startswith(f"KV_{PREFIX}_"))
+        sorted(
+            s.config.name[3:]
+            for s in streams
+            if s.config.name is not None and s.config.name.startswith(f"KV_{PREFIX}_")
+        )
         == EVERY_BUCKET
     )
     for name in ("notifier", "router"):
@@ -209,7 +214,7 @@ async def test_notifier_and_router_can_bind_every_bucket_but_write_none(
     assert (after.value, after.revision) == (b"before", revision)
 
 
-async def test_an_agent_that_may_not_watch_still_follows_its_assignment(clients) -> None:
+async def test_an_agent_that_may_not_watch_still_follows_its_assignment(clients: dict[str, NATS]) -> None:
     """The agent role reads its key by direct get only; without a watch the follower polls often."""
     cp, agent = clients["controlplane"], clients["agent-gpu-a1"]
     cp_kv = await cp.jetstream().key_value(SUBJ.bucket_assign)
@@ -222,10 +227,12 @@ async def test_an_agent_that_may_not_watch_still_follows_its_assignment(clients)
         assert len(seen) == 1
         new = encode(Assignment(node="gpu-a1", fence=2))
         await cp_kv.put("gpu-a1", new)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 8
-        while new not in seen and loop.time() < deadline:
-            await asyncio.sleep(0.1)
-        assert new in seen and not f.watching
+        await eventually(
+            lambda: new in seen,
+            timeout=8,
+            every=0.1,
+            what="the follower to read the new assignment by polling",
+        )
+        assert not f.watching
     finally:
         await f.stop()
