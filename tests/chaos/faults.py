@@ -15,16 +15,18 @@ from typing import Any
 
 def arm(fault: str, trigger: Path) -> None:
     if fault == "reconcile-raises":
-        from llmgw_controlplane import reconcile_loop
+        from llmgw_controlplane import reconcile_loop, reconciler
 
-        real = reconcile_loop.reconcile
+        real = reconciler.reconcile
 
         def reconcile(*a: Any, **kw: Any) -> Any:
             if trigger.exists():
                 raise RuntimeError("injected fault: reconcile raises")
             return real(*a, **kw)
 
-        reconcile_loop.reconcile = reconcile
+        # The loop calls the name it imported: replace it there (setattr: it is no attribute the
+        # module exports).
+        setattr(reconcile_loop, "reconcile", reconcile)  # noqa: B010
     elif fault == "router-tick-ends":
         from llmgw_router.service import Router
 

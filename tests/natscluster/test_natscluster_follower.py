@@ -10,6 +10,7 @@ from nats.js.errors import NoKeysError
 from nats.js.kv import KeyValue
 
 from llmgw_common import bus
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.settings import BusSettings
 
 
@@ -26,7 +27,9 @@ class ShortListing:
         return getattr(self.kv, name)
 
 
-async def test_short_listing_deletes_only_what_a_read_cannot_find(nats_server: Any, prefix: str) -> None:
+async def test_short_listing_deletes_only_what_a_read_cannot_find(
+    nats_server: NatsServer, prefix: str
+) -> None:
     nc = await bus.connect(BusSettings(nats_urls=[nats_server.url], prefix=prefix), "follower-test")
     try:
         kv = await bus.ensure_kv(nc.jetstream(), f"{prefix}_short")
