@@ -15,7 +15,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from nats.aio.msg import Msg
 
+from llmgw_common.codec import decode
 from llmgw_common.ctl import ReplicaInfo
 from llmgw_common.messages import Heartbeat, IdleReport
 from tests.chaos.chaos_bus import BUS_ERRORS, BusView, timed
@@ -132,10 +134,8 @@ async def test_router_restart_idle_is_unknown_until_used(
     assert used is not None
     idle_reports: list[IdleReport] = []
 
-    async def on_idle(msg: object) -> None:
-        from llmgw_common.codec import decode
-
-        idle_reports.append(decode(msg.data, IdleReport))  # type: ignore[attr-defined]
+    async def on_idle(msg: Msg) -> None:
+        idle_reports.append(decode(msg.data, IdleReport))
 
     sub = await view.nc.subscribe(view.subjects.idle("router"), cb=on_idle)
     try:

@@ -125,7 +125,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     receiver = Receiver()
     try:
         topo.start_nats()
-        topo.natscluster.wait_meta_leader()  # type: ignore[union-attr]
+        assert topo.natscluster is not None  # start_nats made it
+        topo.natscluster.wait_meta_leader()
         # Before any service: `llmgw keys create` makes the keys bucket itself (it must be R3 too).
         key = _keys_create(topo, "traffic")
         probe_key = _keys_create(topo, "probe")
