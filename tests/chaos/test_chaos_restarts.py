@@ -123,6 +123,11 @@ async def test_router_restart_idle_is_unknown_until_used(
 ) -> None:
     c, key = cluster
     await wait_serving(c.router_url(), key)
+    # Concurrent requests reach both replicas (one at a time would all go to the same one): this test
+    # must not depend on an earlier test's traffic, which another xdist worker may have had.
+    traffic = Traffic(c.router_url(), key, clients=4).start()
+    await traffic.run_for(1.0)
+    await traffic.stop()
     # Used through this router: the control plane knows an exact idle time.
     used = await eventually(
         lambda: _idle_kinds(view, {"exact"}),
