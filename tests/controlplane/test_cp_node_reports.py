@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from collections.abc import Iterable
 
 from nats.aio.client import Client as NATS
 
@@ -31,7 +31,7 @@ def _ids_held(state: ClusterState) -> set[str]:
     """Every replica id any of the state's tables is keyed by (node shard tables included)."""
     out: set[str] = set()
 
-    def keys(table: Any) -> None:
+    def keys(table: Iterable[object]) -> None:
         for k in table:
             if isinstance(k, str):
                 out.add(k)
