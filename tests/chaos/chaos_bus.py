@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -19,6 +18,7 @@ from llmgw_common.ctl import CtlClient, CtlError, DebugStatsReply, LeaseRecord
 from llmgw_common.messages import ApiKeyRecord, Event, Heartbeat, ReplicaRecord, RoutingEndpoints, ShardState
 from llmgw_common.settings import BusSettings
 from llmgw_common.subjects import LEADER_KEY, ROUTING_ENDPOINTS, Subjects
+from tests.kit.poll import eventually
 
 T = TypeVar("T")
 log = logging.getLogger("chaos")
@@ -171,23 +171,15 @@ class EndpointRevisions:
             await self._follower.stop()
 
 
-async def poll(
+# What a bus read may meet while a server, control plane or agent is being killed or restarted: "not yet".
+BUS_ERRORS: tuple[type[BaseException], ...] = (CtlError, TimeoutError, OSError, nats.errors.Error)
+
+
+async def timed(
     what: str, probe: Callable[[], Awaitable[T | None]], timeout: float, every: float = 0.2
 ) -> tuple[T, float]:
-    """Call ``probe`` until it returns a truthy value; (value, seconds taken). AssertionError on timeout."""
+    """``eventually(probe)`` through bus faults, and the seconds it took (what chaos tests measure)."""
     t0 = time.monotonic()
-    deadline = t0 + timeout
-    last: T | None = None
-    while True:
-        try:
-            last = await probe()
-        except (CtlError, TimeoutError, OSError, nats.errors.Error) as e:
-            last = None
-            why = repr(e)
-        else:
-            why = repr(last)
-        if last:
-            return last, time.monotonic() - t0
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:.0f}s (last: {why[:300]})")
-        await asyncio.sleep(every)
+    got = await eventually(probe, timeout=timeout, every=every, what=what, tolerate=BUS_ERRORS)
+    assert got is not None  # eventually returns only a truthy value
+    return got, time.monotonic() - t0

@@ -25,6 +25,8 @@ import httpx
 import psutil
 
 from llmgw_common.natsserver import NatsServer, ensure_on_path
+from tests.chaos.chaos_bus import BUS_ERRORS
+from tests.kit.poll import eventually, eventually_sync
 
 MARKER = "LLMGW_CHAOS_RUN"
 
@@ -226,20 +228,22 @@ class ChaosCluster:
         return f"http://127.0.0.1:{self.procs[name].port}"
 
     def wait_router(self, name: str = "router", timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            p = self.procs[name]
+        p = self.procs[name]
+
+        def healthy() -> bool:
             if not p.alive():
                 raise AssertionError(f"{name} exited:\n{p.tail()}")
             try:
-                if httpx.get(self.router_url(name) + "/health", timeout=1).status_code == 200:
-                    return
+                return httpx.get(self.router_url(name) + "/health", timeout=1).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(
-            f"{name} did not answer /health within {timeout:.0f}s:\n{self.procs[name].tail()}"
-        )
+                return False
+
+        try:
+            eventually_sync(healthy, timeout=timeout, every=0.1, what=f"{name} to answer /health")
+        except AssertionError as e:
+            if not p.alive():
+                raise  # it exited: the message has its log already
+            raise AssertionError(f"{e}\n{p.tail()}") from None
 
     # ------------------------------------------------------------ inspection
 
@@ -308,7 +312,7 @@ def mint_key(cluster: ChaosCluster, name: str = "chaos") -> str:
 
 
 def wait_endpoints(cluster: ChaosCluster, model: str, count: int, timeout: float = 60.0) -> list[str]:
-    """Poll the routing bucket until ``model`` has ``count`` endpoints; their nodes."""
+    """Wait until the routing bucket lists ``count`` endpoints for ``model``; their nodes."""
     import asyncio
 
     from llmgw_common import bus
@@ -318,23 +322,28 @@ def wait_endpoints(cluster: ChaosCluster, model: str, count: int, timeout: float
 
     async def main() -> list[str]:
         nc = await bus.connect(BusSettings(nats_urls=[cluster.nats_url], prefix=cluster.prefix), "chaos-wait")
+        nodes: list[str] = []
+
+        async def listed() -> list[str] | None:
+            nonlocal nodes
+            # The bucket may not exist yet before the control plane made it (a tolerated bus error).
+            kv = await nc.jetstream().key_value(Subjects(cluster.prefix).bucket_routing)
+            eps, _ = await bus.kv_get(kv, ROUTING_ENDPOINTS, RoutingEndpoints)
+            nodes = [e.node for e in eps.endpoints.get(model, ())] if eps else []
+            return nodes if len(nodes) == count else None
+
         try:
-            deadline = time.monotonic() + timeout
-            nodes: list[str] = []
-            while time.monotonic() < deadline:
-                try:
-                    kv = await nc.jetstream().key_value(Subjects(cluster.prefix).bucket_routing)
-                    eps, _ = await bus.kv_get(kv, ROUTING_ENDPOINTS, RoutingEndpoints)
-                except Exception:  # the bucket may not exist yet before the control plane made it
-                    eps = None
-                nodes = [e.node for e in eps.endpoints.get(model, ())] if eps else []
-                if len(nodes) == count:
-                    return nodes
-                await asyncio.sleep(0.2)
-            raise AssertionError(
-                f"{model}: {len(nodes)} endpoint(s) {nodes}, expected {count}, within {timeout:.0f}s\n"
-                + cluster.diagnostics()
+            got = await eventually(
+                listed,
+                timeout=timeout,
+                every=0.2,
+                what=f"{count} endpoint(s) for {model}",
+                tolerate=BUS_ERRORS,
             )
+            assert got is not None
+            return got
+        except AssertionError as e:
+            raise AssertionError(f"{e}; last listed: {nodes}\n{cluster.diagnostics()}") from None
         finally:
             await nc.close()
 

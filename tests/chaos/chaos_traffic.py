@@ -19,11 +19,13 @@ import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
 from llmgw_sim import openai_api as oai
 from tests.chaos.chaos_bus import BusView
+from tests.kit.poll import eventually
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +122,7 @@ class Traffic:
         g = oai.read_chat(body, 16)
         want = oai.completion_tokens(g)
         stamps: list[float] = []
-        events: list[dict[str, object] | str] = []
+        events: list[dict[str, Any] | str] = []
         try:
             async with http.stream(
                 "POST",
@@ -185,7 +187,7 @@ class Traffic:
         return Tally(label, list(self.records))
 
 
-def stream_problem(events: list[dict[str, object] | str], text: str, usage: tuple[int, int]) -> str:
+def stream_problem(events: list[dict[str, Any] | str], text: str, usage: tuple[int, int]) -> str:
     """What is wrong with a chat stream against the answer it should carry ("" when nothing)."""
     if events.count("[DONE]") != 1 or events[-1] != "[DONE]":
         return f"{events.count('[DONE]')} [DONE] events, the last one last: {events[-1:] == ['[DONE]']}"
@@ -195,7 +197,7 @@ def stream_problem(events: list[dict[str, object] | str], text: str, usage: tupl
     got = ""
     finishes = []
     for c in chunks:
-        for ch in c["choices"]:  # type: ignore[attr-defined]
+        for ch in c["choices"]:
             got += ch["delta"].get("content") or ""
             if ch["finish_reason"]:
                 finishes.append(ch["finish_reason"])
@@ -226,21 +228,27 @@ async def streams_on(view: BusView, model: str, node: str) -> float:
 
 
 async def wait_serving(base_url: str, key: str, model: str = "chat", timeout: float = 60.0) -> None:
-    """Poll until one non-streamed completion through the router succeeds."""
-    deadline = time.monotonic() + timeout
+    """Wait until one non-streamed completion through the router succeeds."""
     last = ""
+
+    async def served() -> bool:
+        nonlocal last
+        r = await http.post(
+            f"{base_url}/v1/chat/completions",
+            json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        last = f"HTTP {r.status_code}: {r.text[:200]}"
+        return r.status_code == 200
+
     async with httpx.AsyncClient(timeout=5) as http:
-        while time.monotonic() < deadline:
-            try:
-                r = await http.post(
-                    f"{base_url}/v1/chat/completions",
-                    json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-                    headers={"Authorization": f"Bearer {key}"},
-                )
-                if r.status_code == 200:
-                    return
-                last = f"HTTP {r.status_code}: {r.text[:200]}"
-            except httpx.HTTPError as e:
-                last = repr(e)
-            await asyncio.sleep(0.2)
-    raise AssertionError(f"{model} not served through {base_url} within {timeout:.0f}s: {last}")
+        try:
+            await eventually(
+                served,
+                timeout=timeout,
+                every=0.2,
+                what=f"{model} to be served through {base_url}",
+                tolerate=(httpx.HTTPError,),
+            )
+        except AssertionError as e:
+            raise AssertionError(f"{e}; last answer: {last or '-'}") from None

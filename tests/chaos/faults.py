@@ -15,16 +15,18 @@ from typing import Any
 
 def arm(fault: str, trigger: Path) -> None:
     if fault == "reconcile-raises":
-        from llmgw_controlplane import reconcile_loop
+        from llmgw_controlplane import reconcile_loop, reconciler
 
-        real = reconcile_loop.reconcile
+        real = reconciler.reconcile
 
         def reconcile(*a: Any, **kw: Any) -> Any:
             if trigger.exists():
                 raise RuntimeError("injected fault: reconcile raises")
             return real(*a, **kw)
 
-        reconcile_loop.reconcile = reconcile
+        # The loop calls the name it imported: replace it there (by setattr: mypy refuses to assign a
+        # name the module does not export).
+        setattr(reconcile_loop, "reconcile", reconcile)  # noqa: B010
     elif fault == "router-tick-ends":
         from llmgw_router.service import Router
 
@@ -42,7 +44,7 @@ def arm(fault: str, trigger: Path) -> None:
                 await ticking
             # and return: the loop is over
 
-        Router._tick = _tick  # type: ignore[method-assign]
+        setattr(Router, "_tick", _tick)  # noqa: B010 (assigning a method is what mypy refuses)
     else:
         raise SystemExit(f"unknown fault {fault!r}")
 

@@ -17,8 +17,9 @@ import psutil
 import pytest
 from nats.aio.msg import Msg
 
-from tests.chaos.chaos_bus import BusView, EndpointRevisions, poll
+from tests.chaos.chaos_bus import BUS_ERRORS, BusView, EndpointRevisions, timed
 from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, boot
+from tests.kit.poll import eventually
 
 pytestmark = [pytest.mark.xdist_group("chaos"), pytest.mark.e2e, pytest.mark.slow]
 
@@ -63,14 +64,22 @@ async def test_agent_restart_after_the_startup_timeout_keeps_the_readopted_repli
 
     sub = await view.nc.subscribe(view.subjects.all_events(), cb=on_event)
     try:
-        before, _ = await poll("n1 reports its engine ready", lambda: _pids(view), 30)
+        before = await eventually(
+            lambda: _pids(view),
+            timeout=30,
+            every=0.2,
+            what="n1 to report its engine ready",
+            tolerate=BUS_ERRORS,
+        )
+        assert before is not None
         records = await view.records()
         (rec,) = records.values()
         # Older than its startup timeout by the control plane's clock (records carry its time).
-        await poll(
-            "the replica outlives its startup timeout",
-            lambda: _true(time.time() > rec.created + STARTUP_TIMEOUT_S + 1),
-            STARTUP_TIMEOUT_S + 10,
+        await eventually(
+            lambda: time.time() > rec.created + STARTUP_TIMEOUT_S + 1,
+            timeout=STARTUP_TIMEOUT_S + 10,
+            every=0.2,
+            what="the replica to outlive its startup timeout",
         )
         old_boot = view.heartbeats["n1"].boot_id
         revisions = await EndpointRevisions.follow(view, "chat")
@@ -81,11 +90,20 @@ async def test_agent_restart_after_the_startup_timeout_keeps_the_readopted_repli
             hb = view.heartbeats.get("n1")
             return view.engine_pids("n1") or None if hb is not None and hb.boot_id != old_boot else None
 
-        after, took = await poll("the new agent reports the engine ready", readopted, 40)
+        after, took = await timed("the new agent to report the engine ready", readopted, 40)
         # The control plane has judged the replica many times since then.
-        stats, _ = await poll("the control plane's stats", view.stats, 10)
+        stats = await eventually(
+            view.stats, timeout=10, every=0.2, what="the control plane's stats", tolerate=BUS_ERRORS
+        )
+        assert stats is not None
         passes = stats.passes
-        await poll("20 reconcile passes", lambda: _passes_past(view, passes + 20), 30)
+        await eventually(
+            lambda: _passes_past(view, passes + 20),
+            timeout=30,
+            every=0.2,
+            what="20 more reconcile passes",
+            tolerate=BUS_ERRORS,
+        )
         await revisions.stop()
         report = (
             f"engines {before} -> {after} (ready again {took:.1f}s after the restart); events {events}; "
@@ -105,10 +123,6 @@ async def test_agent_restart_after_the_startup_timeout_keeps_the_readopted_repli
 
 async def _pids(view: BusView) -> dict[tuple[str, int], int] | None:
     return view.engine_pids("n1") or None
-
-
-async def _true(v: bool) -> bool:
-    return v
 
 
 async def _passes_past(view: BusView, n: int) -> bool:

@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 
 from llmgw_common.ctl import DebugStatsReply
-from tests.chaos.chaos_bus import BusView, poll
+from tests.chaos.chaos_bus import BUS_ERRORS, BusView, timed
 from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, Proc, boot
 from tests.chaos.chaos_traffic import Traffic, wait_serving
+from tests.kit.poll import eventually
 
 pytestmark = [pytest.mark.xdist_group("chaos"), pytest.mark.e2e, pytest.mark.slow]
 
@@ -84,7 +85,14 @@ async def test_controlplane_restart_under_traffic(cluster: tuple[ChaosCluster, s
     traffic = Traffic(c.router_url(), key, clients=4)
     try:
         await wait_serving(c.router_url(), key)
-        before, _ = await poll("two ready engines in heartbeats", lambda: _engines(view), 15)
+        before = await eventually(
+            lambda: _engines(view),
+            timeout=15,
+            every=0.2,
+            what="two ready engines in heartbeats",
+            tolerate=BUS_ERRORS,
+        )
+        assert before is not None
         old = await view.stats()
         assert old is not None and old.leader
         records = await view.records()
@@ -93,11 +101,17 @@ async def test_controlplane_restart_under_traffic(cluster: tuple[ChaosCluster, s
         c.procs["cp-a"].kill()
         t_kill = time.monotonic()
         c.start_controlplane("cp-a")
-        st, took = await poll(
-            "the restarted control plane reconciles", lambda: _leader_pass(view, old.fence), 40
+        st, took = await timed(
+            "the restarted control plane to reconcile", lambda: _leader_pass(view, old.fence), 40
         )
         # A few more passes with every agent reporting: anything it would restart, it would by now.
-        await poll("five more passes", lambda: _more_passes(view, st.passes + 5), 20)
+        await eventually(
+            lambda: _more_passes(view, st.passes + 5),
+            timeout=20,
+            every=0.2,
+            what="five more reconcile passes",
+            tolerate=BUS_ERRORS,
+        )
         await traffic.run_for(1.0)
         await traffic.stop()
         after = view.engine_pids()
@@ -133,8 +147,18 @@ async def test_leader_failover_under_traffic(cluster: tuple[ChaosCluster, str]) 
     try:
         await wait_serving(c.router_url(), key)
         c.start_controlplane("cp-b")
-        before, _ = await poll("two ready engines in heartbeats", lambda: _engines(view), 15)
-        old, _ = await poll("a leader answers", view.stats, 20)
+        before = await eventually(
+            lambda: _engines(view),
+            timeout=15,
+            every=0.2,
+            what="two ready engines in heartbeats",
+            tolerate=BUS_ERRORS,
+        )
+        assert before is not None
+        old = await eventually(
+            view.stats, timeout=20, every=0.2, what="a leader to answer", tolerate=BUS_ERRORS
+        )
+        assert old is not None
         lease, _ = await view.lease()
         assert lease is not None
         active = _holder_proc(c, lease.holder)
@@ -147,9 +171,17 @@ async def test_leader_failover_under_traffic(cluster: tuple[ChaosCluster, str]) 
         await traffic.run_for(1.5)
         t_kill = time.monotonic()
         active.kill()
-        st, took = await poll("the standby reconciles", lambda: _leader_pass(view, old.fence), 30, every=0.05)
+        st, took = await timed(
+            "the standby to reconcile", lambda: _leader_pass(view, old.fence), 30, every=0.05
+        )
         lease, _ = await view.lease()
-        await poll("five more passes", lambda: _more_passes(view, st.passes + 5), 20)
+        await eventually(
+            lambda: _more_passes(view, st.passes + 5),
+            timeout=20,
+            every=0.2,
+            what="five more reconcile passes",
+            tolerate=BUS_ERRORS,
+        )
         await traffic.run_for(1.0)
         await traffic.stop()
         await watch.stop()

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.chaos_bus import BusView, poll
+from tests.chaos.chaos_bus import BUS_ERRORS, BusView, timed
 from tests.chaos.chaos_harness import ChaosCluster, boot
 from tests.chaos.chaos_traffic import Traffic, streams_on, wait_serving
+from tests.kit.poll import eventually
 
 pytestmark = [pytest.mark.xdist_group("chaos"), pytest.mark.e2e, pytest.mark.slow]
 
@@ -46,7 +47,13 @@ async def test_frozen_node_under_traffic(cluster: tuple[ChaosCluster, str]) -> N
     victim, engines = "", []
     try:
         await wait_serving(c.router_url(), key)
-        hosts, _ = await poll("two nodes host chat", lambda: _two(view.nodes_hosting("chat")), 15)
+        hosts = await eventually(
+            lambda: _two(view.nodes_hosting("chat")),
+            timeout=15,
+            every=0.2,
+            what="two nodes to host chat",
+        )
+        assert hosts is not None
         victim = sorted(hosts)[0]
         engines = sorted(set(view.engine_pids(victim).values()))
         assert engines, f"{victim} reported no engine"
@@ -58,7 +65,9 @@ async def test_frozen_node_under_traffic(cluster: tuple[ChaosCluster, str]) -> N
             running = await streams_on(view, "chat", victim)
             return running if running >= 4 else None
 
-        await poll("streams running on the victim", warm, 60)
+        await eventually(
+            warm, timeout=60, every=0.2, what="four streams running on the victim", tolerate=BUS_ERRORS
+        )
         t_freeze = time.monotonic()
         _signal_node(c, engines, victim, signal.SIGSTOP)
 
@@ -66,7 +75,7 @@ async def test_frozen_node_under_traffic(cluster: tuple[ChaosCluster, str]) -> N
             nodes = await view.endpoint_nodes("chat")
             return nodes if victim not in nodes else None
 
-        _, took = await poll(f"{victim}'s endpoint withdrawn", withdrawn, 30)
+        _, took = await timed(f"{victim}'s endpoint to be withdrawn", withdrawn, 30)
         await traffic.run_for(3.0)
         await traffic.stop()
         flying = traffic.in_flight_at(t_freeze, "in flight at the freeze")
@@ -90,5 +99,5 @@ async def test_frozen_node_under_traffic(cluster: tuple[ChaosCluster, str]) -> N
             _signal_node(c, engines, victim, signal.SIGKILL)
 
 
-async def _two(hosts: set[str]) -> set[str] | None:
+def _two(hosts: set[str]) -> set[str] | None:
     return hosts if len(hosts) == 2 else None

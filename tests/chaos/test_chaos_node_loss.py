@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.chaos_bus import BusView, poll
+from tests.chaos.chaos_bus import BUS_ERRORS, BusView, timed
 from tests.chaos.chaos_harness import ChaosCluster, boot
 from tests.chaos.chaos_traffic import Traffic, streams_on, wait_serving
+from tests.kit.poll import eventually
 
 pytestmark = [pytest.mark.xdist_group("chaos"), pytest.mark.e2e, pytest.mark.slow]
 
@@ -50,7 +51,13 @@ async def test_node_loss_under_traffic(cluster: tuple[ChaosCluster, str]) -> Non
     traffic = Traffic(c.router_url(), key, clients=16, max_tokens=200, verify=True)
     try:
         await wait_serving(c.router_url(), key)
-        hosts, _ = await poll("two nodes host chat", lambda: _two(view.nodes_hosting("chat")), 15)
+        hosts = await eventually(
+            lambda: _two(view.nodes_hosting("chat")),
+            timeout=15,
+            every=0.2,
+            what="two nodes to host chat",
+        )
+        assert hosts is not None
         victim = sorted(hosts)[0]
         traffic.start()
 
@@ -62,7 +69,9 @@ async def test_node_loss_under_traffic(cluster: tuple[ChaosCluster, str]) -> Non
             running = await streams_on(view, "chat", victim)
             return running if running >= 4 else None
 
-        await poll("streams finished before the kill", warm, 60)
+        await eventually(
+            warm, timeout=60, every=0.2, what="four streams running on the victim", tolerate=BUS_ERRORS
+        )
         t_kill = time.monotonic()
         engines = kill_node(c, view, victim)
         assert engines, f"{victim} reported no engine to kill"
@@ -71,7 +80,7 @@ async def test_node_loss_under_traffic(cluster: tuple[ChaosCluster, str]) -> Non
             nodes = await view.endpoint_nodes("chat")
             return nodes if len(nodes) == 2 and victim not in nodes else None
 
-        nodes, took = await poll(f"chat rebuilt away from {victim}", rebuilt, 40)
+        nodes, took = await timed(f"chat to be rebuilt away from {victim}", rebuilt, 40)
         await wait_serving(c.router_url(), key)
         await traffic.run_for(2.0)
         await traffic.stop()
@@ -101,5 +110,5 @@ async def test_node_loss_under_traffic(cluster: tuple[ChaosCluster, str]) -> Non
         await view.close()
 
 
-async def _two(hosts: set[str]) -> set[str] | None:
+def _two(hosts: set[str]) -> set[str] | None:
     return hosts if len(hosts) == 2 else None

@@ -15,12 +15,15 @@ from pathlib import Path
 
 import psutil
 import pytest
+from nats.aio.msg import Msg
 
+from llmgw_common.codec import decode
 from llmgw_common.ctl import ReplicaInfo
 from llmgw_common.messages import Heartbeat, IdleReport
-from tests.chaos.chaos_bus import BusView, poll
+from tests.chaos.chaos_bus import BUS_ERRORS, BusView, timed
 from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, boot
 from tests.chaos.chaos_traffic import Traffic, wait_serving
+from tests.kit.poll import eventually
 
 pytestmark = [pytest.mark.xdist_group("chaos"), pytest.mark.e2e, pytest.mark.slow]
 
@@ -39,8 +42,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ChaosClu
 async def view(cluster: tuple[ChaosCluster, str]) -> AsyncIterator[BusView]:
     c, _ = cluster
     v = await BusView.connect(c.nats_url, c.prefix)
-    await poll("chat has two endpoints", lambda: _n_endpoints(v, 2), 40)
-    await poll("heartbeats from every node", lambda: _all_nodes(v, 3), 10)
+    await eventually(
+        lambda: _n_endpoints(v, 2),
+        timeout=40,
+        every=0.2,
+        what="chat to have two endpoints",
+        tolerate=BUS_ERRORS,
+    )
+    await eventually(
+        lambda: _all_nodes(v, 3),
+        timeout=10,
+        every=0.2,
+        what="heartbeats from every node with both engines ready",
+        tolerate=BUS_ERRORS,
+    )
     yield v
     await v.close()
 
@@ -77,7 +92,7 @@ async def test_agent_restart_readopts_engines(cluster: tuple[ChaosCluster, str],
             hb = await _hb_after(view, node, old_boot)
             return view.engine_pids(node) or None if hb is not None else None
 
-        after, took = await poll(f"{node}'s new agent reports its engines ready", readopted, 30)
+        after, took = await timed(f"{node}'s new agent to report its engines ready", readopted, 30)
         await traffic.run_for(1.0)
         await traffic.stop()
         all_ = traffic.all("all requests")
@@ -108,18 +123,24 @@ async def test_router_restart_idle_is_unknown_until_used(
 ) -> None:
     c, key = cluster
     await wait_serving(c.router_url(), key)
+    # Concurrent requests reach both replicas (one at a time would all go to the same one): this test
+    # must not depend on an earlier test's traffic, which another xdist worker may have had.
+    traffic = Traffic(c.router_url(), key, clients=4).start()
+    await traffic.run_for(1.0)
+    await traffic.stop()
     # Used through this router: the control plane knows an exact idle time.
-    used, _ = await poll(
-        "exact idle after use",
+    used = await eventually(
         lambda: _idle_kinds(view, {"exact"}),
-        10,
+        timeout=10,
+        every=0.2,
+        what="an exact idle time after use",
+        tolerate=BUS_ERRORS,
     )
+    assert used is not None
     idle_reports: list[IdleReport] = []
 
-    async def on_idle(msg: object) -> None:
-        from llmgw_common.codec import decode
-
-        idle_reports.append(decode(msg.data, IdleReport))  # type: ignore[attr-defined]
+    async def on_idle(msg: Msg) -> None:
+        idle_reports.append(decode(msg.data, IdleReport))
 
     sub = await view.nc.subscribe(view.subjects.idle("router"), cb=on_idle)
     try:
@@ -132,7 +153,13 @@ async def test_router_restart_idle_is_unknown_until_used(
             new = [r for r in idle_reports if r.since >= t_restart - 0.5]
             return new[-1] if new else None
 
-        rep, _ = await poll("an idle report from the restarted router", fresh_report, 15)
+        rep = await eventually(
+            fresh_report,
+            timeout=15,
+            every=0.2,
+            what="an idle report from the restarted router",
+        )
+        assert rep is not None
         # The control plane has had the new report: sample what it says for a while, before any request.
         samples: list[dict[str, tuple[str, float]]] = []
         idle_flagged: list[tuple[str, ...]] = []
@@ -143,8 +170,12 @@ async def test_router_restart_idle_is_unknown_until_used(
             await asyncio.sleep(0.25)
         since_restart = time.time() - t_restart
         await wait_serving(c.router_url(), key)
-        after_use, _ = await poll(
-            "exact idle again after a request", lambda: _idle_kinds(view, {"exact"}, 1), 10
+        after_use = await eventually(
+            lambda: _idle_kinds(view, {"exact"}, 1),
+            timeout=10,
+            every=0.2,
+            what="an exact idle time again after a request",
+            tolerate=BUS_ERRORS,
         )
         report = (
             f"router restart: before {used}; restarted router's first report last_used={rep.last_used}; "
@@ -196,15 +227,15 @@ async def test_nats_restart_everything_reconnects(cluster: tuple[ChaosCluster, s
         async def every_node_heard() -> bool:
             return all(view.heard_at.get(n, 0) > t_back for n in ("n1", "n2", "n3"))
 
-        _, hb_s = await poll("heartbeats from every agent after the restart", every_node_heard, 30)
-        stats, cp_s = await poll("the control plane answers and reconciles", view.stats, 30)
+        _, hb_s = await timed("heartbeats from every agent after the restart", every_node_heard, 30)
+        stats, cp_s = await timed("the control plane to answer", view.stats, 30)
         router_idle: list[float] = []
 
         async def on_idle(_: object) -> None:
             router_idle.append(time.monotonic())
 
         sub = await view.nc.subscribe(view.subjects.idle("router"), cb=on_idle)
-        _, router_s = await poll("the router reports on the bus again", lambda: _truthy(router_idle), 20)
+        _, router_s = await timed("the router to report on the bus again", lambda: _truthy(router_idle), 20)
         await sub.unsubscribe()
         await traffic.run_for(1.0)
         await traffic.stop()
@@ -293,7 +324,7 @@ async def test_lost_node_returns_with_old_engines(cluster: tuple[ChaosCluster, s
             nodes = await view.endpoint_nodes("chat")
             return nodes if len(nodes) == 2 and node not in nodes else None
 
-        nodes, took = await poll(f"chat rebuilt away from {node}", replaced, NODE_LOST_S + 25)
+        nodes, took = await timed(f"chat to be rebuilt away from {node}", replaced, NODE_LOST_S + 25)
         agent.signal(signal.SIGCONT)
         t_cont = time.monotonic()
 
@@ -302,7 +333,7 @@ async def test_lost_node_returns_with_old_engines(cluster: tuple[ChaosCluster, s
                 psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in old.values()
             )
 
-        _, gone_s = await poll(f"{node}'s old engines stopped", old_gone, 30)
+        _, gone_s = await timed(f"{node}'s old engines to stop", old_gone, 30)
         await traffic.run_for(1.0)
         await traffic.stop()
         await count.stop()

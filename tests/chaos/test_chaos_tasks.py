@@ -16,9 +16,10 @@ import pytest
 
 from llmgw_common.ctl import DebugStatsReply
 from llmgw_common.runtime import EXIT_TASK_DIED
-from tests.chaos.chaos_bus import BusView, poll
+from tests.chaos.chaos_bus import BUS_ERRORS, BusView
 from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, Proc
 from tests.chaos.faults import launcher
+from tests.kit.poll import eventually, eventually_sync
 
 pytestmark = [pytest.mark.xdist_group("chaos"), pytest.mark.e2e, pytest.mark.slow]
 
@@ -30,12 +31,15 @@ def holder(p: Proc) -> str:
 
 
 def wait_exit(p: Proc, timeout: float) -> int:
-    assert p.popen is not None
-    deadline = time.monotonic() + timeout
-    while p.popen.poll() is None:
-        assert time.monotonic() < deadline, f"{p.name} still runs after {timeout:.0f}s:\n{p.tail()}"
-        time.sleep(0.05)
-    return p.popen.returncode
+    popen = p.popen
+    assert popen is not None
+    try:
+        eventually_sync(
+            lambda: popen.poll() is not None, timeout=timeout, every=0.05, what=f"{p.name} to exit"
+        )
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{p.tail()}") from None
+    return popen.returncode
 
 
 async def test_a_leader_whose_passes_keep_failing_exits_and_gives_the_lease_up(tmp_path: Path) -> None:
@@ -51,7 +55,9 @@ async def test_a_leader_whose_passes_keep_failing_exits_and_gives_the_lease_up(t
             st = await view.stats()
             return st if st is not None and st.leader and st.passes > 0 else None
 
-        await poll("cp-a leads and reconciles", a_leads, 30)
+        await eventually(
+            a_leads, timeout=30, every=0.2, what="cp-a to lead and reconcile", tolerate=BUS_ERRORS
+        )
         b = c.start_controlplane("cp-b")
         # The standby is up and listening (past its settling window) before the fault fires.
         await asyncio.sleep(float(AGGRESSIVE["LLMGW_SETTLE_S"]) + 1.0)
@@ -74,7 +80,9 @@ async def test_a_leader_whose_passes_keep_failing_exits_and_gives_the_lease_up(t
             )
             return st if ok else None
 
-        await poll("cp-b leads and reconciles", b_leads, 30, every=0.05)
+        await eventually(
+            b_leads, timeout=30, every=0.05, what="cp-b to lead and reconcile", tolerate=BUS_ERRORS
+        )
         took = time.monotonic() - t_exit
         log = a.tail(200)
         print(f"cp-a exited {rc}; cp-b reconciles {took:.2f}s later (lease TTL {LEASE_TTL_S:g}s)")

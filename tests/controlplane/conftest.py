@@ -1,14 +1,15 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 from nats.aio.client import Client as NATS
 
+from llmgw_common.natsserver import NatsServer
+
 
 @pytest.fixture
-async def bus_nc(nats_server: Any) -> AsyncIterator[NATS]:
+async def bus_nc(nats_server: NatsServer) -> AsyncIterator[NATS]:
     import nats
 
     nc = await nats.connect(nats_server.url)

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import nats
 import pytest
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from llmgw_cli.main import app
-from tests.controlplane.cp_helpers import FakeAgent
+from llmgw_common.natsserver import NatsServer
+from tests.kit.agents import FakeAgent
+from tests.kit.poll import eventually_sync
 
 CATALOG = """
 models:
@@ -55,12 +57,12 @@ async def _publish_agents(url: str, prefix: str) -> None:
         await nc.close()
 
 
-def _ctl(cp: CP, *args: str):  # type: ignore[no-untyped-def]
+def _ctl(cp: CP, *args: str) -> Result:
     return runner.invoke(app, ["ctl", *args, *cp.args()])
 
 
 @pytest.fixture
-def cp(nats_server, tmp_path_factory, prefix: str) -> Iterator[CP]:  # type: ignore[no-untyped-def]
+def cp(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory, prefix: str) -> Iterator[CP]:
     """A control plane of the test's own (its own prefix, so its own buckets): tests that change the
     catalog or the marks cannot change what another test sees, whatever the order."""
     d = tmp_path_factory.mktemp("cpcli")
@@ -97,15 +99,22 @@ def cp(nats_server, tmp_path_factory, prefix: str) -> Iterator[CP]:  # type: ign
         )
     c = CP(nats_server.url, prefix, proc, log)
     try:
-        deadline = time.monotonic() + 20
-        while _ctl(c, "nodes").exit_code != 0:
+
+        def answers() -> bool:
             assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        asyncio.run(_publish_agents(nats_server.url, prefix))
-        while "small" not in _ctl(c, "replicas").output:
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+            return _ctl(c, "nodes").exit_code == 0
+
+        try:
+            eventually_sync(answers, timeout=20, every=0.1, what="`llmgw ctl nodes` to succeed")
+            asyncio.run(_publish_agents(nats_server.url, prefix))
+            eventually_sync(
+                lambda: "small" in _ctl(c, "replicas").output,
+                timeout=20,
+                every=0.1,
+                what="`llmgw ctl replicas` to list small",
+            )
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{log.read_text()}") from None
         yield c
     finally:
         proc.terminate()
@@ -207,7 +216,7 @@ def test_cordon_uncordon_drain(cp: CP) -> None:
     assert r.exit_code == 1 and "no node named 'ghost'" in r.stderr
 
 
-def test_no_control_plane_exit_1_clear_message(nats_server) -> None:  # type: ignore[no-untyped-def]
+def test_no_control_plane_exit_1_clear_message(nats_server: NatsServer) -> None:
     for verb in (["nodes"], ["status", "-o", "json"]):
         r = runner.invoke(
             app, ["ctl", *verb, "--nats", nats_server.url, "--prefix", "nobodyhome", "--timeout", "0.5"]
@@ -227,7 +236,7 @@ def test_bad_output_format(cp: CP) -> None:
     assert r.exit_code == 1 and "unknown output" in r.stderr
 
 
-def test_controlplane_refuses_an_invalid_catalog_file(nats_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_controlplane_refuses_an_invalid_catalog_file(nats_server: NatsServer, tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("models:\n  - name: x\n    engine: vllm\n  - name: y\n    engine: nope\n")
     r = subprocess.run(

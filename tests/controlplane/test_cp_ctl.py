@@ -5,13 +5,17 @@ from __future__ import annotations
 import time
 
 import pytest
+from nats.aio.client import Client as NATS
 
 from llmgw_common import bus
 from llmgw_common.catalog import Catalog
 from llmgw_common.ctl import CtlClient, CtlError, CtlUnavailable
 from llmgw_common.messages import Assignment, ClusterSettings, RoutingCatalog, ShardState, Webhook
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import ROUTING_CATALOG, Subjects
-from tests.controlplane.cp_helpers import Beating, FakeAgent, cp_settings, ctl_answers, eventually, start_cp
+from tests.controlplane.cp_helpers import cp_settings, ctl_answers, start_cp
+from tests.kit.agents import Beating, FakeAgent
+from tests.kit.poll import eventually
 
 BAD = """
 models:
@@ -38,11 +42,9 @@ models:
 """
 
 
-async def _true(v: bool) -> bool:
-    return v
-
-
-async def test_invalid_catalog_refused_with_every_problem_and_old_kept(nats_server, prefix, bus_nc):
+async def test_invalid_catalog_refused_with_every_problem_and_old_kept(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS
+) -> None:
     run = await start_cp(cp_settings(nats_server.url, prefix))
     c = CtlClient(bus_nc, prefix)
     try:
@@ -69,7 +71,9 @@ async def test_invalid_catalog_refused_with_every_problem_and_old_kept(nats_serv
         await run.stop()
 
 
-async def test_valid_catalog_swaps_stores_pushes_and_reconciles(nats_server, prefix, bus_nc):
+async def test_valid_catalog_swaps_stores_pushes_and_reconciles(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS
+) -> None:
     run = await start_cp(cp_settings(nats_server.url, prefix))
     c = CtlClient(bus_nc, prefix)
     agent = FakeAgent(bus_nc, prefix, "gpu-0")
@@ -100,11 +104,11 @@ async def test_valid_catalog_swaps_stores_pushes_and_reconciles(nats_server, pre
         # Reconciled: two replicas of small and one of extra assigned; cpu-model gone.
         akv = await js.key_value(subj.bucket_assign)
 
-        async def models_assigned():
+        async def models_assigned() -> bool:
             a, _ = await bus.kv_get(akv, "gpu-0", Assignment)
-            return sorted(s.model for s in a.shards) if a else None
+            return a is not None and sorted(s.model for s in a.shards) == ["extra", "small", "small"]
 
-        assert await eventually(lambda: _eq(models_assigned(), ["extra", "small", "small"]))
+        await eventually(models_assigned, what="two replicas of small and one of extra assigned to gpu-0")
         models = {m.name: m for m in (await c.models()).models}
         assert set(models) == {"small", "extra"}
         assert models["small"].desired == 2 and models["small"].ready == 0
@@ -114,11 +118,7 @@ async def test_valid_catalog_swaps_stores_pushes_and_reconciles(nats_server, pre
         await run.stop()
 
 
-async def _eq(coro, want):
-    return (await coro) == want
-
-
-async def test_marks_status_settings_and_errors(nats_server, prefix, bus_nc):
+async def test_marks_status_settings_and_errors(nats_server: NatsServer, prefix: str, bus_nc: NATS) -> None:
     run = await start_cp(cp_settings(nats_server.url, prefix))
     c = CtlClient(bus_nc, prefix)
     agents = [
@@ -130,7 +130,10 @@ async def test_marks_status_settings_and_errors(nats_server, prefix, bus_nc):
         for a in agents:
             await a.send_inventory()
         beating.start()
-        await eventually(lambda: _true(run.cp.leader and len(run.cp.state.replicas) == 2))
+        await eventually(
+            lambda: run.cp.leader and len(run.cp.state.replicas) == 2,
+            what="a leading control plane with both replicas placed",
+        )
         await ctl_answers(bus_nc, prefix)
         r = await c.cordon("gpu-1")
         assert r.marks.cordoned == ("gpu-1",)
@@ -166,7 +169,7 @@ async def test_marks_status_settings_and_errors(nats_server, prefix, bus_nc):
         await run.stop()
 
 
-async def test_no_control_plane_is_a_clear_error(bus_nc, prefix):
+async def test_no_control_plane_is_a_clear_error(bus_nc: NATS, prefix: str) -> None:
     # Nobody subscribed: the server says so at once (no responders), and the message says that, not a
     # time limit (a takeover's gap read as "within 20s" sent people looking for a slow control plane).
     t0 = time.monotonic()
@@ -177,7 +180,7 @@ async def test_no_control_plane_is_a_clear_error(bus_nc, prefix):
     assert "within 30s" not in ei.value.message
 
 
-async def test_a_silent_control_plane_is_named_by_the_time_waited(bus_nc, prefix):
+async def test_a_silent_control_plane_is_named_by_the_time_waited(bus_nc: NATS, prefix: str) -> None:
     sub = await bus_nc.subscribe(Subjects(prefix).ctl("nodes"))  # takes requests, never answers
     await bus.sent(bus_nc)
     try:
@@ -189,7 +192,9 @@ async def test_a_silent_control_plane_is_named_by_the_time_waited(bus_nc, prefix
         await sub.unsubscribe()
 
 
-async def test_restart_adopts_replicas_and_changes_no_assignment(nats_server, prefix, bus_nc):
+async def test_restart_adopts_replicas_and_changes_no_assignment(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS
+) -> None:
     s = cp_settings(nats_server.url, prefix, settle_s=0.5)
     run = await start_cp(s)
     agents = [FakeAgent(bus_nc, prefix, f"gpu-{i}") for i in range(2)]
@@ -200,25 +205,32 @@ async def test_restart_adopts_replicas_and_changes_no_assignment(nats_server, pr
             await a.send_inventory()
         beating.start()
 
-        async def snapshot_assign():
+        async def snapshot_assign() -> dict[str, int | None]:
             out = {}
             for k in await bus.kv_keys(akv):
                 e = await akv.get(k)
                 out[k] = e.revision
             return out
 
-        await eventually(lambda: _true(len(run.cp.state.replicas) == 2 and run.cp.assignments.writes >= 1))
+        await eventually(
+            lambda: len(run.cp.state.replicas) == 2 and run.cp.assignments.writes >= 1,
+            what="both replicas placed and their assignments written",
+        )
         by_node = {a.node: a for a in agents}
         for rec in run.cp.state.replicas.values():
             sp = rec.shards[0]
             await by_node[sp.node].report(rec.id, 0, rec.model, ShardState.READY, sp.port)
-        await eventually(lambda: _true(run.cp.debug_stats().ready_replicas == 2))
+        await eventually(lambda: run.cp.debug_stats().ready_replicas == 2, what="both replicas counted ready")
         revs = await snapshot_assign()
         ids = set(run.cp.state.replicas)
         await run.stop()
 
         run = await start_cp(s, catalog_text=None)
-        await eventually(lambda: _true(run.cp.leader and run.cp.passes > 3), timeout=10)
+        await eventually(
+            lambda: run.cp.leader and run.cp.passes > 3,
+            timeout=10,
+            what="the restarted control plane to lead and reconcile three passes",
+        )
         assert set(run.cp.state.replicas) == ids
         assert await snapshot_assign() == revs  # not one assignment rewritten
         assert run.cp.debug_stats().ready_replicas == 2

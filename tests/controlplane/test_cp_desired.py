@@ -5,26 +5,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import nats
 import pytest
+from nats.aio.client import Client as NATS
+from nats.js.kv import KeyValue
+from pydantic import BaseModel
 
 from llmgw_common import bus
 from llmgw_common.catalog import Catalog, parse_catalog
 from llmgw_common.codec import encode
 from llmgw_common.ctl import CtlClient
 from llmgw_common.messages import Marks
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import DESIRED_CATALOG, DESIRED_MARKS, Subjects
-from llmgw_controlplane.desired import DesiredConflict, DesiredStore, cordon
-from tests.controlplane.cp_helpers import (
-    CTL_TIMEOUT_S,
-    Beating,
-    FakeAgent,
-    cp_settings,
-    ctl_answers,
-    eventually,
-    start_cp,
-)
+from llmgw_controlplane.desired import Changed, DesiredConflict, DesiredStore, cordon
+from tests.controlplane.cp_helpers import CTL_TIMEOUT_S, RunningCP, cp_settings, ctl_answers, start_cp
+from tests.kit.agents import Beating, FakeAgent
+from tests.kit.poll import eventually
+
+M = TypeVar("M", bound=BaseModel)
 
 NODES = [f"gpu-{i}" for i in range(10)]
 
@@ -40,34 +42,35 @@ models:
 """
 
 
-async def _true(v: bool) -> bool:
-    return v
-
-
-async def _stored_marks(nc, prefix) -> Marks:
+async def _stored_marks(nc: NATS, prefix: str) -> Marks:
     kv = await nc.jetstream().key_value(Subjects(prefix).bucket_desired)
     marks, _ = await bus.kv_get(kv, DESIRED_MARKS, Marks)
     return marks or Marks()
 
 
-async def _fleet(bus_nc, prefix, run):
+async def _fleet(bus_nc: NATS, prefix: str, run: RunningCP) -> Beating:
     agents = [FakeAgent(bus_nc, prefix, n) for n in NODES]
     beating = Beating(agents, 0.1)
     for a in agents:
         await a.send_inventory()
     beating.start()
-    await eventually(lambda: _true(run.cp.leader and set(NODES) <= set(run.cp.state.nodes)))
+    await eventually(
+        lambda: run.cp.leader and set(NODES) <= set(run.cp.state.nodes),
+        what="a leading control plane that knows every node",
+    )
     await ctl_answers(bus_nc, prefix)
     return beating
 
 
-async def test_concurrent_cordon_drain_and_catalog_apply_keep_every_mark(nats_server, prefix, bus_nc):
+async def test_concurrent_cordon_drain_and_catalog_apply_keep_every_mark(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS
+) -> None:
     run = await start_cp(cp_settings(nats_server.url, prefix))
     # One client connection per request, as ten operators' `llmgw ctl` would be.
     clients = [await nats.connect(nats_server.url) for _ in NODES]
     beating = await _fleet(bus_nc, prefix, run)
     try:
-        calls = []
+        calls: list[Awaitable[object]] = []
         for i, (n, nc) in enumerate(zip(NODES, clients, strict=True)):
             c = CtlClient(nc, prefix, timeout=CTL_TIMEOUT_S)
             calls.append(c.cordon(n) if i % 2 == 0 else c.drain(n, grace_s=600))
@@ -79,7 +82,8 @@ async def test_concurrent_cordon_drain_and_catalog_apply_keep_every_mark(nats_se
         assert set(stored.draining) == set(NODES[1::2])
         assert run.cp.state.marks == stored  # what the reconciler acts on is what is stored
         shown = await CtlClient(bus_nc, prefix).catalog_show()
-        assert shown.catalog.get("small") is not None and shown.catalog.get("small").replicas == 2  # type: ignore[union-attr]
+        small = shown.catalog.get("small")
+        assert small is not None and small.replicas == 2
 
         # Undo them all at once: every node ends unmarked.
         await asyncio.gather(
@@ -99,12 +103,12 @@ async def test_concurrent_cordon_drain_and_catalog_apply_keep_every_mark(nats_se
 class FirstFinishesLast(DesiredStore):
     """The first change's verb is the last to resume after its write (as the scheduler may have it)."""
 
-    def __init__(self, *a, **kw) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*a, **kw)
+    def __init__(self, kv: KeyValue, drops: bus.DropLog) -> None:
+        super().__init__(kv, drops)
         self.calls = 0
         self.second_done = asyncio.Event()
 
-    async def change(self, key, cls, fn):  # type: ignore[no-untyped-def]
+    async def change(self, key: str, cls: type[M], fn: Callable[[M | None], M]) -> Changed[M]:
         self.calls += 1
         first = self.calls == 1
         out = await super().change(key, cls, fn)
@@ -115,7 +119,9 @@ class FirstFinishesLast(DesiredStore):
         return out
 
 
-async def test_verbs_finishing_out_of_order_leave_the_latest_marks_in_force(nats_server, prefix, bus_nc):
+async def test_verbs_finishing_out_of_order_leave_the_latest_marks_in_force(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS
+) -> None:
     run = await start_cp(cp_settings(nats_server.url, prefix))
     beating = await _fleet(bus_nc, prefix, run)
     run.cp.desired.store = FirstFinishesLast(run.cp.kv_desired, run.cp.drops)
@@ -132,7 +138,9 @@ async def test_verbs_finishing_out_of_order_leave_the_latest_marks_in_force(nats
         await run.stop()
 
 
-async def test_a_mark_written_by_another_writer_survives_the_next_verb(nats_server, prefix, bus_nc):
+async def test_a_mark_written_by_another_writer_survives_the_next_verb(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS
+) -> None:
     """A deposed leader's in-flight verb (or any other writer) stored a mark this control plane never read:
     the next verb starts from the stored value, not from this process's memory."""
     run = await start_cp(cp_settings(nats_server.url, prefix))
@@ -155,11 +163,11 @@ async def test_a_mark_written_by_another_writer_survives_the_next_verb(nats_serv
         await run.stop()
 
 
-async def test_standby_takes_over_with_every_mark(nats_server, prefix, bus_nc):
+async def test_standby_takes_over_with_every_mark(nats_server: NatsServer, prefix: str, bus_nc: NATS) -> None:
     """Two control planes: marks set through the first survive its death and marks set through the second."""
     s = cp_settings(nats_server.url, prefix)
     first = await start_cp(s, holder="cp-a")
-    await eventually(lambda: _true(first.cp.leader))
+    await eventually(lambda: first.cp.leader, what="cp-a to lead")
     second = await start_cp(s, holder="cp-b")
     beating = await _fleet(bus_nc, prefix, first)
     ctl = CtlClient(bus_nc, prefix, timeout=CTL_TIMEOUT_S)
@@ -167,7 +175,7 @@ async def test_standby_takes_over_with_every_mark(nats_server, prefix, bus_nc):
         await asyncio.gather(*(ctl.cordon(n) for n in NODES[:5]))
         assert not second.cp.leader
         await first.stop()
-        await eventually(lambda: _true(second.cp.leader), timeout=15)
+        await eventually(lambda: second.cp.leader, timeout=15, what="cp-b to take over")
         await ctl_answers(bus_nc, prefix)  # its ctl endpoints are registered after the flag
         await asyncio.gather(*(ctl.cordon(n) for n in NODES[5:]))
         assert set((await _stored_marks(bus_nc, prefix)).cordoned) == set(NODES)
@@ -176,7 +184,9 @@ async def test_standby_takes_over_with_every_mark(nats_server, prefix, bus_nc):
         await second.stop()
 
 
-async def test_stored_catalog_unchanged_by_a_lost_race_at_startup(nats_server, prefix, bus_nc):
+async def test_stored_catalog_unchanged_by_a_lost_race_at_startup(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS
+) -> None:
     """A control plane starting with a catalog file never overwrites one already stored."""
     kv = await bus.ensure_kv(bus_nc.jetstream(), Subjects(prefix).bucket_desired, history=5)
     await kv.put(DESIRED_CATALOG, encode(parse_catalog(BIGGER)))
@@ -188,7 +198,7 @@ async def test_stored_catalog_unchanged_by_a_lost_race_at_startup(nats_server, p
         await run.stop()
 
 
-async def test_two_writers_racing_on_one_key_lose_nothing(bus_nc, prefix):
+async def test_two_writers_racing_on_one_key_lose_nothing(bus_nc: NATS, prefix: str) -> None:
     """Two stores (two control planes' writers) interleaving forty changes: all forty land."""
     kv = await bus.ensure_kv(bus_nc.jetstream(), Subjects(prefix).bucket_desired, history=5)
     drops = bus.DropLog(logging.getLogger("test"))
@@ -202,9 +212,20 @@ async def test_two_writers_racing_on_one_key_lose_nothing(bus_nc, prefix):
     assert a.conflicts + b.conflicts > 0  # they did race
 
 
-async def test_a_writer_that_keeps_losing_gives_up_with_a_clear_error(bus_nc, prefix):
+class SomeoneWritesAfterEveryRead(DesiredStore):
+    """Another writer lands between every read and the write computed from it."""
+
+    async def read(self, key: str, cls: type[M]) -> tuple[M | None, int]:
+        got = await super().read(key, cls)
+        await self.kv.put(DESIRED_MARKS, encode(Marks(cordoned=("other",))))
+        return got
+
+
+async def test_a_writer_that_keeps_losing_gives_up_with_a_clear_error(bus_nc: NATS, prefix: str) -> None:
     kv = await bus.ensure_kv(bus_nc.jetstream(), Subjects(prefix).bucket_desired, history=5)
-    store = DesiredStore(kv, bus.DropLog(logging.getLogger("test")), attempts=3, backoff_s=0.001)
+    store = SomeoneWritesAfterEveryRead(
+        kv, bus.DropLog(logging.getLogger("test")), attempts=3, backoff_s=0.001
+    )
     calls = 0
 
     def change(m: Marks | None) -> Marks:
@@ -212,15 +233,6 @@ async def test_a_writer_that_keeps_losing_gives_up_with_a_clear_error(bus_nc, pr
         calls += 1
         return cordon(f"n{calls}")(m)
 
-    original_read = store.read
-
-    # Another writer lands between every read and the write computed from it.
-    async def read_then_someone_writes(key, cls):
-        got = await original_read(key, cls)
-        await kv.put(DESIRED_MARKS, encode(Marks(cordoned=("other",))))
-        return got
-
-    store.read = read_then_someone_writes  # type: ignore[method-assign]
     with pytest.raises(DesiredConflict, match=r"marks in .* changed under every one of 3 attempts"):
         await store.change(DESIRED_MARKS, Marks, change)
     assert calls == 3

@@ -11,17 +11,22 @@ from __future__ import annotations
 import asyncio
 import time
 
+from nats.aio.client import Client as NATS
+
 from llmgw_common.codec import encode
 from llmgw_common.messages import IdleReport, WakeState
-from tests.controlplane.cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
+from llmgw_common.natsserver import NatsServer
+from tests.controlplane.cp_helpers import cp_settings, start_cp
 from tests.controlplane.test_cp_wake import CATALOG, Router, endpoints, events, ready_all, replicas_of, wake
+from tests.kit.agents import Beating, FakeAgent
+from tests.kit.poll import eventually
 
 
 class StreamingRouter(Router):
     """Reports ``streaming`` as in flight: a request on each, right now."""
 
-    def __init__(self, *a, **kw) -> None:
-        super().__init__(*a, **kw)
+    def __init__(self, nc: NATS, prefix: str) -> None:
+        super().__init__(nc, prefix)
         self.streaming: set[str] = set()
 
     async def _run(self) -> None:
@@ -38,7 +43,9 @@ class StreamingRouter(Router):
             await asyncio.sleep(0.2)
 
 
-async def test_a_replica_serving_a_request_is_not_evicted_until_it_is_done(nats_server, prefix, bus_nc):
+async def test_a_replica_serving_a_request_is_not_evicted_until_it_is_done(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS
+) -> None:
     run = await start_cp(cp_settings(nats_server.url, prefix, eviction_min_residency_s=0.0), CATALOG)
     agent = FakeAgent(bus_nc, prefix, "n1", gpus=1, memory_gb=None)
     beating = Beating([agent], 0.1)
@@ -46,14 +53,14 @@ async def test_a_replica_serving_a_request_is_not_evicted_until_it_is_done(nats_
     try:
         await agent.send_inventory()
         beating.start()
-        await eventually(lambda: endpoints(bus_nc, prefix))
+        await eventually(lambda: endpoints(bus_nc, prefix), what="routing endpoints published")
         assert (await wake(bus_nc, prefix, "a")).state is WakeState.WAKING
-        await eventually(lambda: asyncio.sleep(0, replicas_of(run.cp, "a")))
+        await eventually(lambda: replicas_of(run.cp, "a"), what="a replica of a placed")
         (a_id,) = replicas_of(run.cp, "a")
         await ready_all(run.cp, agent)
         router.streaming.add(a_id)
         router.start()
-        await eventually(lambda: asyncio.sleep(0, run.cp.idle.routers))
+        await eventually(lambda: run.cp.idle.routers, what="the router's idle report heard")
 
         reply = await wake(bus_nc, prefix, "b")
         assert reply.state is WakeState.WAKING, reply
@@ -65,7 +72,9 @@ async def test_a_replica_serving_a_request_is_not_evicted_until_it_is_done(nats_
 
         # The stream ends: now a, known idle, makes room for b.
         router.streaming.clear()
-        evicted = await eventually(lambda: events(bus_nc, prefix, "model.evicted"))
+        evicted = await eventually(
+            lambda: events(bus_nc, prefix, "model.evicted"), what="a model.evicted event"
+        )
         assert [e.details["replica"] for e in evicted] == [a_id]
     finally:
         await router.stop()

@@ -9,7 +9,9 @@ from nats.aio.client import Client as NATS
 
 from llmgw_common.ctl import CtlClient
 from llmgw_common.natsserver import NatsServer
-from tests.controlplane.cp_helpers import Beating, FakeAgent, cp_settings, ctl_answers, eventually, start_cp
+from tests.controlplane.cp_helpers import cp_settings, ctl_answers, start_cp
+from tests.kit.agents import Beating, FakeAgent
+from tests.kit.poll import eventually
 
 
 async def test_lost_node_is_forgotten_and_ctl_stops_listing_it(
@@ -36,8 +38,9 @@ async def test_lost_node_is_forgotten_and_ctl_stops_listing_it(
                 return await names() == {"alive"}
 
             await ctl_answers(bus_nc, prefix)
-            await eventually(both)
-            await eventually(only_alive)  # lost after 1.5 s, forgotten 0.5 s later
+            await eventually(both, what="ctl to list both nodes")
+            # lost after 1.5 s, forgotten 0.5 s later
+            await eventually(only_alive, what="ctl to list only the node still beating")
             assert "gone" not in run.cp.state.nodes and "gone" not in run.cp.detector.lost
         said = [r.getMessage() for r in caplog.records if "forgotten" in r.getMessage()]
         assert said == ["node gone forgotten: lost for over 0.5s with no replica on it"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from llmgw_common.messages import IdleReport
 from llmgw_controlplane.events import EventDetector
 from llmgw_controlplane.idle import IdleKind, IdleMerger
@@ -15,7 +17,7 @@ def _rep(router: str, since: float, sent_at: float, **used: float) -> IdleReport
     return IdleReport(router=router, since=since, sent_at=sent_at, last_used=used)
 
 
-def test_no_router_reporting_means_unknown_never_zero_or_forever():
+def test_no_router_reporting_means_unknown_never_zero_or_forever() -> None:
     m = IdleMerger(stale_s=5.0)
     k = m.idle_for("r1", now=1000.0)
     assert k.kind is IdleKind.UNKNOWN
@@ -25,7 +27,7 @@ def test_no_router_reporting_means_unknown_never_zero_or_forever():
     assert not k.at_least(0.0)  # unknown is never "idle for at least anything"
 
 
-def test_newest_timestamp_wins_across_routers():
+def test_newest_timestamp_wins_across_routers() -> None:
     m = IdleMerger(stale_s=5.0)
     m.add(_rep("a", since=0.0, sent_at=100.0, r1=50.0), received_at=100.0)
     m.add(_rep("b", since=0.0, sent_at=100.0, r1=80.0), received_at=100.0)
@@ -34,7 +36,7 @@ def test_newest_timestamp_wins_across_routers():
     assert k.text() == "20s"
 
 
-def test_never_used_is_a_lower_bound_from_the_router_start():
+def test_never_used_is_a_lower_bound_from_the_router_start() -> None:
     m = IdleMerger(stale_s=5.0)
     now = 3 * DAY
     m.add(_rep("a", since=0.0, sent_at=now), received_at=now)
@@ -47,7 +49,7 @@ def test_never_used_is_a_lower_bound_from_the_router_start():
     assert k2.kind is IdleKind.AT_LEAST and k2.seconds == 600
 
 
-def test_the_youngest_router_limits_the_bound():
+def test_the_youngest_router_limits_the_bound() -> None:
     m = IdleMerger(stale_s=5.0)
     now = 3 * DAY
     m.add(_rep("old", since=0.0, sent_at=now), received_at=now)
@@ -55,7 +57,7 @@ def test_the_youngest_router_limits_the_bound():
     assert m.idle_for("r1", now=now).seconds == 60
 
 
-def test_silent_router_is_dropped_after_stale_and_knowledge_becomes_unknown():
+def test_silent_router_is_dropped_after_stale_and_knowledge_becomes_unknown() -> None:
     m = IdleMerger(stale_s=5.0)
     m.add(_rep("a", since=0.0, sent_at=10.0, r1=9.0), received_at=10.0)
     assert m.idle_for("r1", now=14.0).kind is IdleKind.EXACT
@@ -63,7 +65,7 @@ def test_silent_router_is_dropped_after_stale_and_knowledge_becomes_unknown():
     assert m.routers == ()
 
 
-def test_router_restart_forgets_nothing_it_knew_but_knows_less():
+def test_router_restart_forgets_nothing_it_knew_but_knows_less() -> None:
     m = IdleMerger(stale_s=5.0)
     m.add(_rep("a", since=0.0, sent_at=100.0, r1=90.0), received_at=100.0)
     # The router restarts: a new since, an empty map. Its old knowledge is gone with it.
@@ -72,14 +74,14 @@ def test_router_restart_forgets_nothing_it_knew_but_knows_less():
     assert k.kind is IdleKind.AT_LEAST and k.seconds == 1.0
 
 
-def test_delayed_older_report_does_not_replace_a_newer_one():
+def test_delayed_older_report_does_not_replace_a_newer_one() -> None:
     m = IdleMerger(stale_s=5.0)
     m.add(_rep("a", since=0.0, sent_at=100.0, r1=99.0), received_at=100.0)
     m.add(_rep("a", since=0.0, sent_at=90.0, r1=50.0), received_at=100.5)
     assert m.last_used("r1") == 99.0
 
 
-def test_node_lost_and_recovered_are_said_once_each():
+def test_node_lost_and_recovered_are_said_once_each() -> None:
     d = EventDetector(placement_failing_after_s=60.0)
     evs = d.nodes([Transition("n1", NodeState.READY, NodeState.UNREACHABLE)], 10.0)
     assert evs == []
@@ -91,7 +93,7 @@ def test_node_lost_and_recovered_are_said_once_each():
     assert d.nodes([Transition("n1", NodeState.READY, NodeState.UNREACHABLE)], 60.0) == []
 
 
-def test_watched_model_down_only_after_it_had_a_ready_replica_and_recovers():
+def test_watched_model_down_only_after_it_had_a_ready_replica_and_recovers() -> None:
     d = EventDetector(placement_failing_after_s=60.0)
     assert d.models({}, {"m": 0.0}, {"m": "no replica placed yet"}, 1.0) == []  # never up: not "down"
     assert d.models({"m": 1}, {"m": 0.0}, {}, 2.0) == []
@@ -105,7 +107,7 @@ def test_watched_model_down_only_after_it_had_a_ready_replica_and_recovers():
     assert d.models({"x": 1}, {}, {}, 6.0) == [] and d.models({}, {}, {}, 7.0) == []
 
 
-def test_placement_failing_after_threshold_once_and_again_after_it_clears():
+def test_placement_failing_after_threshold_once_and_again_after_it_clears() -> None:
     d = EventDetector(placement_failing_after_s=60.0)
     assert d.placement({"m": "needs 8 H100"}, 0.0) == []
     assert d.placement({"m": "needs 8 H100"}, 59.0) == []
@@ -158,7 +160,9 @@ def test_a_departed_routers_use_keeps_the_idle_bound_below_the_truth() -> None:
     assert k.kind is IdleKind.EXACT and k.seconds == 2
 
 
-def test_forged_idle_reports_from_the_future_are_dropped_and_do_not_freeze_the_router(caplog) -> None:
+def test_forged_idle_reports_from_the_future_are_dropped_and_do_not_freeze_the_router(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     import logging
 
     m = IdleMerger(stale_s=5.0)
@@ -191,7 +195,9 @@ def test_a_report_claiming_a_time_slightly_ahead_outranks_genuine_ones_only_brie
     assert m.last_used("r1") == 100.2
 
 
-def test_an_idle_report_naming_too_many_replicas_is_refused_and_said_once_a_minute(caplog) -> None:
+def test_an_idle_report_naming_too_many_replicas_is_refused_and_said_once_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     import logging
 
     from llmgw_common.clockcheck import Doubts

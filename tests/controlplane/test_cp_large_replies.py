@@ -24,7 +24,8 @@ from llmgw_common.natsserver import NatsServer
 from llmgw_common.settings import ControlPlaneSettings
 from llmgw_common.subjects import Subjects
 from llmgw_sim.synthetic import synthetic_inventories
-from tests.controlplane.cp_helpers import cp_settings, ctl_answers, eventually, start_cp
+from tests.controlplane.cp_helpers import cp_settings, ctl_answers, start_cp
+from tests.kit.poll import eventually
 
 MAX_PAYLOAD = 32 * 1024
 NODES = 300
@@ -86,11 +87,11 @@ async def test_ctl_answers_beyond_max_payload_whole(
             await small_nc.publish(subj.inventory(inv.node), encode(inv))
         await small_nc.flush()
 
-        async def placed() -> bool:
+        def placed() -> bool:
             st = run.cp.state
             return run.cp.leader and len(st.nodes) == NODES and len(st.replicas) == NODES
 
-        await eventually(placed, timeout=60)
+        await eventually(placed, timeout=60, what=f"{NODES} nodes known and {NODES} replicas placed")
         await ctl_answers(small_nc, prefix)  # placing can run while its ctl endpoints are being registered
         ctl = CtlClient(small_nc, prefix, timeout=20)
         reply = await ctl.nodes()

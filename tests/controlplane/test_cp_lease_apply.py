@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
+from nats.aio.client import Client as NATS
+from nats.js.kv import KeyValue
 
 from llmgw_common import bus
 from llmgw_common.catalog import Catalog, parse_catalog
 from llmgw_common.codec import decode, encode
 from llmgw_common.ctl import CtlClient, CtlUnavailable, LeaseRecord
 from llmgw_common.messages import Assignment, ReplicaRecord, ReplicaSpec, ShardAssignment, ShardPlacement
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import LEADER_KEY, Subjects
 from llmgw_controlplane.apply import AssignmentWriter, Fenced, ReplicaStore, desired_assignments, pin_specs
 from llmgw_controlplane.leader import Lease
-from tests.controlplane.cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
+from tests.controlplane.cp_helpers import cp_settings, start_cp
+from tests.kit.agents import Beating, FakeAgent
+from tests.kit.poll import eventually
 
 
 class Clock:
@@ -25,11 +31,11 @@ class Clock:
         return self.t
 
 
-async def _leader_kv(nc, prefix, ttl=30.0):
+async def _leader_kv(nc: NATS, prefix: str, ttl: float = 30.0) -> KeyValue:
     return await bus.ensure_kv(nc.jetstream(), Subjects(prefix).bucket_leader, ttl=ttl)
 
 
-async def test_lease_take_renew_takeover_and_deposed_cannot_confirm(bus_nc, prefix):
+async def test_lease_take_renew_takeover_and_deposed_cannot_confirm(bus_nc: NATS, prefix: str) -> None:
     kv = await _leader_kv(bus_nc, prefix)
     ca, cb = Clock(), Clock()
     a = Lease(kv, "a", ttl_s=10.0, clock=ca)
@@ -58,7 +64,7 @@ async def test_lease_take_renew_takeover_and_deposed_cannot_confirm(bus_nc, pref
     assert not b.held()
 
 
-async def test_released_lease_is_taken_at_once(bus_nc, prefix):
+async def test_released_lease_is_taken_at_once(bus_nc: NATS, prefix: str) -> None:
     kv = await _leader_kv(bus_nc, prefix)
     a = Lease(kv, "a", ttl_s=10.0)
     b = Lease(kv, "b", ttl_s=10.0)
@@ -68,9 +74,9 @@ async def test_released_lease_is_taken_at_once(bus_nc, prefix):
     assert b.fence > a.fence
 
 
-async def test_assignment_writer_writes_only_what_changed_and_is_fenced(bus_nc, prefix):
+async def test_assignment_writer_writes_only_what_changed_and_is_fenced(bus_nc: NATS, prefix: str) -> None:
     kv = await bus.ensure_kv(bus_nc.jetstream(), Subjects(prefix).bucket_assign)
-    drops = bus.DropLog(__import__("logging").getLogger("t"))
+    drops = bus.DropLog(logging.getLogger("t"))
     w = AssignmentWriter(kv, drops)
     cat = parse_catalog("models: [{name: m, engine: sim, gpu_class: H100}, {name: c, engine: sim}]")
     recs = {
@@ -107,9 +113,9 @@ async def test_assignment_writer_writes_only_what_changed_and_is_fenced(bus_nc, 
     assert after is not None and after.fence == 9
 
 
-async def test_replica_store_syncs_puts_and_deletes(bus_nc, prefix):
+async def test_replica_store_syncs_puts_and_deletes(bus_nc: NATS, prefix: str) -> None:
     kv = await bus.ensure_kv(bus_nc.jetstream(), Subjects(prefix).bucket_replicas)
-    drops = bus.DropLog(__import__("logging").getLogger("t"))
+    drops = bus.DropLog(logging.getLogger("t"))
     s = ReplicaStore(kv, drops)
     r1 = ReplicaRecord(id="r1", model="m", created=1.0, shards=(ShardPlacement(shard=0, node="a", port=1),))
     r2 = r1.model_copy(update={"id": "r2"})
@@ -119,7 +125,7 @@ async def test_replica_store_syncs_puts_and_deletes(bus_nc, prefix):
     assert set(await ReplicaStore(kv, drops).load()) == {"r1"}
 
 
-def test_multi_node_assignment_names_the_leader_address():
+def test_multi_node_assignment_names_the_leader_address() -> None:
     cat = parse_catalog("models: [{name: big, engine: sim, gpu_class: H100, gpus_per_node: 8, nodes: 2}]")
     rec = ReplicaRecord(
         id="r",
@@ -137,7 +143,7 @@ def test_multi_node_assignment_names_the_leader_address():
     assert desired_assignments({"r": rec}, parse_catalog("models: []"), {}) == {}
 
 
-def test_a_running_replica_keeps_the_spec_it_was_started_with():
+def test_a_running_replica_keeps_the_spec_it_was_started_with() -> None:
     """A profile change never rewrites a running replica's assignment (the reconciler rolls it instead);
     a record without a spec is pinned to the catalog of the day, which is what its assignment held."""
     old = parse_catalog(
@@ -159,18 +165,18 @@ def test_a_running_replica_keeps_the_spec_it_was_started_with():
     assert not back.spec.matches(new.models[0])
 
 
-async def test_deposed_leader_writes_nothing(nats_server, prefix, bus_nc):
+async def test_deposed_leader_writes_nothing(nats_server: NatsServer, prefix: str, bus_nc: NATS) -> None:
     run = await start_cp(cp_settings(nats_server.url, prefix, lease_ttl_s=30.0))
     agent = FakeAgent(bus_nc, prefix, "gpu-0")
     try:
-        await eventually(lambda: _true(run.cp.leader))
+        await eventually(lambda: run.cp.leader, what="the control plane to lead")
         # Another control plane takes the lease (its write moves the revision).
         kv = await bus_nc.jetstream().key_value(Subjects(prefix).bucket_leader)
         await kv.put(LEADER_KEY, encode(LeaseRecord(holder="usurper", acquired_at=1.0, renewed_at=1.0)))
         # News arrives that would make the old leader place a replica.
         await agent.send_inventory()
         await agent.beat()
-        await eventually(lambda: _true(not run.cp.leader))
+        await eventually(lambda: not run.cp.leader, what="the old leader to see it is deposed")
         akv = await bus_nc.jetstream().key_value(Subjects(prefix).bucket_assign)
         assert await bus.kv_keys(akv) == []
         # And it no longer answers ctl requests.
@@ -180,14 +186,12 @@ async def test_deposed_leader_writes_nothing(nats_server, prefix, bus_nc):
         await run.stop()
 
 
-async def _true(v: bool) -> bool:
-    return v
-
-
-async def test_standby_takes_over_adopts_and_places_nothing_twice(nats_server, prefix, bus_nc):
+async def test_standby_takes_over_adopts_and_places_nothing_twice(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS, monkeypatch: pytest.MonkeyPatch
+) -> None:
     s = cp_settings(nats_server.url, prefix, lease_ttl_s=1.0)
     a = await start_cp(s, holder="a")
-    await eventually(lambda: _true(a.cp.leader))
+    await eventually(lambda: a.cp.leader, what="a to lead")
     b = await start_cp(s, holder="b", catalog_text=None)
     agents = [FakeAgent(bus_nc, prefix, f"gpu-{i}") for i in range(2)]
     beating = Beating(agents, 0.1)
@@ -197,15 +201,16 @@ async def test_standby_takes_over_adopts_and_places_nothing_twice(nats_server, p
         beating.start()
         akv = await bus_nc.jetstream().key_value(Subjects(prefix).bucket_assign)
 
-        async def placed():
-            out = {}
+        async def placed() -> dict[str, Assignment] | None:
+            out: dict[str, Assignment] = {}
             for k in await bus.kv_keys(akv):
                 x, _ = await bus.kv_get(akv, k, Assignment)
                 if x and x.shards:
                     out[k] = x
             return out if sum(len(x.shards) for x in out.values()) == 2 else None
 
-        before = await eventually(placed)
+        before = await eventually(placed, what="both replicas assigned")
+        assert before is not None
         assert not b.cp.leader
         ids_before = sorted(sh.replica_id for x in before.values() for sh in x.shards)
 
@@ -213,15 +218,17 @@ async def test_standby_takes_over_adopts_and_places_nothing_twice(nats_server, p
         async def cannot_release() -> None:
             pass
 
-        a.cp.lease.release = cannot_release  # type: ignore[method-assign]
+        monkeypatch.setattr(a.cp.lease, "release", cannot_release)
         a.stop_event.set()
         await a.task
         t0 = asyncio.get_running_loop().time()
-        await eventually(lambda: _true(b.cp.leader and b.cp.passes > 0), timeout=10)
+        await eventually(
+            lambda: b.cp.leader and b.cp.passes > 0, timeout=10, what="b to take over and reconcile"
+        )
         took = asyncio.get_running_loop().time() - t0
         assert took < 2 * 1.0 + 1.0  # two lease periods, plus one renew interval of slack
         writes = b.cp.assignments.writes
-        await eventually(lambda: _true(b.cp.passes > 5))
+        await eventually(lambda: b.cp.passes > 5, what="five passes by b")
         after = await placed()
         assert after is not None
         ids_after = sorted(sh.replica_id for x in after.values() for sh in x.shards)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
 from llmgw_common import bus
@@ -16,7 +18,7 @@ from llmgw_common.codec import encode
 from llmgw_common.ctl import LeaseRecord
 from llmgw_common.subjects import LEADER_KEY, Subjects
 from llmgw_controlplane.leader import Lease
-from tests.controlplane.cp_helpers import eventually
+from tests.kit.poll import eventually
 
 
 class Clock:
@@ -27,7 +29,7 @@ class Clock:
         return self.t
 
 
-async def _leader_kv(nc, prefix) -> KeyValue:
+async def _leader_kv(nc: NATS, prefix: str) -> KeyValue:
     return await bus.ensure_kv(nc.jetstream(), Subjects(prefix).bucket_leader, ttl=30.0)
 
 
@@ -39,19 +41,21 @@ async def _land_renewal_unseen(kv: KeyValue) -> int:
     return await kv.update(LEADER_KEY, encode(rec.model_copy(update={"renewed_at": time.time()})), last=rev)
 
 
-async def test_lease_renewal_racing_confirm_kept(bus_nc, prefix):
+async def test_lease_renewal_racing_confirm_kept(bus_nc: NATS, prefix: str) -> None:
     kv = await _leader_kv(bus_nc, prefix)
     a = Lease(kv, "a", ttl_s=10.0)
     assert await a.step()
     for _ in range(20):
         # The lease loop's step() and a pass's confirm() (and another step) in flight at once.
-        assert await asyncio.gather(a.step(), a.confirm(), a.step()) == [True, True, True]
+        assert list(await asyncio.gather(a.step(), a.confirm(), a.step())) == [True, True, True]
     assert a.held()
     _, rev = await bus.kv_get(kv, LEADER_KEY, LeaseRecord)
     assert a.fence == rev  # the last write is the one the holder knows of
 
 
-async def test_lease_racing_renewals_yield_to_takeover(bus_nc, prefix, caplog):
+async def test_lease_racing_renewals_yield_to_takeover(
+    bus_nc: NATS, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
     kv = await _leader_kv(bus_nc, prefix)
     ca, cb = Clock(), Clock()
     a = Lease(kv, "a", ttl_s=10.0, clock=ca)
@@ -60,14 +64,14 @@ async def test_lease_racing_renewals_yield_to_takeover(bus_nc, prefix, caplog):
     assert not await b.step()
     cb.t += 10.1  # a silent for a whole TTL by b's clock: b takes over
     assert await b.step()
-    assert await asyncio.gather(a.step(), a.confirm()) == [False, False]
+    assert list(await asyncio.gather(a.step(), a.confirm())) == [False, False]
     assert not a.held()
     assert "leadership lost (b holds the lease)" in caplog.messages
     rec, rev = await bus.kv_get(kv, LEADER_KEY, LeaseRecord)
     assert rec is not None and rec.holder == "b" and rev == b.fence  # a wrote nothing over b
 
 
-async def test_lease_renewal_reply_lost_kept(bus_nc, prefix):
+async def test_lease_renewal_reply_lost_kept(bus_nc: NATS, prefix: str) -> None:
     kv = await _leader_kv(bus_nc, prefix)
     a = Lease(kv, "a", ttl_s=10.0)
     assert await a.step()
@@ -76,7 +80,7 @@ async def test_lease_renewal_reply_lost_kept(bus_nc, prefix):
     assert a.held() and a.fence > landed
 
 
-async def test_lease_same_name_other_tenure_deposes(bus_nc, prefix):
+async def test_lease_same_name_other_tenure_deposes(bus_nc: NATS, prefix: str) -> None:
     # Holder names are hostname-pid: a restarted container can reuse one. Only this tenure's own
     # record (same acquired_at) counts as ours.
     kv = await _leader_kv(bus_nc, prefix)
@@ -91,7 +95,7 @@ async def test_lease_same_name_other_tenure_deposes(bus_nc, prefix):
     assert rec == other
 
 
-async def test_lease_release_after_lost_reply_frees_key(bus_nc, prefix):
+async def test_lease_release_after_lost_reply_frees_key(bus_nc: NATS, prefix: str) -> None:
     # Shutting down cancels a pass mid-confirm; its renewal may land unseen. The release must still
     # free the key, or a standby waits a whole TTL.
     kv = await _leader_kv(bus_nc, prefix)
@@ -104,7 +108,7 @@ async def test_lease_release_after_lost_reply_frees_key(bus_nc, prefix):
     assert await b.step()
 
 
-async def test_lease_release_waits_for_renewal(bus_nc, prefix):
+async def test_lease_release_waits_for_renewal(bus_nc: NATS, prefix: str) -> None:
     kv = await _leader_kv(bus_nc, prefix)
     a = Lease(kv, "a", ttl_s=10.0)
     b = Lease(kv, "b", ttl_s=10.0)
@@ -114,7 +118,7 @@ async def test_lease_release_waits_for_renewal(bus_nc, prefix):
     assert await b.step()
 
 
-async def test_lease_release_spares_successor(bus_nc, prefix):
+async def test_lease_release_spares_successor(bus_nc: NATS, prefix: str) -> None:
     kv = await _leader_kv(bus_nc, prefix)
     ca, cb = Clock(), Clock()
     a = Lease(kv, "a", ttl_s=10.0, clock=ca)
@@ -128,13 +132,15 @@ async def test_lease_release_spares_successor(bus_nc, prefix):
     assert rec is not None and rec.holder == "b" and rev == b.fence
 
 
-async def test_lease_lapsed_key_is_named_as_such(bus_nc, prefix, caplog):
+async def test_lease_lapsed_key_is_named_as_such(
+    bus_nc: NATS, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
     # A lone control plane that could not renew for a TTL must not blame "another control plane".
     kv = await bus.ensure_kv(bus_nc.jetstream(), Subjects(prefix).bucket_leader, ttl=1.0)
     c = Clock()
     a = Lease(kv, "a", ttl_s=1.0, clock=c)
     assert await a.step()
-    await eventually(lambda: _gone(kv))  # the bucket's TTL removed the unrenewed key
+    await eventually(lambda: _gone(kv), what="the bucket's TTL to remove the unrenewed key")
     c.t += 2.5
     assert not await a.step()
     assert "leadership lost (the lease lapsed (TTL 1s, not renewed for 2.5s))" in caplog.messages

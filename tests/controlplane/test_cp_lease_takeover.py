@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+from nats.aio.client import Client as NATS
+
 from llmgw_common import bus
 from llmgw_common.codec import encode
 from llmgw_common.ctl import LeaseRecord
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import LEADER_KEY, Subjects
 from llmgw_controlplane.apply import ReplicaStore
-from tests.controlplane.cp_helpers import cp_settings, eventually, start_cp
+from tests.controlplane.cp_helpers import cp_settings, start_cp
+from tests.kit.poll import eventually
 
 
-async def _true(v: bool) -> bool:
-    return v
-
-
-async def test_takeover_slower_than_the_ttl_keeps_the_lease(nats_server, prefix, bus_nc, monkeypatch):
+async def test_takeover_slower_than_the_ttl_keeps_the_lease(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ttl = 1.0
     loads = 0
     real_load = ReplicaStore.load
@@ -35,13 +38,15 @@ async def test_takeover_slower_than_the_ttl_keeps_the_lease(nats_server, prefix,
     monkeypatch.setattr(ReplicaStore, "load", slow_load)
     run = await start_cp(cp_settings(nats_server.url, prefix, lease_ttl_s=ttl))
     try:
-        await eventually(lambda: _true(run.cp.leader), timeout=15)
+        await eventually(lambda: run.cp.leader, timeout=15, what="the slow takeover to finish")
         assert run.cp.lease is not None
         first = run.cp.lease.fence
         # Three renewals after taking over: a lease that lapsed during the load is retaken instead (and
         # loaded again), so count the loads once the leader has renewed a few times.
         await eventually(
-            lambda: _true(run.cp.lease is not None and run.cp.lease.fence >= first + 3), timeout=15
+            lambda: run.cp.lease is not None and run.cp.lease.fence >= first + 3,
+            timeout=15,
+            what="three renewals after the takeover",
         )
         assert loads == 1
         assert run.cp.leader and run.cp.lease.held()
@@ -52,7 +57,9 @@ async def test_takeover_slower_than_the_ttl_keeps_the_lease(nats_server, prefix,
         await run.stop()
 
 
-async def test_lease_lost_during_a_takeover_abandons_it(nats_server, prefix, bus_nc, monkeypatch):
+async def test_lease_lost_during_a_takeover_abandons_it(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS, monkeypatch: pytest.MonkeyPatch
+) -> None:
     loading = asyncio.Event()
     abandoned: list[bool] = []  # cp.leader when the load was cancelled
 
@@ -72,7 +79,7 @@ async def test_lease_lost_during_a_takeover_abandons_it(nats_server, prefix, bus
         # Another control plane holds the lease now (its write moves the revision under the renewal).
         kv = await bus_nc.jetstream().key_value(Subjects(prefix).bucket_leader)
         await kv.put(LEADER_KEY, encode(LeaseRecord(holder="usurper", acquired_at=1.0, renewed_at=1.0)))
-        await eventually(lambda: _true(bool(abandoned)))
+        await eventually(lambda: abandoned, what="the stuck takeover to be cancelled")
         assert abandoned == [False]  # never acted as leader on the way
         assert run.cp.lease is not None and not run.cp.lease.held()
     finally:

@@ -7,17 +7,21 @@ import logging
 import time
 
 import pytest
+from nats.aio.client import Client as NATS
 
 from llmgw_common.codec import encode
 from llmgw_common.messages import Heartbeat, Inventory
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
-from tests.controlplane.cp_helpers import FakeAgent, cp_settings, eventually, start_cp
+from tests.controlplane.cp_helpers import cp_settings, start_cp
+from tests.kit.agents import FakeAgent
+from tests.kit.poll import eventually
 
 EVIL = "evil\x1b[2J\x1b]8;;https://x\x07"
 
 
 async def test_node_with_control_characters_is_dropped_with_one_escaped_line(
-    nats_server, prefix, bus_nc, caplog: pytest.LogCaptureFixture
+    nats_server: NatsServer, prefix: str, bus_nc: NATS, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="llmgw")
     run = await start_cp(cp_settings(nats_server.url, prefix))
@@ -33,11 +37,11 @@ async def test_node_with_control_characters_is_dropped_with_one_escaped_line(
         await good.send_inventory()
         await good.beat()
 
-        async def n1_known() -> bool:
+        def n1_known() -> bool:
             rec = run.cp.state.nodes.get("n1")
             return rec is not None and rec.inventory is not None
 
-        await eventually(n1_known)
+        await eventually(n1_known, what="n1's inventory, sent after the bad ones, taken")
         assert run.cp.drops.count - before == 2
         assert EVIL not in run.cp.state.nodes
         lines = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]

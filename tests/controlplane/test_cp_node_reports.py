@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from collections.abc import Iterable
+
+from nats.aio.client import Client as NATS
 
 from llmgw_common.codec import encode
 from llmgw_common.ctl import CtlClient
 from llmgw_common.messages import LoadReport, ReplicaLoad, ShardState, ShardStatus
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane.state import ClusterState
-from tests.controlplane.cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
+from tests.controlplane.cp_helpers import cp_settings, start_cp
 from tests.controlplane.test_cp_e2e import _assignments
+from tests.kit.agents import Beating, FakeAgent
+from tests.kit.poll import eventually
 
 INVENTED = "invented-"
 
@@ -26,7 +31,7 @@ def _ids_held(state: ClusterState) -> set[str]:
     """Every replica id any of the state's tables is keyed by (node shard tables included)."""
     out: set[str] = set()
 
-    def keys(table: Any) -> None:
+    def keys(table: Iterable[object]) -> None:
         for k in table:
             if isinstance(k, str):
                 out.add(k)
@@ -44,9 +49,9 @@ def _ids_held(state: ClusterState) -> set[str]:
     return out
 
 
-async def _ready_everywhere(bus_nc, prefix, agents: dict[str, FakeAgent]) -> dict[str, str]:
+async def _ready_everywhere(bus_nc: NATS, prefix: str, agents: dict[str, FakeAgent]) -> dict[str, str]:
     """Wait for the assignments, report every shard ready; replica id -> its node."""
-    got = await eventually(lambda: _assignments(bus_nc, prefix))
+    got = await eventually(lambda: _assignments(bus_nc, prefix), what="assignments written")
     where = {}
     for node, a in got.items():
         for s in a.shards:
@@ -55,7 +60,9 @@ async def _ready_everywhere(bus_nc, prefix, agents: dict[str, FakeAgent]) -> dic
     return where
 
 
-async def test_a_node_cannot_put_errors_or_log_lines_on_another_nodes_replica(nats_server, prefix, bus_nc):
+async def test_a_node_cannot_put_errors_or_log_lines_on_another_nodes_replica(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS
+) -> None:
     run = await start_cp(cp_settings(nats_server.url, prefix))
     agents = {n: FakeAgent(bus_nc, prefix, n) for n in ("gpu-0", "gpu-1")}
     beating = Beating(list(agents.values()), 0.1)
@@ -81,7 +88,7 @@ async def test_a_node_cannot_put_errors_or_log_lines_on_another_nodes_replica(na
         )
         await bus_nc.publish(Subjects(prefix).status(other), encode(forged))
         await bus_nc.flush()
-        await eventually(lambda: _has_shard(run.cp.state, other, rid))
+        await eventually(lambda: _has_shard(run.cp.state, other, rid), what=f"{other}'s forged report heard")
 
         rep = next(r for r in (await client.replicas()).replicas if r.id == rid)
         (shard,) = rep.shards
@@ -93,11 +100,13 @@ async def test_a_node_cannot_put_errors_or_log_lines_on_another_nodes_replica(na
         await run.stop()
 
 
-async def _has_shard(state: ClusterState, node: str, rid: str) -> bool:
+def _has_shard(state: ClusterState, node: str, rid: str) -> bool:
     return (rid, 0) in state.nodes[node].shards
 
 
-async def test_invented_replica_ids_in_a_nodes_reports_leave_nothing_behind(nats_server, prefix, bus_nc):
+async def test_invented_replica_ids_in_a_nodes_reports_leave_nothing_behind(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS
+) -> None:
     run = await start_cp(cp_settings(nats_server.url, prefix))
     cp = run.cp
     subj = Subjects(prefix)
@@ -124,26 +133,28 @@ async def test_invented_replica_ids_in_a_nodes_reports_leave_nothing_behind(nats
             await agent.report(r, 0, "small", ShardState.FAILED, None, error="boom", log_tail=("x" * 200,))
         for r in invented[50:100]:
             await agent.report(r, 0, "small", ShardState.READY, 30000)
-        await eventually(lambda: _has_shard(cp.state, "gpu-0", invented[99]))
+        await eventually(
+            lambda: _has_shard(cp.state, "gpu-0", invented[99]), what="the invented shard reports heard"
+        )
         # ... then the agent restarts (proven by its inventory) and reports only what it runs.
         for r in invented[:100]:
             del agent.shards[(r, 0)]
         agent.boot_id, agent.seq = "boot-2", 0
         await agent.send_inventory()
 
-        async def restarted() -> bool:
+        def restarted() -> bool:
             return cp.state.nodes["gpu-0"].boot_id == "boot-2" and (invented[99], 0) not in (
                 cp.state.nodes["gpu-0"].shards
             )
 
-        await eventually(restarted)
+        await eventually(restarted, what="gpu-0's restart seen and its invented shards dropped")
         passes = cp.passes
 
-        async def clean() -> bool:
+        def clean() -> bool:
             return cp.passes > passes + 3 and not any(r.startswith(INVENTED) for r in _ids_held(cp.state))
 
         try:
-            await eventually(clean, timeout=5.0)
+            await eventually(clean, timeout=5.0, what="no invented id held after three passes")
         except AssertionError:
             held = sorted(r for r in _ids_held(cp.state) if r.startswith(INVENTED))
             raise AssertionError(f"{len(held)} invented ids still held, e.g. {held[:3]}") from None

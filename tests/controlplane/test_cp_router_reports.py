@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import time
 
+from nats.aio.client import Client as NATS
+
 from llmgw_common.codec import encode
 from llmgw_common.messages import IdleReport, UsageReport
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
-from tests.controlplane.cp_helpers import cp_settings, eventually, start_cp
+from tests.controlplane.cp_helpers import cp_settings, start_cp
+from tests.kit.poll import eventually
 
 
-async def test_a_report_naming_another_router_than_its_subject_is_dropped(nats_server, prefix, bus_nc):
+async def test_a_report_naming_another_router_than_its_subject_is_dropped(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS
+) -> None:
     run = await start_cp(cp_settings(nats_server.url, prefix), catalog_text=None)
     cp = run.cp
     subj = Subjects(prefix)
@@ -38,17 +44,13 @@ async def test_a_report_naming_another_router_than_its_subject_is_dropped(nats_s
             await bus_nc.publish(subject("r1"), make("r1"))  # genuine: the sync point
         await bus_nc.flush()
 
-        async def heard() -> bool:
+        def heard() -> bool:
             return cp.idle.routers == ("r1",) or len(cp.idle.routers) > 1
 
-        await eventually(heard)
-        await eventually(lambda: _usage_routers(cp, 1))
+        await eventually(heard, what="r1's idle report heard")
+        await eventually(lambda: cp.usage.view().routers >= 1, what="r1's usage report heard")
         assert cp.idle.routers == ("r1",)
         assert cp.usage.view().routers == 1
         assert cp.drops.count - drops == 4
     finally:
         await run.stop()
-
-
-async def _usage_routers(cp, n: int) -> bool:
-    return cp.usage.view().routers >= n

@@ -7,27 +7,28 @@ import asyncio
 from typing import Any
 
 import pytest
+from nats.aio.client import Client as NATS
 
 from llmgw_common import bus
 from llmgw_common.ctl import CtlClient, LeaseRecord
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.runtime import FailedPasses, TaskDied
 from llmgw_common.subjects import LEADER_KEY, Subjects
 from llmgw_controlplane import reconcile_loop
 from llmgw_controlplane.reconciler import reconcile as real_reconcile
 from llmgw_controlplane.service import MAX_FAILED_PASSES
-from tests.controlplane.cp_helpers import cp_settings, ctl_answers, eventually, start_cp
+from tests.controlplane.cp_helpers import cp_settings, ctl_answers, start_cp
+from tests.kit.poll import eventually
 
 
-async def _true(v: bool) -> bool:
-    return v
-
-
-async def _lease(nc: Any, prefix: str) -> tuple[LeaseRecord | None, int]:
+async def _lease(nc: NATS, prefix: str) -> tuple[LeaseRecord | None, int]:
     kv = await nc.jetstream().key_value(Subjects(prefix).bucket_leader)
     return await bus.kv_get(kv, LEADER_KEY, LeaseRecord)
 
 
-async def test_one_failing_pass_is_counted_and_reconciling_goes_on(nats_server, prefix, bus_nc, monkeypatch):
+async def test_one_failing_pass_is_counted_and_reconciling_goes_on(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls = [0]
 
     def flaky(*a: Any, **kw: Any) -> Any:
@@ -39,7 +40,7 @@ async def test_one_failing_pass_is_counted_and_reconciling_goes_on(nats_server, 
     monkeypatch.setattr(reconcile_loop, "reconcile", flaky)
     run = await start_cp(cp_settings(nats_server.url, prefix, lease_ttl_s=30.0))
     try:
-        await eventually(lambda: _true(run.cp.passes >= 3))
+        await eventually(lambda: run.cp.passes >= 3, what="three passes despite the failing one")
         assert run.cp.guard.failed == 1 and run.cp.guard.in_a_row == 0
         assert not run.task.done() and run.cp.leader
         await ctl_answers(bus_nc, prefix)
@@ -50,15 +51,15 @@ async def test_one_failing_pass_is_counted_and_reconciling_goes_on(nats_server, 
 
 
 async def test_passes_that_keep_failing_end_the_run_and_release_the_lease(
-    nats_server, prefix, bus_nc, monkeypatch
-):
+    nats_server: NatsServer, prefix: str, bus_nc: NATS, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def broken(*a: Any, **kw: Any) -> Any:
         raise ZeroDivisionError("every pass")
 
     monkeypatch.setattr(reconcile_loop, "reconcile", broken)
     s = cp_settings(nats_server.url, prefix, lease_ttl_s=3.0)
     a = await start_cp(s, holder="a")
-    await eventually(lambda: _true(a.cp.leader))
+    await eventually(lambda: a.cp.leader, what="a to lead")
     b = await start_cp(s, holder="b", catalog_text=None)
     try:
         with pytest.raises(TaskDied, match="task cp-reconcile raised FailedPasses") as died:
@@ -69,7 +70,7 @@ async def test_passes_that_keep_failing_end_the_run_and_release_the_lease(
         # Given up, not left to lapse: gone at once (unless the standby took it already).
         rec, _ = await _lease(bus_nc, prefix)
         assert rec is None or rec.holder == "b"
-        await eventually(lambda: _true(b.cp.leader), timeout=15)
+        await eventually(lambda: b.cp.leader, timeout=15, what="b to take the released lease")
         rec, _ = await _lease(bus_nc, prefix)
         assert rec is not None and rec.holder == "b"
     finally:
@@ -77,10 +78,12 @@ async def test_passes_that_keep_failing_end_the_run_and_release_the_lease(
         await a.nc.close()
 
 
-async def test_a_loop_that_ends_ends_the_run_and_releases_the_lease(nats_server, prefix, bus_nc):
+async def test_a_loop_that_ends_ends_the_run_and_releases_the_lease(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS
+) -> None:
     run = await start_cp(cp_settings(nats_server.url, prefix, lease_ttl_s=60.0), holder="a")
     try:
-        await eventually(lambda: _true(run.cp.leader))
+        await eventually(lambda: run.cp.leader, what="the control plane to lead")
         lease_task = next(t for t in run.cp._tasks if t.get_name() == "cp-lease")
         lease_task.cancel()
         with pytest.raises(TaskDied, match="task cp-lease was cancelled"):

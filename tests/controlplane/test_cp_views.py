@@ -99,7 +99,7 @@ def test_nodes_free_and_status_free_held_come_from_one_count() -> None:
         "lost": (1, 0, 2, 1, 4),
     }
     (cap,) = _status(st, now).capacity
-    sums = Counter()
+    sums: Counter[str] = Counter()
     for x in nodes.values():
         sums.update(
             total=x.gpus_total,

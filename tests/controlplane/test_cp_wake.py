@@ -8,6 +8,7 @@ import time
 
 import nats.js.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from llmgw_common import bus
 from llmgw_common.codec import decode, encode
@@ -21,8 +22,12 @@ from llmgw_common.messages import (
     WakeRequest,
     WakeState,
 )
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
-from tests.controlplane.cp_helpers import Beating, FakeAgent, cp_settings, eventually, start_cp
+from llmgw_controlplane.service import ControlPlane
+from tests.controlplane.cp_helpers import RunningCP, cp_settings, start_cp
+from tests.kit.agents import Beating, FakeAgent
+from tests.kit.poll import eventually
 
 CATALOG = """
 models:
@@ -91,7 +96,7 @@ class Router:
             await asyncio.gather(self._task, return_exceptions=True)
 
 
-async def ready_all(cp, agent: FakeAgent) -> None:
+async def ready_all(cp: ControlPlane, agent: FakeAgent) -> None:
     """The agent reports every replica the control plane placed on it ready."""
     for r in list(cp.state.replicas.values()):
         for s in r.shards:
@@ -99,13 +104,13 @@ async def ready_all(cp, agent: FakeAgent) -> None:
                 await agent.report(r.id, s.shard, r.model, ShardState.READY, s.port)
 
 
-def replicas_of(cp, model: str) -> list[str]:
+def replicas_of(cp: ControlPlane, model: str) -> list[str]:
     return [r.id for r in cp.state.replicas.values() if r.model == model]
 
 
 async def test_a_cold_model_is_published_cold_then_woken_once_by_concurrent_wakes(
-    nats_server, prefix, bus_nc
-):
+    nats_server: NatsServer, prefix: str, bus_nc: NATS
+) -> None:
     run = await start_cp(cp_settings(nats_server.url, prefix), CATALOG)
     agent = FakeAgent(bus_nc, prefix, "n1", gpus=1, memory_gb=None)
     beating = Beating([agent], 0.1)
@@ -117,7 +122,8 @@ async def test_a_cold_model_is_published_cold_then_woken_once_by_concurrent_wake
             ep = await endpoints(bus_nc, prefix)
             return ep if ep is not None and {"a", "b", "big"} <= set(ep.cold) else None
 
-        ep = await eventually(cold)
+        ep = await eventually(cold, what="a, b and big published cold")
+        assert ep is not None
         assert "scaled to zero" in ep.unavailable["a"] and "a" not in ep.coming
         assert replicas_of(run.cp, "a") == []
 
@@ -128,7 +134,8 @@ async def test_a_cold_model_is_published_cold_then_woken_once_by_concurrent_wake
             ep = await endpoints(bus_nc, prefix)
             return ep if ep is not None and "starting on n1" in ep.coming.get("a", "") else None
 
-        ep = await eventually(coming)
+        ep = await eventually(coming, what="a published as starting on n1")
+        assert ep is not None
         assert "a" not in ep.cold
         assert len(replicas_of(run.cp, "a")) == 1
         await ready_all(run.cp, agent)
@@ -136,7 +143,7 @@ async def test_a_cold_model_is_published_cold_then_woken_once_by_concurrent_wake
         async def served() -> list[Event]:
             return await events(bus_nc, prefix, "model.woken")
 
-        woken = await eventually(served)
+        woken = await eventually(served, what="a model.woken event")
         assert [e.subject for e in woken] == ["a"]
         assert 0 < woken[0].details["cold_start_s"] < 10
         assert (await wake(bus_nc, prefix, "a")).state is WakeState.SERVING
@@ -147,14 +154,14 @@ async def test_a_cold_model_is_published_cold_then_woken_once_by_concurrent_wake
         await run.stop()
 
 
-async def test_refusals_say_why(nats_server, prefix, bus_nc):
+async def test_refusals_say_why(nats_server: NatsServer, prefix: str, bus_nc: NATS) -> None:
     run = await start_cp(cp_settings(nats_server.url, prefix), CATALOG)
     agent = FakeAgent(bus_nc, prefix, "n1", gpus=1, memory_gb=None)
     beating = Beating([agent], 0.1)
     try:
         await agent.send_inventory()
         beating.start()
-        await eventually(lambda: endpoints(bus_nc, prefix))
+        await eventually(lambda: endpoints(bus_nc, prefix), what="routing endpoints published")
         unknown = await wake(bus_nc, prefix, "nope")
         assert unknown.state is WakeState.REFUSED and "model nope is not in the catalog" in unknown.reason
         big = await wake(bus_nc, prefix, "big")
@@ -166,23 +173,23 @@ async def test_refusals_say_why(nats_server, prefix, bus_nc):
         await run.stop()
 
 
-async def test_a_standby_does_not_answer_wakes(nats_server, prefix, bus_nc):
+async def test_a_standby_does_not_answer_wakes(nats_server: NatsServer, prefix: str, bus_nc: NATS) -> None:
     s = cp_settings(nats_server.url, prefix)
     lead = await start_cp(s, CATALOG, holder="lead")
-    await eventually(lambda: asyncio.sleep(0, lead.cp.leader))
+    await eventually(lambda: lead.cp.leader, what="the first control plane to lead")
     standby = await start_cp(s, CATALOG, holder="standby")
     try:
         inbox = bus_nc.new_inbox()
         got: list[bytes] = []
 
-        async def cb(msg) -> None:
+        async def cb(msg: Msg) -> None:
             got.append(msg.data)
 
         sub = await bus_nc.subscribe(inbox, cb=cb)
         await bus.sent(bus_nc)
         req = WakeRequest(model="a", router="r1", sent_at=time.time())
         await bus_nc.publish(Subjects(prefix).wake("r1"), encode(req), reply=inbox)
-        await eventually(lambda: asyncio.sleep(0, got))
+        await eventually(lambda: got, what="an answer to the wake")
         # A second round trip through the leader: had the standby answered the first, its reply would be
         # here by now (both heard the request at the same time).
         second = await wake(bus_nc, prefix, "a")
@@ -195,20 +202,20 @@ async def test_a_standby_does_not_answer_wakes(nats_server, prefix, bus_nc):
         await lead.stop()
 
 
-async def _woken_and_ready(run, bus_nc, prefix: str, agent: FakeAgent, model: str) -> str:
+async def _woken_and_ready(run: RunningCP, bus_nc: NATS, prefix: str, agent: FakeAgent, model: str) -> str:
     assert (await wake(bus_nc, prefix, model)).state is WakeState.WAKING
-    await eventually(lambda: asyncio.sleep(0, replicas_of(run.cp, model)))
+    await eventually(lambda: replicas_of(run.cp, model), what=f"a replica of {model} placed")
     await ready_all(run.cp, agent)
 
     async def woken() -> list[Event]:
         return [e for e in await events(bus_nc, prefix, "model.woken") if e.subject == model]
 
-    await eventually(woken)
+    await eventually(woken, what=f"a model.woken event for {model}")
     (rid,) = replicas_of(run.cp, model)
     return rid
 
 
-async def test_unknown_idle_scales_nothing_down(nats_server, prefix, bus_nc):
+async def test_unknown_idle_scales_nothing_down(nats_server: NatsServer, prefix: str, bus_nc: NATS) -> None:
     # The node is not lost within the hour the test looks ahead (it keeps its replicas while silent).
     run = await start_cp(cp_settings(nats_server.url, prefix, node_lost_s=7200.0), CATALOG)
     agent = FakeAgent(bus_nc, prefix, "n1", gpus=1, memory_gb=None)
@@ -216,7 +223,7 @@ async def test_unknown_idle_scales_nothing_down(nats_server, prefix, bus_nc):
     try:
         await agent.send_inventory()
         beating.start()
-        await eventually(lambda: endpoints(bus_nc, prefix))
+        await eventually(lambda: endpoints(bus_nc, prefix), what="routing endpoints published")
         rid = await _woken_and_ready(run, bus_nc, prefix, agent, "a")
         # No router reports: an hour later (3600 times idle_after) nothing is known idle, nothing stops.
         await run.cp.loop.pass_once(time.time() + 3600)
@@ -227,7 +234,9 @@ async def test_unknown_idle_scales_nothing_down(nats_server, prefix, bus_nc):
         await run.stop()
 
 
-async def test_known_idle_scales_a_watched_model_to_zero_and_cold_is_not_down(nats_server, prefix, bus_nc):
+async def test_known_idle_scales_a_watched_model_to_zero_and_cold_is_not_down(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS
+) -> None:
     catalog = CATALOG + (
         "  - {name: w, engine: sim, min_replicas: 0, idle_after: 1s,"
         " watch: {allow_scale_to_zero: true, probe_every: 1s, budget: 0.5s}}\n"
@@ -239,10 +248,12 @@ async def test_known_idle_scales_a_watched_model_to_zero_and_cold_is_not_down(na
     try:
         await agent.send_inventory()
         beating.start()
-        await eventually(lambda: endpoints(bus_nc, prefix))
+        await eventually(lambda: endpoints(bus_nc, prefix), what="routing endpoints published")
         await _woken_and_ready(run, bus_nc, prefix, agent, "w")
         router.start()  # it never routed to the replica: idle at least since the replica started
-        gone = await eventually(lambda: events(bus_nc, prefix, "model.scaled_to_zero"))
+        gone = await eventually(
+            lambda: events(bus_nc, prefix, "model.scaled_to_zero"), what="a model.scaled_to_zero event"
+        )
         assert [e.subject for e in gone] == ["w"]
         assert replicas_of(run.cp, "w") == []
 
@@ -250,7 +261,7 @@ async def test_known_idle_scales_a_watched_model_to_zero_and_cold_is_not_down(na
             ep = await endpoints(bus_nc, prefix)
             return ep if ep is not None and "w" in ep.cold and "w" not in ep.endpoints else None
 
-        await eventually(cold)
+        await eventually(cold, what="w published cold with no endpoint")
         # Far past its watch budget with no ready replica: cold, not down.
         await run.cp.loop.pass_once(time.time() + 60)
         assert [e for e in await events(bus_nc, prefix, "model.down") if e.subject == "w"] == []
@@ -260,7 +271,9 @@ async def test_known_idle_scales_a_watched_model_to_zero_and_cold_is_not_down(na
         await run.stop()
 
 
-async def test_a_wake_evicts_the_idle_model_when_there_is_no_room(nats_server, prefix, bus_nc):
+async def test_a_wake_evicts_the_idle_model_when_there_is_no_room(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS
+) -> None:
     run = await start_cp(cp_settings(nats_server.url, prefix, eviction_min_residency_s=0.0), CATALOG)
     agent = FakeAgent(bus_nc, prefix, "n1", gpus=1, memory_gb=None)
     beating = Beating([agent], 0.1)
@@ -268,12 +281,12 @@ async def test_a_wake_evicts_the_idle_model_when_there_is_no_room(nats_server, p
     try:
         await agent.send_inventory()
         beating.start()
-        await eventually(lambda: endpoints(bus_nc, prefix))
+        await eventually(lambda: endpoints(bus_nc, prefix), what="routing endpoints published")
         a_id = await _woken_and_ready(run, bus_nc, prefix, agent, "a")
         # a is in use (a router routes to it all the time): known idle, for well under its idle_after.
         router.busy.add(a_id)
         router.start()
-        await eventually(lambda: asyncio.sleep(0, run.cp.idle.routers))
+        await eventually(lambda: run.cp.idle.routers, what="the router's idle report heard")
         ctl = CtlClient(bus_nc, prefix)
         ex = await ctl.explain_placement("b")
         assert not ex.placeable and f"would evict {a_id} of a on n1 (idle for" in ex.eviction, ex.eviction
@@ -282,11 +295,13 @@ async def test_a_wake_evicts_the_idle_model_when_there_is_no_room(nats_server, p
         assert reply.state is WakeState.WAKING, reply
         assert f"would evict {a_id} of a on n1" in reply.reason
 
-        evicted = await eventually(lambda: events(bus_nc, prefix, "model.evicted"))
+        evicted = await eventually(
+            lambda: events(bus_nc, prefix, "model.evicted"), what="a model.evicted event"
+        )
         assert [(e.subject, e.details["replica"], e.details["for_model"]) for e in evicted] == [
             ("a", a_id, "b")
         ]
-        await eventually(lambda: asyncio.sleep(0, replicas_of(run.cp, "b")))
+        await eventually(lambda: replicas_of(run.cp, "b"), what="a replica of b placed")
         assert replicas_of(run.cp, "a") == []
         # a is not placed back: its target went down with the eviction.
         await run.cp.loop.pass_once(time.time())
@@ -302,18 +317,20 @@ async def test_a_wake_evicts_the_idle_model_when_there_is_no_room(nats_server, p
         await run.stop()
 
 
-async def test_a_wake_while_settling_is_waking_and_served_once_settled(nats_server, prefix, bus_nc):
+async def test_a_wake_while_settling_is_waking_and_served_once_settled(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS
+) -> None:
     # Right after a start nothing is known of the nodes: a wake is taken, not refused for want of them.
     run = await start_cp(cp_settings(nats_server.url, prefix, settle_s=1.0), CATALOG)
     agent = FakeAgent(bus_nc, prefix, "n1", gpus=1, memory_gb=None)
     beating = Beating([agent], 0.1)
     try:
-        await eventually(lambda: asyncio.sleep(0, run.cp.leader))
+        await eventually(lambda: run.cp.leader, what="the control plane to lead")
         reply = await wake(bus_nc, prefix, "a")
         assert reply.state is WakeState.WAKING, reply
         await agent.send_inventory()
         beating.start()
-        await eventually(lambda: asyncio.sleep(0, replicas_of(run.cp, "a")))
+        await eventually(lambda: replicas_of(run.cp, "a"), what="a replica of a placed once settled")
     finally:
         await beating.stop()
         await run.stop()

@@ -11,12 +11,15 @@ import asyncio
 import logging
 import time
 
+from nats.aio.client import Client as NATS
+
 from llmgw_common import bus
 from llmgw_common.codec import decode, encode
 from llmgw_common.messages import WakeReply, WakeRequest, WakeState
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane.wakes import MEMO_MAX, WakeResponder
-from tests.controlplane.cp_helpers import eventually
+from tests.kit.poll import eventually
 
 
 class _Answers:
@@ -30,7 +33,7 @@ class _Answers:
         return WakeReply(model=req.model, state=WakeState.WAKING, reason=f"answer {len(self.asked)}")
 
 
-async def _flood(nc, prefix: str, models: list[str]) -> list[WakeReply]:
+async def _flood(nc: NATS, prefix: str, models: list[str]) -> list[WakeReply]:
     subj = Subjects(prefix)
 
     async def one(m: str) -> WakeReply:
@@ -40,7 +43,9 @@ async def _flood(nc, prefix: str, models: list[str]) -> list[WakeReply]:
     return list(await asyncio.gather(*(one(m) for m in models)))
 
 
-async def test_a_flood_of_wakes_for_one_model_computes_one_answer(nats_server, prefix, bus_nc) -> None:
+async def test_a_flood_of_wakes_for_one_model_computes_one_answer(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS
+) -> None:
     now = [100.0]
     version = [1]
     answers = _Answers()
@@ -73,7 +78,9 @@ async def test_a_flood_of_wakes_for_one_model_computes_one_answer(nats_server, p
         await responder.stop()
 
 
-async def test_wakes_for_invented_models_do_not_grow_memory(nats_server, prefix, bus_nc) -> None:
+async def test_wakes_for_invented_models_do_not_grow_memory(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS
+) -> None:
     answers = _Answers()
     responder = WakeResponder(
         Subjects(prefix).all_wake(), answers, bus.DropLog(logging.getLogger("t")), version=lambda: 1
@@ -83,14 +90,16 @@ async def test_wakes_for_invented_models_do_not_grow_memory(nats_server, prefix,
         names = [f"invented-{i}" for i in range(MEMO_MAX * 2 + 10)]
         for i in range(0, len(names), 500):
             await _flood(bus_nc, prefix, names[i : i + 500])
-        await eventually(lambda: asyncio.sleep(0, responder.answered == len(names)))
+        await eventually(
+            lambda: responder.answered == len(names), what="every invented model's wake answered"
+        )
         assert len(responder._memo) <= MEMO_MAX
     finally:
         await responder.stop()
 
 
 async def test_a_wake_for_a_huge_or_invalid_name_is_refused_shortly_without_asking(
-    nats_server, prefix, bus_nc
+    nats_server: NatsServer, prefix: str, bus_nc: NATS
 ) -> None:
     answers = _Answers()
     responder = WakeResponder(

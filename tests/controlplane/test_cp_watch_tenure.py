@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import time
 
+from nats.aio.client import Client as NATS
+
 from llmgw_common import bus
 from llmgw_common.catalog import parse_catalog
 from llmgw_common.codec import encode
 from llmgw_common.messages import ShardState
+from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane.service import ControlPlane
-from tests.controlplane.cp_helpers import FakeAgent, cp_settings, eventually
+from tests.controlplane.cp_helpers import cp_settings
+from tests.kit.agents import FakeAgent
+from tests.kit.poll import eventually
 
 CATALOG = (
     "models:\n  - {name: w, engine: sim, startup_timeout_s: 100000, watch: {budget: 30s, probe_every: 60s}}\n"
@@ -30,7 +35,9 @@ class Clock:
         return self.t
 
 
-async def test_leading_again_does_not_judge_an_outage_from_an_earlier_tenure(nats_server, prefix, bus_nc):
+async def test_leading_again_does_not_judge_an_outage_from_an_earlier_tenure(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS
+) -> None:
     clock = Clock(time.time())  # the agent stamps its messages with the real time
     s = cp_settings(nats_server.url, prefix, lease_ttl_s=60.0, node_lost_s=100_000.0)
     nc = await bus.connect(s, "cp-test", wait=False)
@@ -44,11 +51,11 @@ async def test_leading_again_does_not_judge_an_outage_from_an_earlier_tenure(nat
         await cp._become_leader()
         await agent.send_inventory()
 
-        async def known() -> bool:
+        def known() -> bool:
             node = cp.state.nodes.get("gpu-0")
             return node is not None and node.inventory is not None
 
-        await eventually(known)
+        await eventually(known, what="gpu-0's inventory taken")
         await cp._tick(clock())
         (rid,) = cp.state.replicas
         port = cp.state.replicas[rid].shards[0].port
@@ -59,14 +66,14 @@ async def test_leading_again_does_not_judge_an_outage_from_an_earlier_tenure(nat
             rep = cp.state.nodes["gpu-0"].shards.get((rid, 0))
             return rep is not None and rep.state is state
 
-        await eventually(lambda: shard(ShardState.READY))
+        await eventually(lambda: shard(ShardState.READY), what="the shard known ready")
         await cp._tick(clock())
         assert cp.detector.down == set()
 
         # Another control plane leads for an hour; this one stands by. Meanwhile the replica restarts.
         await cp._step_down()
         clock.t += 3600.0
-        await eventually(lambda: shard(ShardState.STARTING))
+        await eventually(lambda: shard(ShardState.STARTING), what="the restarted shard known starting")
         await cp._become_leader()
         await cp._tick(clock())
         assert cp.detector.down == set(), "model.down on the first pass of a new tenure"

@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 
 import pytest
+from nats.aio.client import Client as NATS
 
 from llmgw_common.ctl import CtlClient, CtlError
+from llmgw_common.natsserver import NatsServer
 from tests.controlplane.cp_helpers import cp_settings, ctl_answers, start_cp
 
 # The report's 1.2 KB catalog: nine levels of ten aliases in a model's options (10^9 nodes expanded).
@@ -15,7 +17,9 @@ BOMB = "models:\n  - name: tiny\n    engine: sim\n    options:\n      a0: &a0 [l
 )
 
 
-async def test_alias_bomb_refused_fast_and_old_catalog_kept(nats_server, prefix, bus_nc):
+async def test_alias_bomb_refused_fast_and_old_catalog_kept(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS
+) -> None:
     assert len(BOMB) < 1300
     run = await start_cp(cp_settings(nats_server.url, prefix))
     # Two seconds is the ctl default; the unbounded loader took 13 s and 1.15 GB here.

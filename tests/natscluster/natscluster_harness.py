@@ -31,6 +31,7 @@ from llmgw_common.natsauth import Role, all_roles, authorization_config
 from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
 from tests.chaos.chaos_harness import ChaosCluster, Proc, free_port
+from tests.kit.poll import eventually_sync
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy" / "nats"
@@ -52,7 +53,9 @@ def derive_config(
     # NatsServer passes the store as -sd, and nats-server refuses a store_dir given twice.
     text = _sub(text, r"^(\s*)store_dir: .*$", rf"\g<1># store_dir: {store} (given as -sd)", "a store_dir")
     text = _sub(text, r"^(\s*)max_file_store: .*$", r"\g<1>max_file_store: 1G", "a max_file_store")
-    me = cluster_ports[int(re.search(r"^server_name: nats-(\d)", text, re.M).group(1)) - 1]  # type: ignore[union-attr]
+    named = re.search(r"^server_name: nats-(\d)", text, re.M)
+    assert named is not None, "the production config names its server nats-N"
+    me = cluster_ports[int(named.group(1)) - 1]
     text = _sub(text, r"^(\s+)listen: 0\.0\.0\.0:6222$", rf"\g<1>listen: 127.0.0.1:{me}", "a cluster listen")
     for i, port in enumerate(cluster_ports, start=1):
         text = _sub(
@@ -157,13 +160,16 @@ class NatsCluster:
         return leaders.pop() if len(leaders) == 1 else None
 
     def wait_meta_leader(self, timeout: float = 30.0) -> tuple[str, float]:
+        """The JetStream meta leader every live server agrees on, and the seconds it took."""
         t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            leader = self.meta_leader()
-            if leader is not None:
-                return leader, time.monotonic() - t0
-            time.sleep(0.1)
-        raise AssertionError(f"no JetStream meta leader agreed within {timeout:.0f}s: {self.logs_tail()}")
+        try:
+            leader = eventually_sync(
+                self.meta_leader, timeout=timeout, every=0.1, what="every live server to name one meta leader"
+            )
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {self.logs_tail()}") from None
+        assert leader is not None
+        return leader, time.monotonic() - t0
 
     def index(self, name: str) -> int:
         return self.names.index(name)

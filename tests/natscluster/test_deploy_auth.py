@@ -12,7 +12,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import nats
@@ -24,6 +23,7 @@ from llmgw_common import bus
 from llmgw_common.natsserver import find_nats_server
 from llmgw_common.settings import BusSettings
 from tests.chaos.chaos_harness import free_port
+from tests.kit.poll import eventually_sync
 from tests.natscluster.natscluster_harness import DEPLOY, derive_config
 
 SERVERS = ("nats-1.conf", "nats-2.conf", "nats-3.conf")
@@ -95,15 +95,20 @@ def _client_port(conf: Path) -> int:
 
 
 def _wait_listening(proc: subprocess.Popen[bytes], port: int, log: Path, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def listening() -> bool:
         assert proc.poll() is None, f"nats-server exited with {proc.returncode}:\n{log.read_text()}"
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
+                return True
         except OSError:
-            time.sleep(0.05)
-    raise AssertionError(f"nats-server not listening on {port} within {timeout:.0f}s:\n{log.read_text()}")
+            return False
+
+    try:
+        eventually_sync(listening, timeout=timeout, every=0.05, what=f"nats-server to listen on {port}")
+    except AssertionError as e:
+        if proc.poll() is not None:
+            raise  # it exited: the message has its log already
+        raise AssertionError(f"{e}\n{log.read_text()}") from None
 
 
 async def test_a_server_without_its_auth_file_refuses_to_start_and_with_it_refuses_strangers(

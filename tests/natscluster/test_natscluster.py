@@ -26,13 +26,15 @@ from pathlib import Path
 import httpx
 import nats.js.errors
 import pytest
+from nats.aio.client import Client as NATS
 
 from llmgw_common import bus
 from llmgw_common.settings import BusSettings
 from llmgw_common.subjects import Subjects
-from tests.chaos.chaos_bus import poll
+from tests.chaos.chaos_bus import BUS_ERRORS, timed
 from tests.chaos.chaos_harness import AGGRESSIVE
 from tests.chaos.chaos_traffic import Traffic, wait_serving
+from tests.kit.poll import eventually
 from tests.natscluster.natscluster_harness import Topology, service_logs
 
 pytestmark = [pytest.mark.xdist_group("natscluster"), pytest.mark.e2e, pytest.mark.slow]
@@ -123,13 +125,22 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     receiver = Receiver()
     try:
         topo.start_nats()
-        topo.natscluster.wait_meta_leader()  # type: ignore[union-attr]
+        assert topo.natscluster is not None  # start_nats made it
+        topo.natscluster.wait_meta_leader()
         # Before any service: `llmgw keys create` makes the keys bucket itself (it must be R3 too).
         key = _keys_create(topo, "traffic")
         probe_key = _keys_create(topo, "probe")
         topo.start_controlplane("cp-a")
         # Only the control plane may create buckets: the other roles bind to what it made.
-        asyncio.run(poll("the control plane made the buckets", lambda: _replicas_of_everything(topo), 30))
+        asyncio.run(
+            eventually(
+                lambda: _replicas_of_everything(topo),
+                timeout=30,
+                every=0.2,
+                what="the control plane to make the buckets",
+                tolerate=BUS_ERRORS,
+            )
+        )
         topo.start_router("router")
         for n in NODES:
             topo.start_agent(n)
@@ -142,7 +153,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         receiver.close()
 
 
-async def _connect(topo: Topology) -> bus.NATS:
+async def _connect(topo: Topology) -> NATS:
     return await bus.connect(BusSettings(**topo.bus_settings("admin")), "natscluster-test")
 
 
@@ -218,8 +229,8 @@ async def test_server_kill_keeps_serving_placement_and_ctl(run: Run) -> None:
 
         # From the moment of the kill, concurrently: the servers elect a leader; ctl is asked.
         (leader, leader_s), (nodes, nodes_s) = await asyncio.gather(
-            poll("a new meta leader among the two survivors", lambda: asyncio.to_thread(new_leader), 30),
-            poll("`llmgw ctl nodes` lists both nodes ready", lambda: asyncio.to_thread(ctl_nodes), 30),
+            timed("a new meta leader among the two survivors", lambda: asyncio.to_thread(new_leader), 30),
+            timed("`llmgw ctl nodes` to list both nodes ready", lambda: asyncio.to_thread(ctl_nodes), 30),
         )
 
         # Placement: a catalog change made after the kill is placed and served.
@@ -230,7 +241,14 @@ async def test_server_kill_keeps_serving_placement_and_ctl(run: Run) -> None:
             r = topo.cli("ctl-catalog-apply", "ctl", "catalog", "apply", str(catalog2), timeout=20)
             return r.stdout if r.returncode == 0 else None
 
-        applied, _ = await poll("`llmgw ctl catalog apply` accepted", lambda: asyncio.to_thread(apply), 30)
+        applied = await eventually(
+            lambda: asyncio.to_thread(apply),
+            timeout=30,
+            every=0.2,
+            what="`llmgw ctl catalog apply` to be accepted",
+            tolerate=BUS_ERRORS,
+        )
+        assert applied is not None
         apply_s = time.monotonic() - t_kill
         # A try whose answer was lost in the election may have applied it already: then "no change".
         shown = await asyncio.to_thread(topo.cli, "ctl-catalog-show", "ctl", "catalog", "show", timeout=20)
@@ -325,7 +343,9 @@ async def test_no_secret_reaches_a_log(run: Run) -> None:
         codes["revoked"].append(code)
         return code == 401
 
-    await poll("the revoked key refused", refused, 15)
+    await eventually(
+        refused, timeout=15, every=0.2, what="the revoked key to be refused", tolerate=BUS_ERRORS
+    )
     assert set(codes["good"]) == {200}, codes
     assert set(codes["wrong"]) == {401}, codes
 
@@ -334,7 +354,13 @@ async def test_no_secret_reaches_a_log(run: Run) -> None:
     async def both_tried_twice() -> bool:
         return all(run.receiver.paths.count(p) >= 2 for p in (slack_path, json_path))
 
-    await poll("both webhooks POSTed to twice", both_tried_twice, 30)
+    await eventually(
+        both_tried_twice,
+        timeout=30,
+        every=0.2,
+        what="both webhooks to be POSTed to twice",
+        tolerate=BUS_ERRORS,
+    )
 
     topo.close()
     found = scan(

@@ -19,9 +19,10 @@ import httpx
 import psutil
 import pytest
 
-from tests.chaos.chaos_bus import BusView, poll
+from tests.chaos.chaos_bus import BUS_ERRORS, BusView, timed
 from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, mint_key, wait_endpoints
 from tests.chaos.chaos_traffic import Record, Traffic, wait_serving
+from tests.kit.poll import eventually
 
 pytestmark = [pytest.mark.xdist_group("operator"), pytest.mark.e2e, pytest.mark.slow]
 
@@ -99,8 +100,18 @@ async def test_drain_under_traffic_drops_nothing(cluster: tuple[ChaosCluster, st
     traffic = MixedTraffic(c.router_url(), key, clients=4, max_tokens=40)
     try:
         await wait_serving(c.router_url(), key)
-        (old_node,), _ = await poll("chat has its endpoint", lambda: _nodes(view), 15)
-        old_pids, _ = await poll("old engine pid", lambda: _pids(view, old_node), 10)
+        nodes = await eventually(
+            lambda: _nodes(view), timeout=15, every=0.2, what="chat to have one endpoint", tolerate=BUS_ERRORS
+        )
+        assert nodes is not None
+        (old_node,) = nodes
+        old_pids = await eventually(
+            lambda: _pids(view, old_node),
+            timeout=10,
+            every=0.2,
+            what=f"chat's engine pid on {old_node}",
+            tolerate=BUS_ERRORS,
+        )
         traffic.start()
         await traffic.run_for(2.0)
         t_drain = time.monotonic()
@@ -111,14 +122,14 @@ async def test_drain_under_traffic_drops_nothing(cluster: tuple[ChaosCluster, st
             nodes = await view.endpoint_nodes("chat")
             return nodes if nodes and old_node not in nodes else None
 
-        new_nodes, took = await poll(f"chat served away from {old_node}", moved, 45)
+        new_nodes, took = await timed(f"chat to be served away from {old_node}", moved, 45)
 
         async def old_gone() -> bool:
             return not any(psutil.pid_exists(p) for p in old_pids) and not view.nodes_hosting("chat") & {
                 old_node
             }
 
-        _, gone = await poll(f"old engine on {old_node} stopped", old_gone, 30)
+        _, gone = await timed(f"the old engine on {old_node} to stop", old_gone, 30)
         await traffic.run_for(2.0)
         await traffic.stop()
         every = traffic.all("all requests")
@@ -147,5 +158,5 @@ async def _nodes(view: BusView) -> list[str] | None:
     return nodes if len(nodes) == 1 else None
 
 
-async def _pids(view: BusView, node: str) -> set[int] | None:
-    return set(view.engine_pids(node).values()) or None
+async def _pids(view: BusView, node: str) -> set[int]:
+    return set(view.engine_pids(node).values())

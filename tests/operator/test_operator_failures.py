@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from tests.chaos.chaos_bus import BusView, poll
+from tests.chaos.chaos_bus import BUS_ERRORS, BusView
 from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster
+from tests.kit.poll import eventually
 from tests.operator.test_operator_drain import _ctl
 
 pytestmark = [pytest.mark.xdist_group("operator"), pytest.mark.e2e, pytest.mark.slow]
@@ -56,14 +57,23 @@ async def test_a_failed_engine_stays_explained_many_passes_later(cluster: ChaosC
     c = cluster
     view = await BusView.connect(c.nats_url, c.prefix)
     try:
-        await poll("a control plane leads", view.stats, 30)
+        await eventually(
+            view.stats, timeout=30, every=0.2, what="a control plane to answer", tolerate=BUS_ERRORS
+        )
 
         async def a_failure() -> str | None:
             reply = json.loads(await _ctl(c, "replicas", "-o", "json"))
             seen = [*reply["replicas"], *reply.get("failed", [])]
             return next((r["id"] for r in seen if _explained(r)), None)
 
-        rid, _ = await poll("a replica failed with the engine's log tail", a_failure, 60)
+        rid = await eventually(
+            a_failure,
+            timeout=60,
+            every=0.2,
+            what="a replica failed with the engine's log tail",
+            tolerate=BUS_ERRORS,
+        )
+        assert rid is not None
         stats = await view.stats()
         assert stats is not None
         start = stats.passes
@@ -72,7 +82,9 @@ async def test_a_failed_engine_stays_explained_many_passes_later(cluster: ChaosC
             s = await view.stats()
             return s is not None and s.passes >= start + 12
 
-        await poll("a dozen reconcile passes", passes_later, 30)
+        await eventually(
+            passes_later, timeout=30, every=0.2, what="a dozen more reconcile passes", tolerate=BUS_ERRORS
+        )
 
         replicas = json.loads(await _ctl(c, "replicas", "-o", "json"))
         assert rid not in {r["id"] for r in replicas["replicas"]}  # it was stopped...

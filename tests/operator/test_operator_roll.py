@@ -20,9 +20,10 @@ import pytest
 
 from llmgw_common.catalog import parse_catalog
 from llmgw_common.messages import ReplicaSpec
-from tests.chaos.chaos_bus import BusView, poll
+from tests.chaos.chaos_bus import BUS_ERRORS, BusView, timed
 from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, mint_key, wait_endpoints
 from tests.chaos.chaos_traffic import wait_serving
+from tests.kit.poll import eventually
 from tests.operator.test_operator_drain import MixedTraffic, _ctl
 
 pytestmark = [pytest.mark.xdist_group("operator"), pytest.mark.e2e, pytest.mark.slow]
@@ -86,7 +87,14 @@ async def test_profile_change_under_traffic_rolls_one_at_a_time_and_drops_nothin
     try:
         await wait_serving(c.router_url(), key)
         old_ids = set(await view.records())
-        old_pids, _ = await poll("both engines ready", lambda: _two(set(view.engine_pids().values())), 15)
+        old_pids = await eventually(
+            lambda: _two(set(view.engine_pids().values())),
+            timeout=15,
+            every=0.2,
+            what="both engines ready",
+            tolerate=BUS_ERRORS,
+        )
+        assert old_pids is not None
         traffic.start()
         await traffic.run_for(2.0)
         t_apply = time.monotonic()
@@ -102,7 +110,7 @@ async def test_profile_change_under_traffic_rolls_one_at_a_time_and_drops_nothin
             gone = not any(psutil.pid_exists(p) for p in old_pids)
             return gone and len(pids) == 2 and not pids & old_pids and len(eps) == 2
 
-        _, took = await poll("both replicas replaced, serving, old engines gone", replaced, 90)
+        _, took = await timed("both replicas replaced and serving, and the old engines gone", replaced, 90)
         await traffic.run_for(2.0)
         await traffic.stop()
         every = traffic.all("all requests")
@@ -128,5 +136,5 @@ async def test_profile_change_under_traffic_rolls_one_at_a_time_and_drops_nothin
         await view.close()
 
 
-async def _two(pids: set[int]) -> set[int] | None:
+def _two(pids: set[int]) -> set[int] | None:
     return pids if len(pids) == 2 else None

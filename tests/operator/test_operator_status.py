@@ -15,14 +15,15 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import nats
 import pytest
 
 from llmgw_common.ctl import CtlClient, CtlError
+from llmgw_common.natsserver import NatsServer
+from tests.kit.poll import eventually
 from tests.operator.operator_fleet import (
     CATALOG,
     SHAPES,
@@ -67,23 +68,10 @@ async def _cli(url: str, prefix: str, *args: str) -> str:
     return out.decode()
 
 
-async def _until(what: str, probe: Any, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = await probe()
-        except CtlError as e:
-            last = e
-        else:
-            if last:
-                return last
-        await asyncio.sleep(0.25)
-    raise AssertionError(f"{what}: not within {timeout:.0f}s (last: {last!r})"[:2000])
-
-
 @pytest.fixture
-async def fleet_cp(nats_server: Any, prefix: str, tmp_path: Path) -> AsyncIterator[tuple[Fleet, CtlClient]]:
+async def fleet_cp(
+    nats_server: NatsServer, prefix: str, tmp_path: Path
+) -> AsyncIterator[tuple[Fleet, CtlClient]]:
     cat = tmp_path / "catalog.yaml"
     cat.write_text(CATALOG)
     log_path = tmp_path / "controlplane.log"
@@ -104,7 +92,9 @@ async def fleet_cp(nats_server: Any, prefix: str, tmp_path: Path) -> AsyncIterat
                 raise AssertionError(f"control plane exited: {log_path.read_text()[-2000:]}")
             return (await ctl.debug_stats()).leader
 
-        await _until("control plane leads", leading, 30)
+        await eventually(
+            leading, timeout=30, every=0.25, what="the control plane to lead", tolerate=(CtlError,)
+        )
         await fleet.start()
         yield fleet, ctl
     finally:
@@ -120,12 +110,12 @@ async def fleet_cp(nats_server: Any, prefix: str, tmp_path: Path) -> AsyncIterat
 
 
 async def test_status_fits_one_screen_and_matches_tables(
-    fleet_cp: tuple[Fleet, CtlClient], nats_server: Any, prefix: str
+    fleet_cp: tuple[Fleet, CtlClient], nats_server: NatsServer, prefix: str
 ) -> None:
     fleet, ctl = fleet_cp
     fleet.used_models = {"chat-h100"}
     t0 = time.monotonic()
-    last: dict[str, Any] = {"placed": -1, "since": time.monotonic()}
+    last: dict[str, float] = {"placed": -1, "since": time.monotonic()}
 
     async def settled() -> bool:
         s = await ctl.debug_stats()
@@ -139,13 +129,17 @@ async def test_status_fits_one_screen_and_matches_tables(
             and time.monotonic() - last["since"] > 2.0
         )
 
-    await _until("fleet placed and ready", settled, 60)
+    await eventually(
+        settled, timeout=60, every=0.25, what="the fleet placed, ready and settled", tolerate=(CtlError,)
+    )
     placed_s = time.monotonic() - t0
     # Cordon a node that hosts nothing: its free cards are no longer room for new replicas.
     nodes0 = (await ctl.nodes()).nodes
     victim = next(n.name for n in nodes0 if not n.replicas and n.gpus_total == 8 and not n.gpus_unhealthy)
     await ctl.cordon(victim)
-    await _until("cordon seen", _cordoned(ctl, victim), 10)
+    await eventually(
+        _cordoned(ctl, victim), timeout=10, every=0.25, what=f"{victim} listed cordoned", tolerate=(CtlError,)
+    )
 
     async def idle_known() -> bool:
         st = await ctl.status()
@@ -153,7 +147,13 @@ async def test_status_fits_one_screen_and_matches_tables(
             1 for r in (await ctl.replicas()).replicas if r.model != "chat-h100"
         )
 
-    await _until(f"replicas unused for {IDLE_S:g}s listed as idle", idle_known, 20)
+    await eventually(
+        idle_known,
+        timeout=20,
+        every=0.25,
+        what=f"replicas unused for {IDLE_S:g}s to be listed as idle",
+        tolerate=(CtlError,),
+    )
     st = await ctl.debug_stats()
     print(f"pass ms last {st.last_pass_ms} recent {st.recent_pass_ms[-10:]}")
 
@@ -277,7 +277,7 @@ async def test_status_fits_one_screen_and_matches_tables(
     )
 
 
-def _cordoned(ctl: CtlClient, node: str) -> Any:
+def _cordoned(ctl: CtlClient, node: str) -> Callable[[], Awaitable[bool]]:
     async def probe() -> bool:
         return any(n.name == node and n.cordoned for n in (await ctl.nodes()).nodes)
 

@@ -20,13 +20,15 @@ from typing import Any
 import nats.js.errors
 import pytest
 from aiohttp import web
+from nats.js.api import ConsumerInfo
 
 from llmgw_common.messages import ClusterSettings, Event, Webhook
 from llmgw_notifier.delivery import consumer_name
 from llmgw_notifier.targets import target_id
-from tests.chaos.chaos_bus import BusView, poll
+from tests.chaos.chaos_bus import BUS_ERRORS, BusView, timed
 from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, mint_key, wait_endpoints
 from tests.chaos.chaos_traffic import wait_serving
+from tests.kit.poll import eventually
 
 pytestmark = [pytest.mark.xdist_group("operator"), pytest.mark.e2e, pytest.mark.slow]
 
@@ -67,7 +69,7 @@ class Receiver:
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        port = self.runner.addresses[0][1]
         self.url = f"http://127.0.0.1:{port}/hook"
 
     async def stop(self) -> None:
@@ -130,9 +132,17 @@ async def test_killed_engine_of_watched_model_alerts_once_down_once_recovered(
         # Probes failed while the first replica started: a model that was never up is not down.
         assert await view.model_events("judge") == [], "an alert while the first replica started"
         await view.ctl.settings_set(ClusterSettings(webhooks=(Webhook(url=receiver.url, format="json"),)))
-        await poll("the notifier delivering to the receiver", lambda: _consumer_idle(view, consumer), 20)
+        await eventually(
+            lambda: _consumer_idle(view, consumer),
+            timeout=20,
+            every=0.2,
+            what="the notifier to have delivered everything to the receiver",
+            tolerate=BUS_ERRORS,
+        )
         assert receiver.kinds("judge") == [], receiver.got
-        pids, _ = await poll("judge's engine pid", lambda: _pids(view), 15)
+        pids = await eventually(
+            lambda: _pids(view), timeout=15, every=0.2, what="judge's engine pid", tolerate=BUS_ERRORS
+        )
         (pid,) = pids
         t_kill = time.monotonic()
         os.killpg(pid, signal.SIGKILL)
@@ -141,11 +151,24 @@ async def test_killed_engine_of_watched_model_alerts_once_down_once_recovered(
             k = receiver.kinds("judge")
             return k if "model.recovered" in k else None
 
-        kinds, took = await poll("model.down then model.recovered at the receiver", down_and_up, 60)
+        kinds, took = await timed("model.down then model.recovered at the receiver", down_and_up, 60)
         # Every source that said down has said recovered, and the notifier has decided on all of it:
         # nothing is still in flight.
-        stream, _ = await poll("every source's recovery in the stream", lambda: _settled(view, "judge"), 30)
-        await poll("the notifier through the stream", lambda: _consumer_idle(view, consumer), 20)
+        stream = await eventually(
+            lambda: _settled(view, "judge"),
+            timeout=30,
+            every=0.2,
+            what="every source's recovery in the stream",
+            tolerate=BUS_ERRORS,
+        )
+        assert stream is not None
+        await eventually(
+            lambda: _consumer_idle(view, consumer),
+            timeout=20,
+            every=0.2,
+            what="the notifier to have decided on the whole stream",
+            tolerate=BUS_ERRORS,
+        )
         kinds = receiver.kinds("judge")
         ids = [eid for _, eid, _ in receiver.got]
         evs = [e for e in receiver.events() if e.get("subject") == "judge"]
@@ -162,7 +185,9 @@ async def test_killed_engine_of_watched_model_alerts_once_down_once_recovered(
         assert down["details"]["sources"] == [said[0][1]], report  # the first to say it
         assert sorted(recovered["details"]["sources"]) == sources, report
         assert recovered["details"]["down_id"] == down["id"]
-        new_pids, _ = await poll("judge serving again", lambda: _pids(view), 15)
+        new_pids = await eventually(
+            lambda: _pids(view), timeout=15, every=0.2, what="judge to be served again", tolerate=BUS_ERRORS
+        )
         assert pid not in new_pids
         assert time.monotonic() - t_kill < 60
     finally:
@@ -182,11 +207,12 @@ async def _settled(view: BusView, model: str) -> list[Event] | None:
 async def _consumer_idle(view: BusView, name: str) -> bool:
     """The target's consumer exists and has nothing undelivered or unacknowledged."""
     try:
-        info = await view.nc.jetstream().consumer_info(view.subjects.events_stream, name)
+        # nats-py leaves consumer_info unannotated; it returns a ConsumerInfo.
+        info: ConsumerInfo = await view.nc.jetstream().consumer_info(view.subjects.events_stream, name)
     except nats.js.errors.NotFoundError:
         return False
     return info.num_pending == 0 and info.num_ack_pending == 0
 
 
-async def _pids(view: BusView) -> set[int] | None:
-    return set(view.engine_pids().values()) or None
+async def _pids(view: BusView) -> set[int]:
+    return set(view.engine_pids().values())

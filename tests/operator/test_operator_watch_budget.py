@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from llmgw_common.messages import Event
-from tests.chaos.chaos_bus import BusView, poll
+from tests.chaos.chaos_bus import BUS_ERRORS, BusView
 from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, wait_endpoints
+from tests.kit.poll import eventually
 
 pytestmark = [pytest.mark.xdist_group("operator"), pytest.mark.e2e, pytest.mark.slow]
 
@@ -56,7 +57,9 @@ async def test_killed_engine_alerts_after_the_budget_not_after_node_lost(cluster
     view = await BusView.connect(cluster.nats_url, cluster.prefix)
     try:
         assert await view.model_events("judge") == []
-        pids, _ = await poll("judge's engine pid", lambda: _pids(view), 15)
+        pids = await eventually(
+            lambda: _pids(view), timeout=15, every=0.2, what="judge's engine pid", tolerate=BUS_ERRORS
+        )
         (pid,) = pids
         t_kill = time.time()
         os.killpg(pid, signal.SIGKILL)
@@ -65,7 +68,14 @@ async def test_killed_engine_alerts_after_the_budget_not_after_node_lost(cluster
             evs = await view.model_events("judge")
             return evs if any(e.kind == "model.recovered" for e in evs) else None
 
-        evs, _ = await poll("model.down then model.recovered in the stream", down_and_up, 60)
+        evs = await eventually(
+            down_and_up,
+            timeout=60,
+            every=0.2,
+            what="model.down then model.recovered in the stream",
+            tolerate=BUS_ERRORS,
+        )
+        assert evs is not None
         assert [e.kind for e in evs] == ["model.down", "model.recovered"], evs
         down, recovered = evs
         after = down.time - t_kill
@@ -93,7 +103,9 @@ async def test_silent_node_alerts_after_unreachable_plus_budget_not_after_node_l
             eps = await view.endpoints()
             return eps is not None and bool(eps.endpoints.get("judge"))
 
-        await poll("judge serving before the freeze", serving, 60)
+        await eventually(
+            serving, timeout=60, every=0.2, what="judge to be served before the freeze", tolerate=BUS_ERRORS
+        )
         seen = len(await view.model_events("judge"))
         t_stop = time.time()
         os.kill(agent.pid, signal.SIGSTOP)
@@ -103,9 +115,12 @@ async def test_silent_node_alerts_after_unreachable_plus_budget_not_after_node_l
                 evs = (await view.model_events("judge"))[seen:]
                 return evs[0] if evs else None
 
-            ev, _ = await poll("model.down after the freeze", down, 30)
+            ev = await eventually(
+                down, timeout=30, every=0.2, what="model.down after the freeze", tolerate=BUS_ERRORS
+            )
         finally:
             os.kill(agent.pid, signal.SIGCONT)
+        assert ev is not None
         assert ev.kind == "model.down", ev
         assert "stopped reporting (n1)" in ev.summary
         after = ev.time - t_stop
@@ -121,10 +136,16 @@ async def test_silent_node_alerts_after_unreachable_plus_budget_not_after_node_l
                 "model.recovered",
             ]
 
-        await poll("model.recovered once the agent reports again", recovered, 30)
+        await eventually(
+            recovered,
+            timeout=30,
+            every=0.2,
+            what="model.recovered once the agent reports again",
+            tolerate=BUS_ERRORS,
+        )
     finally:
         await view.close()
 
 
-async def _pids(view: BusView) -> set[int] | None:
-    return set(view.engine_pids().values()) or None
+async def _pids(view: BusView) -> set[int]:
+    return set(view.engine_pids().values())
