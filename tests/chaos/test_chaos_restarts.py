@@ -18,6 +18,7 @@ import pytest
 
 from llmgw_common.ctl import ReplicaInfo
 from llmgw_common.messages import Heartbeat, IdleReport
+from llmgw_common.runtime import cancel_and_wait
 from tests.chaos.chaos_bus import BusView, poll
 from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, boot
 from tests.chaos.chaos_traffic import Traffic, wait_serving
@@ -271,9 +272,8 @@ class EndpointCount:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # Not one cancel: a sample's nats request can swallow it, and then this waited for ever.
+            await cancel_and_wait([self._task])
 
 
 async def test_lost_node_returns_with_old_engines(cluster: tuple[ChaosCluster, str], view: BusView) -> None:
