@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import socket
@@ -362,3 +363,43 @@ def test_engines_do_not_inherit_the_agents_bus_credentials(monkeypatch: pytest.M
     env = engine_environ()
     assert "LLMGW_NATS_PASSWORD" not in env and "LLMGW_NATS_TOKEN" not in env
     assert env["LLMGW_UP_RUN"] == "run-1"  # the run marker `llmgw up` sweeps by stays
+
+
+async def test_stop_ends_a_monitor_that_swallowed_a_cancel(sup: Fixture, reap_groups: list[int]) -> None:
+    """A monitor's state report is a nats publish, which drops a cancel when it has to wait (nats-py's
+    _flush_pending swallows CancelledError; its forced flush uses 3.11's wait_for, CPython gh-86296): a
+    stop that cancelled the monitor once then waited for it for ever, and the engine was never stopped."""
+    s, rec = sup
+    a = assignment(free_port(), options={"ttft_ms": 1})
+    spec = launch_spec(a, AgentSettings(node="n1"))
+    assert isinstance(spec, LaunchSpec)
+    await s.start(a, spec)
+    sh = s.shards[("r1", 0)]
+    assert sh.pid is not None
+    reap_groups.append(sh.pid)
+    await rec.wait(sh.key, ShardState.READY)
+
+    async def monitor_that_swallows_one_cancel() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass  # what 3.11's wait_for does when its answer and the cancel arrive together
+        while True:
+            await asyncio.sleep(3600)
+
+    real = sh.task
+    assert real is not None
+    real.cancel()
+    await asyncio.gather(real, return_exceptions=True)
+    stubborn = sh.task = asyncio.create_task(monitor_that_swallows_one_cancel())
+    await asyncio.sleep(0)
+    stopping = asyncio.create_task(s.stop(sh.key))
+    try:
+        # Not wait_for: it would cancel stop(), whose own suppress would swallow that cancel too.
+        done, _ = await asyncio.wait({stopping}, timeout=5)
+        assert stopping in done and stubborn.done()
+        assert not alive(sh.pid)
+    finally:
+        stubborn.cancel()
+        stopping.cancel()
+        await asyncio.gather(stopping, stubborn, return_exceptions=True)

@@ -16,7 +16,7 @@ from nats.aio.client import Client as NATS
 from llmgw_agent.service import Agent
 from llmgw_common.messages import Inventory
 from llmgw_common.natsserver import NatsServer
-from llmgw_common.runtime import TaskDied
+from llmgw_common.runtime import TaskDied, cancel_and_wait
 from llmgw_common.settings import AgentSettings
 from tests.kit.poll import eventually
 
@@ -52,7 +52,8 @@ async def test_a_loop_that_ends_ends_the_run(
         names = sorted(t.get_name() for t in running)
         victim = next((t for t in running if t.get_name() == which), None)
         assert victim is not None, names
-        victim.cancel()
+        # Not one cancel: the loop's nats request or flush can swallow it (see cancel_and_wait).
+        await cancel_and_wait([victim])
         with pytest.raises(TaskDied) as died:
             await asyncio.wait_for(run, 10)
         assert died.value.task_name == which
@@ -61,3 +62,44 @@ async def test_a_loop_that_ends_ends_the_run(
         if not run.done():
             run.cancel()
         await asyncio.gather(run, return_exceptions=True)
+
+
+async def test_stop_ends_a_loop_that_swallowed_a_cancel(
+    nats_server: NatsServer, nc: NATS, prefix: str, tmp_path: Path
+) -> None:
+    """Python 3.11's asyncio.wait_for (in nats-py's request and flush, and in the converge loop's wait)
+    drops a cancel that lands as its answer arrives (CPython gh-86296). A stop that cancelled the
+    agent's loops once then waited for them for ever: `llmgw up` killed the agent after its grace
+    period, its engines left to the sweep."""
+    s = AgentSettings(node="n1", nats_urls=[nats_server.url], prefix=prefix, state_dir=str(tmp_path))
+    agent = Agent(s, nc, collect=_collect)
+    stop = asyncio.Event()
+    run = asyncio.create_task(agent.run(stop))
+
+    async def loop_that_swallows_one_cancel() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass  # what 3.11's wait_for does when its answer and the cancel arrive together
+        while True:
+            await asyncio.sleep(3600)
+
+    stubborn = asyncio.create_task(loop_that_swallows_one_cancel())
+    try:
+
+        async def loops() -> None:
+            while not agent.tasks:
+                await asyncio.sleep(0.02)
+
+        await asyncio.wait_for(loops(), 10)
+        agent.tasks.append(stubborn)
+        await asyncio.sleep(0)
+        stop.set()
+        # Not wait_for: it would cancel run(), and a second cancel is what the fix does.
+        done, _ = await asyncio.wait({run}, timeout=10)
+        assert run in done and stubborn.done()
+    finally:
+        stubborn.cancel()
+        if not run.done():
+            run.cancel()
+        await asyncio.gather(run, stubborn, return_exceptions=True)

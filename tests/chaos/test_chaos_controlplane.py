@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from llmgw_common.ctl import DebugStatsReply
+from llmgw_common.runtime import cancel_and_wait
 from tests.chaos.chaos_bus import BUS_ERRORS, BusView, timed
 from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, Proc, boot
 from tests.chaos.chaos_traffic import Traffic, wait_serving
@@ -67,9 +68,8 @@ class EndpointWatch:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # Not one cancel: a sample's nats request can swallow it, and then this waited for ever.
+            await cancel_and_wait([self._task])
 
 
 def _holder_proc(c: ChaosCluster, holder: str) -> Proc:

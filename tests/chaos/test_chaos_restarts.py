@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from llmgw_common.codec import decode
 from llmgw_common.ctl import ReplicaInfo
 from llmgw_common.messages import Heartbeat, IdleReport
+from llmgw_common.runtime import cancel_and_wait
 from tests.chaos.chaos_bus import BUS_ERRORS, BusView, timed
 from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, boot
 from tests.chaos.chaos_traffic import Traffic, wait_serving
@@ -302,9 +303,8 @@ class EndpointCount:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # Not one cancel: a sample's nats request can swallow it, and then this waited for ever.
+            await cancel_and_wait([self._task])
 
 
 async def test_lost_node_returns_with_old_engines(cluster: tuple[ChaosCluster, str], view: BusView) -> None:

@@ -20,7 +20,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from llmgw_cli.cmd_up import StopFlag, _wait_ready_then_serve
 from llmgw_cli.devcluster import (
     RUN_MARKER,
     ChildSpec,
@@ -33,6 +32,8 @@ from llmgw_cli.devcluster import (
 from llmgw_cli.fleet import parse_fleet
 from llmgw_cli.restarts import Restarts
 from llmgw_cli.upkeep import supervise
+from llmgw_cli.upready import wait_ready_then_serve
+from llmgw_cli.upterm import StopFlag
 from llmgw_common.catalog import Catalog
 from llmgw_common.natsserver import NatsServer
 from tests.kit.poll import eventually_sync
@@ -181,7 +182,7 @@ def test_a_child_dying_during_start_is_named_with_its_log(
     crash = sup.start(ChildSpec("router", "x", {"BEHAVE": "crash"}, tier=1))
     crash.proc.wait(10)
     stop = StopFlag(threading.Event())
-    code = _wait_ready_then_serve(stop, time.monotonic(), sup, None, sup.layout, Catalog(), "k", {}, 30.0)
+    code = wait_ready_then_serve(stop, time.monotonic(), sup, None, sup.layout, Catalog(), "k", {}, 30.0)
     assert code == 1
     errout = capsys.readouterr().err
     assert f"error: router exited with code 3 during start; last lines of {crash.log_path}:" in errout
@@ -196,7 +197,7 @@ def test_no_first_completion_in_time_says_what_the_router_answered(
 
     cat = parse_catalog("models: [{name: m1, engine: sim}]")
     stop = StopFlag(threading.Event())
-    code = _wait_ready_then_serve(stop, time.monotonic(), sup, None, sup.layout, cat, "k", {}, 0.3)
+    code = wait_ready_then_serve(stop, time.monotonic(), sup, None, sup.layout, cat, "k", {}, 0.3)
     assert code == 1
     errout = capsys.readouterr().err
     assert "error: no chat completion succeeded within 0 s; last answers:" in errout

@@ -221,6 +221,18 @@ class SomeoneWritesAfterEveryRead(DesiredStore):
         return got
 
 
+async def test_changes_of_one_writer_do_not_race_each_other(bus_nc: NATS, prefix: str) -> None:
+    """Concurrent ctl verbs in one control plane take turns on a key instead of racing: with forty of
+    them, one could lose every one of its attempts on a busy machine (the test above did, in debug mode)."""
+    kv = await bus.ensure_kv(bus_nc.jetstream(), Subjects(prefix).bucket_desired, history=5)
+    store = DesiredStore(kv, bus.DropLog(logging.getLogger("test")), attempts=1)
+    names = [f"n{i}" for i in range(5)]
+    await asyncio.gather(*(store.change(DESIRED_MARKS, Marks, cordon(n)) for n in names))
+    stored, _ = await bus.kv_get(kv, DESIRED_MARKS, Marks)
+    assert stored is not None and set(stored.cordoned) == set(names)
+    assert store.conflicts == 0
+
+
 async def test_a_writer_that_keeps_losing_gives_up_with_a_clear_error(bus_nc: NATS, prefix: str) -> None:
     kv = await bus.ensure_kv(bus_nc.jetstream(), Subjects(prefix).bucket_desired, history=5)
     store = SomeoneWritesAfterEveryRead(

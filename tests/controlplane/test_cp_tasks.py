@@ -12,7 +12,7 @@ from nats.aio.client import Client as NATS
 from llmgw_common import bus
 from llmgw_common.ctl import CtlClient, LeaseRecord
 from llmgw_common.natsserver import NatsServer
-from llmgw_common.runtime import FailedPasses, TaskDied
+from llmgw_common.runtime import FailedPasses, TaskDied, cancel_and_wait
 from llmgw_common.subjects import LEADER_KEY, Subjects
 from llmgw_controlplane import reconcile_loop
 from llmgw_controlplane.reconciler import reconcile as real_reconcile
@@ -85,10 +85,45 @@ async def test_a_loop_that_ends_ends_the_run_and_releases_the_lease(
     try:
         await eventually(lambda: run.cp.leader, what="the control plane to lead")
         lease_task = next(t for t in run.cp._tasks if t.get_name() == "cp-lease")
-        lease_task.cancel()
+        # Not one cancel: a renewal's nats request can swallow it (see cancel_and_wait).
+        await cancel_and_wait([lease_task])
         with pytest.raises(TaskDied, match="task cp-lease was cancelled"):
             await asyncio.wait_for(run.task, 10)
         assert run.cp._tasks == []  # the reconcile loop was stopped too
         assert await _lease(bus_nc, prefix) == (None, 0)
     finally:
+        await run.nc.close()
+
+
+async def test_stop_ends_a_loop_that_swallowed_a_cancel(
+    nats_server: NatsServer, prefix: str, bus_nc: NATS
+) -> None:
+    """Python 3.11's asyncio.wait_for (in nats-py's request, so in a lease renewal or a KV write) drops
+    a cancel that lands as its answer arrives (CPython gh-86296). A close() that cancelled the loops
+    once then waited for them for ever, and never gave the lease up."""
+    run = await start_cp(cp_settings(nats_server.url, prefix, lease_ttl_s=60.0), holder="a")
+
+    async def loop_that_swallows_one_cancel() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass  # what 3.11's wait_for does when its answer and the cancel arrive together
+        while True:
+            await asyncio.sleep(3600)
+
+    stubborn = asyncio.create_task(loop_that_swallows_one_cancel())
+    try:
+        await eventually(lambda: run.cp.leader, what="the control plane to lead")
+        run.cp._tasks.append(stubborn)
+        await asyncio.sleep(0)
+        run.stop_event.set()
+        # Not wait_for: it would cancel run(), and a second cancel is what the fix does.
+        done, _ = await asyncio.wait({run.task}, timeout=10)
+        assert run.task in done and stubborn.done()
+        assert await _lease(bus_nc, prefix) == (None, 0)
+    finally:
+        stubborn.cancel()
+        if not run.task.done():
+            run.task.cancel()
+        await asyncio.gather(run.task, stubborn, return_exceptions=True)
         await run.nc.close()

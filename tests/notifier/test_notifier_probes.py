@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 from aiohttp import web
+from nats.aio.client import Client as NATS
 
 from llmgw_common.catalog import WatchSpec
 from llmgw_common.codec import encode
@@ -221,3 +222,44 @@ async def test_a_cold_watched_model_is_not_probed_until_it_is_warm_again(
         await eventually(
             lambda: router.count("judge") >= 1, what="a probe of judge once it is no longer cold"
         )
+
+
+async def test_close_ends_a_probe_loop_that_swallowed_a_cancel(nc: NATS, prefix: str) -> None:
+    """Python 3.11's asyncio.wait_for, in nats-py's request and so in a probe event's js.publish, drops
+    a cancel that lands as its ack arrives (CPython gh-86296): a close() that cancelled each loop once
+    then waited for it for ever, and the notifier never stopped."""
+    from llmgw_common.bus import DropLog
+    from llmgw_common.subjects import Subjects
+    from llmgw_notifier.delivery import NotifierStats
+    from llmgw_notifier.probes import Prober
+
+    async with httpx.AsyncClient() as http:
+        prober = Prober(
+            js=nc.jetstream(),
+            subjects=Subjects(prefix),
+            settings=NotifierSettings(prefix=prefix),
+            http=http,
+            stats=NotifierStats(),
+            drops=DropLog(logging.getLogger("test")),
+        )
+
+        async def loop_that_swallows_one_cancel() -> None:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                pass  # what 3.11's wait_for does when its answer and the cancel arrive together
+            while True:
+                await asyncio.sleep(3600)
+
+        stubborn = asyncio.create_task(loop_that_swallows_one_cancel())
+        prober.tasks["m"] = stubborn
+        await asyncio.sleep(0)
+        closing = asyncio.create_task(prober.close())
+        try:
+            # Not wait_for: it would cancel close(), whose own suppress would swallow that cancel too.
+            done, _ = await asyncio.wait({closing}, timeout=5)
+            assert closing in done and stubborn.done()
+        finally:
+            stubborn.cancel()
+            closing.cancel()
+            await asyncio.gather(closing, stubborn, return_exceptions=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from nats.aio.client import Client as NATS
 
 from llmgw_common import bus
 from llmgw_common.natsserver import NatsServer
@@ -62,3 +63,50 @@ async def test_a_follower_loop_that_ends_ends_the_notifier(
         stop.set()
         if not task.done():
             await asyncio.wait_for(task, 15)
+
+
+async def test_close_ends_a_delivery_worker_that_swallowed_a_cancel(
+    nats_server: NatsServer, prefix: str, nc: NATS
+) -> None:
+    """Python 3.11's asyncio.wait_for, in nats-py's request and so in a worker's fetch or ack, drops a
+    cancel that lands as its answer arrives (CPython gh-86296): a close() (or a removed webhook) that
+    cancelled the worker once then waited for it for ever."""
+    import logging
+
+    import httpx
+
+    from llmgw_common.subjects import Subjects
+
+    kv = await bus.ensure_kv(nc.jetstream(), Subjects(prefix).bucket_desired)
+    async with httpx.AsyncClient() as http:
+        targets = Targets(
+            nc=nc,
+            js=nc.jetstream(),
+            kv_desired=kv,
+            subjects=Subjects(prefix),
+            settings=fast_settings(nats_server, prefix),
+            http=http,
+            stats=NotifierStats(),
+            drops=bus.DropLog(logging.getLogger("test")),
+        )
+
+        async def loop_that_swallows_one_cancel() -> None:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                pass  # what 3.11's wait_for does when its answer and the cancel arrive together
+            while True:
+                await asyncio.sleep(3600)
+
+        stubborn = asyncio.create_task(loop_that_swallows_one_cancel())
+        targets.workers["t"] = (None, stubborn)  # type: ignore[assignment]
+        await asyncio.sleep(0)
+        closing = asyncio.create_task(targets.close())
+        try:
+            # Not wait_for: it would cancel close(), whose own suppress would swallow that cancel too.
+            done, _ = await asyncio.wait({closing}, timeout=5)
+            assert closing in done and stubborn.done()
+        finally:
+            stubborn.cancel()
+            closing.cancel()
+            await asyncio.gather(closing, stubborn, return_exceptions=True)

@@ -40,7 +40,7 @@ from llmgw_common.messages import (
     ShardState,
     ShardStatus,
 )
-from llmgw_common.runtime import until_stopped
+from llmgw_common.runtime import cancel_and_wait, until_stopped
 from llmgw_common.settings import AgentSettings
 from llmgw_common.subjects import Subjects, check_token
 
@@ -301,9 +301,8 @@ class Agent:
             # (engines too) and exit 70, rather than heartbeat on while deaf to new assignments.
             await until_stopped(stop, [*tasks, *follower.tasks])
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # Not one cancel: a loop's nats request or flush can swallow it (see cancel_and_wait).
+            await cancel_and_wait(tasks)
             await follower.stop()
             with contextlib.suppress(nats.errors.Error):
                 await asked.unsubscribe()

@@ -29,6 +29,7 @@ from llmgw_agent.probes import Probes
 from llmgw_agent.procgroups import engine_environ, exit_reason, port_free, same_process, terminate_group
 from llmgw_agent.statefile import EngineRecord
 from llmgw_common.messages import ShardAssignment, ShardReport, ShardState
+from llmgw_common.runtime import cancel_and_wait
 
 log = logging.getLogger("llmgw.agent.supervisor")
 
@@ -264,9 +265,11 @@ class Supervisor:
     async def _cancel_monitor(self, sh: Shard) -> None:
         t, sh.task = sh.task, None
         if t is not None and t is not asyncio.current_task():
-            t.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+            # Not one cancel: a state report's publish can swallow it when it has to wait (nats-py's
+            # _flush_pending drops CancelledError; its forced flush uses 3.11's wait_for, see cancel_and_wait).
+            await cancel_and_wait([t])
+            if not t.cancelled() and (e := t.exception()) is not None:
+                raise e  # a monitor that crashed, as a plain await of it would
 
     @staticmethod
     async def _cancel_exit_task(sh: Shard) -> None:

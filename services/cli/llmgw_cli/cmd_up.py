@@ -16,22 +16,18 @@ import logging
 import os
 import secrets
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import IO, Annotated
 
-import httpx
 import typer
 from nats import errors as nats_errors
 from nats.js.errors import NotFoundError
 
 from llmgw_cli.devcluster import (
-    Child,
     Layout,
     Supervisor,
     free_port,
@@ -42,8 +38,9 @@ from llmgw_cli.devcluster import (
 )
 from llmgw_cli.devkey import ensure_dev_key
 from llmgw_cli.fleet import Fleet, FleetError, load_fleet_file
-from llmgw_cli.upkeep import supervise
-from llmgw_cli.upopts import LOOPBACK, option_errors, reach_host
+from llmgw_cli.upopts import LOOPBACK, option_errors
+from llmgw_cli.upready import STATE_FILE, wait_ready_then_serve
+from llmgw_cli.upterm import StopFlag, err, out
 from llmgw_common.bus import connect, ensure_all
 from llmgw_common.catalog import Catalog, CatalogError, load_catalog_file
 from llmgw_common.errors import LlmgwError
@@ -52,7 +49,6 @@ from llmgw_common.settings import BusSettings
 from llmgw_common.subjects import DESIRED_CATALOG, Subjects, check_token
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-STATE_FILE = "up.json"
 
 
 class UpError(LlmgwError):
@@ -63,14 +59,6 @@ def default_example(name: str) -> Path:
     """``examples/<name>`` of the working directory if there is one, else of the source tree."""
     here = Path("examples") / name
     return here if here.exists() else REPO_ROOT / "examples" / name
-
-
-def out(msg: str = "") -> None:
-    print(msg, flush=True)
-
-
-def err(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -100,41 +88,6 @@ def data_dir_lock(data_dir: Path) -> Iterator[None]:
         f.close()
 
 
-@dataclass
-class StopFlag:
-    """Set by SIGINT, SIGTERM or SIGHUP; the main loop waits on it instead of sleeping."""
-
-    event: threading.Event
-    signum: int | None = None
-    # Signals received: a second one while stopping means "now", not "after the grace periods".
-    count: int = 0
-    saved: dict[int, object] = field(default_factory=dict)
-
-    def handler(self, signum: int, _frame: FrameType | None) -> None:
-        self.signum = signum
-        self.count += 1
-        self.event.set()
-
-    def install(self) -> None:
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            self.saved[s] = signal.signal(s, self.handler)
-
-    def restore(self) -> None:
-        for s, h in self.saved.items():
-            signal.signal(s, h)  # type: ignore[arg-type]
-        self.saved.clear()
-
-    def wait(self, seconds: float) -> bool:
-        return self.event.wait(seconds)
-
-    def hurry(self) -> bool:
-        return self.count >= 2
-
-    @property
-    def is_set(self) -> bool:
-        return self.event.is_set()
-
-
 @dataclass(frozen=True, slots=True)
 class BusReady:
     key: str
@@ -161,90 +114,6 @@ async def _prepare_bus(nats_url: str, prefix: str, key_file: Path, external: boo
         return BusReady(key, minted, had_catalog)
     finally:
         await nc.close()
-
-
-def served_models(client: httpx.Client, base: str, key: str) -> list[str]:
-    """The models the router lists (the catalog in the bus, which may not be the file's); [] if none."""
-    try:
-        r = client.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {key}"})
-        if r.status_code == 200:
-            return [str(m["id"]) for m in r.json()["data"]]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
-        pass
-    return []
-
-
-def try_chat(client: httpx.Client, base: str, key: str, model: str) -> str | None:
-    """None when a chat completion for ``model`` succeeds through the router, else why not."""
-    try:
-        r = client.post(
-            f"{base}/v1/chat/completions",
-            headers={"Authorization": f"Bearer {key}"},
-            json={"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 4},
-        )
-    except httpx.HTTPError as e:
-        return f"router not answering ({type(e).__name__})"
-    if r.status_code == 200:
-        try:
-            if r.json().get("choices"):
-                return None
-        except ValueError:
-            pass
-        return "200 without choices"
-    try:
-        msg = r.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        msg = r.text[:200]
-    return f"{r.status_code}: {msg}"
-
-
-def report_dead(children: list[Child]) -> None:
-    for c in children:
-        err(
-            f"error: {c.spec.name} exited with code {c.proc.returncode} during start; last lines of {c.log_path}:"
-        )
-        for line in log_tail(c.log_path, 20):
-            err(f"  | {line}")
-
-
-def usage_text(base: str, key: str, model: str, models: list[str], layout: Layout, ready_s: float) -> str:
-    pre = "" if layout.prefix == "llmgw" else f" --prefix {layout.prefix}"
-    bound = "" if reach_host(layout.host) == layout.host else f" (the router listens on {layout.host})"
-    nats = "" if layout.nats_url == "nats://127.0.0.1:4222" else f" --nats {layout.nats_url}"
-    console = (
-        f"  console          http://{LOOPBACK}:{layout.controlplane_admin_port}/\n"
-        if layout.controlplane_admin_port
-        else ""
-    )
-    return f"""
-llmgw is up: a chat completion went through the router {ready_s:.1f} s after start.
-
-  OpenAI base URL  {base}/v1{bound}
-  API key          {key}
-                   (kept in {layout.data_dir / "dev-key"}; reused by the next run)
-  models           {", ".join(models)}
-{console}  NATS             {layout.nats_url} (prefix {layout.prefix})
-  logs             {layout.logs_dir}/
-
-Try it with curl:
-
-curl {base}/v1/chat/completions \\
-  -H "Authorization: Bearer {key}" \\
-  -H "Content-Type: application/json" \\
-  -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
-
-or with the openai package:
-
-python - <<'EOF'
-from openai import OpenAI
-client = OpenAI(base_url="{base}/v1", api_key="{key}")
-r = client.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Hello!"}}])
-print(r.choices[0].message.content)
-EOF
-
-Look around: llmgw ctl nodes{nats}{pre}   llmgw ctl replicas{nats}{pre}   llmgw ctl models{nats}{pre}
-Ctrl-C stops everything.
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,7 +253,7 @@ def _run_locked(
             "ready": False,
         }
         write_state(data_dir / STATE_FILE, state)
-        return _wait_ready_then_serve(
+        return wait_ready_then_serve(
             stop, t0, sup, nats, layout, catalog, bus.key, state, opts.ready_timeout_s
         )
     finally:
@@ -402,55 +271,6 @@ def _run_locked(
             (data_dir / STATE_FILE).unlink()
         if sup is not None or nats is not None:
             out("llmgw up: stopped")
-
-
-def _wait_ready_then_serve(
-    stop: StopFlag,
-    t0: float,
-    sup: Supervisor,
-    nats: NatsServer | None,
-    layout: Layout,
-    catalog: Catalog,
-    key: str,
-    state: dict[str, object],
-    ready_timeout_s: float,
-) -> int:
-    base = layout.router_url
-    deadline = t0 + ready_timeout_s
-    last: dict[str, str] = {}
-    ready_model: str | None = None
-    with httpx.Client(timeout=httpx.Timeout(5.0, connect=1.0)) as client:
-        while ready_model is None:
-            if stop.is_set:
-                return 0
-            dead = sup.dead()
-            if dead:
-                report_dead(dead)
-                return 1
-            if nats is not None and nats.proc is not None and nats.proc.poll() is not None:
-                err(f"error: nats-server exited with code {nats.proc.returncode}; see {nats.log_file}")
-                return 1
-            if time.monotonic() > deadline:
-                err(f"error: no chat completion succeeded within {ready_timeout_s:.0f} s; last answers:")
-                for m, why in last.items():
-                    err(f"  {m}: {why}")
-                err(f"logs: {layout.logs_dir}/")
-                return 1
-            for m in served_models(client, base, key) or catalog.names:
-                answer = try_chat(client, base, key, m)
-                if answer is None:
-                    ready_model = m
-                    break
-                last[m] = answer
-            else:
-                stop.wait(0.5)
-        models = served_models(client, base, key) or list(catalog.names)
-    ready_s = time.monotonic() - t0
-    state.update(ready=True, ready_s=round(ready_s, 2), model=ready_model)
-    write_state(layout.data_dir / STATE_FILE, state)
-    out(usage_text(base, key, ready_model, models, layout, ready_s))
-    # From here a child or the nats-server that dies is announced and restarted, with a backoff.
-    return supervise(stop, sup, nats, state, state_path=layout.data_dir / STATE_FILE, say=err)
 
 
 def register(app: typer.Typer) -> None:

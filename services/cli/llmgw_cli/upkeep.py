@@ -8,7 +8,6 @@ problem, reported with its log by `llmgw up`, not restarted in a loop.
 from __future__ import annotations
 
 import signal
-import sys
 import time
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Protocol
 
 from llmgw_cli.devcluster import Supervisor, write_state
 from llmgw_cli.restarts import Restarts
+from llmgw_cli.upterm import err
 from llmgw_common.natsserver import NatsServer, NatsServerError
 
 NATS = "nats-server"
@@ -26,10 +26,6 @@ class Waits(Protocol):
     """What :func:`supervise` needs of `llmgw up`'s stop flag: wait up to ``seconds``, True once set."""
 
     def wait(self, seconds: float) -> bool: ...
-
-
-def _err(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def exit_text(code: int | None) -> str:
@@ -51,7 +47,7 @@ def supervise(
     *,
     every_s: float = SUPERVISE_EVERY_S,
     state_path: Path | None = None,
-    say: Callable[[str], None] = _err,
+    say: Callable[[str], None] = err,
 ) -> int:
     """Until ``stop``: restart what died, one line per death and per restart; returns 0.
 

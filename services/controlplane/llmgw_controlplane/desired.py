@@ -72,6 +72,9 @@ class DesiredStore:
         self.backoff_s = backoff_s
         self.rng = rng or random.Random()
         self.conflicts = 0
+        # This process's changes of one key take turns: racing each other they would only lose
+        # attempts (forty concurrent verbs left one without a win in ten on a busy machine).
+        self._turns: dict[str, asyncio.Lock] = {}
 
     async def read(self, key: str, cls: type[M]) -> tuple[M | None, int]:
         """The stored value (None when absent, deleted or unreadable) and the revision to write on (0: none)."""
@@ -95,6 +98,10 @@ class DesiredStore:
         ``fn`` must be pure: it runs again on the newer value after a lost race. A result equal to the
         current value writes nothing. Raises :class:`DesiredConflict` after ``attempts`` lost races.
         """
+        async with self._turns.setdefault(key, asyncio.Lock()):
+            return await self._change(key, cls, fn)
+
+    async def _change(self, key: str, cls: type[M], fn: Callable[[M | None], M]) -> Changed[M]:
         for attempt in range(self.attempts):
             current, rev = await self.read(key, cls)
             new = fn(current)

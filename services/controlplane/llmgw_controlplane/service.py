@@ -31,7 +31,7 @@ from llmgw_common.clockcheck import Doubts
 from llmgw_common.ctl import DebugStatsReply
 from llmgw_common.errors import InvalidInput
 from llmgw_common.messages import WakeReply, WakeRequest, WakeState
-from llmgw_common.runtime import PassGuard, until_stopped
+from llmgw_common.runtime import PassGuard, cancel_and_wait, until_stopped
 from llmgw_common.settings import ControlPlaneSettings
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane.admin import AdminBindError, AdminServer, CtlApiSource, build_admin_app
@@ -196,10 +196,9 @@ class ControlPlane:
             await self.close()
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
         # A loop that died was reported by run(); its error must not stop the lease being given up.
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Not one cancel: a loop's nats request can swallow it (see cancel_and_wait).
+        await cancel_and_wait(self._tasks)
         self._tasks = []
         await self.api.stop()
         await self.wakes.stop()

@@ -23,7 +23,6 @@ declared down again, and its recovery is still announced.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.durations import format_duration
 from llmgw_common.event_details import ModelDownDetails, ModelRecoveredDetails, event
 from llmgw_common.messages import Event, RoutingCatalog, RoutingEndpoints
+from llmgw_common.runtime import cancel_and_wait
 from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
 from llmgw_notifier.delivery import NotifierStats
@@ -288,11 +288,8 @@ class Prober:
     async def close(self) -> None:
         tasks = list(self.tasks.values())
         self.tasks.clear()
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        # Not one cancel: an event's js.publish can swallow it (see cancel_and_wait).
+        await cancel_and_wait(tasks)
 
     async def _loop(self, model: str, spec: WatchSpec) -> None:
         while True:

@@ -25,6 +25,7 @@ from nats.js.kv import KeyValue
 from llmgw_common.bus import DropLog
 from llmgw_common.codec import DecodeError, decode
 from llmgw_common.messages import ClusterSettings, Webhook
+from llmgw_common.runtime import cancel_and_wait
 from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import DESIRED_SETTINGS, Subjects
 from llmgw_common.urls import http_url_problem, shown_url
@@ -234,6 +235,5 @@ def _report(task: asyncio.Task[None]) -> None:
 async def _cancel(task: asyncio.Task[None]) -> None:
     if task.done():
         return  # a crash was reported by _report already
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    # Not one cancel: a worker's fetch or ack can swallow it (see cancel_and_wait).
+    await cancel_and_wait([task])
