@@ -16,7 +16,7 @@ from llmgw_common.messages import ApiKeyRecord
 from llmgw_router import landing, web
 from llmgw_router.admission import AdmissionRefused
 from llmgw_router.affinity import prompt_key
-from llmgw_router.auth import bearer_key
+from llmgw_router.auth import request_key
 from llmgw_router.context import RouterContext
 from llmgw_router.errors import error_response
 from llmgw_router.keys import allows_model
@@ -40,7 +40,7 @@ def _not_found_message(model: str) -> str:
 def _authenticate(ctx: RouterContext, request: web.Request) -> web.Response | None:
     """The 401 answer for a request that needs a key and has no valid one; None when it may go on."""
     if ctx.auth and not ctx.exemptions.exempt(request.path):
-        check = ctx.keys.check(bearer_key(request.headers), ctx.clock())
+        check = ctx.keys.check(request_key(request), ctx.clock())
         if check.record is None:
             return error_response(401, check.problem or "invalid API key")
         request[KEY_RECORD] = check.record

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, cast
 from urllib.parse import unquote
 
 import httptools
-from multidict import CIMultiDict
 
 from llmgw_router.errors import error_body
 from llmgw_router.web import Request, Response, status_line
@@ -223,9 +222,6 @@ class Connection(asyncio.Protocol):
         self.deadline = None
         self._head_bytes = 0
         p = self.parser
-        headers: CIMultiDict[str] = CIMultiDict(
-            [(k.decode("latin-1"), v.decode("utf-8", "surrogateescape")) for k, v in self._headers]
-        )
         raw = self._url
         q = raw.find(b"?")
         raw_path, query = (raw, b"") if q < 0 else (raw[:q], raw[q + 1 :])
@@ -235,16 +231,14 @@ class Connection(asyncio.Protocol):
                 path = unquote(path, errors="strict")
         except UnicodeDecodeError:
             path = "\0"  # not a path any route or exemption has: 404 after the key check
-        cl = headers.get("Content-Length")
         req = Request(
             self,
             p.get_method().decode("ascii", "replace"),
             path,
             query.decode("latin-1"),
-            headers,
+            self._headers,
             p.get_http_version(),
             p.should_keep_alive(),
-            int(cl) if cl is not None and cl.isdigit() else None,
         )
         self._parsing = self._body_target = req
         if self._task is None and not self._pipeline:

@@ -61,13 +61,14 @@ class Request:
         "_body",
         "_conn",
         "_expect_continue",
+        "_headers",
+        "_raw_headers",
         "_size",
         "_store",
         "_too_large",
         "_waiter",
         "complete",
         "content_length",
-        "headers",
         "keep_alive",
         "match_info",
         "method",
@@ -82,19 +83,22 @@ class Request:
         method: str,
         path: str,
         query_string: str,
-        headers: CIMultiDict[str],
+        raw_headers: list[tuple[bytes, bytes]],
         version: str,
         keep_alive: bool,
-        content_length: int | None,
     ) -> None:
         self._conn = conn
         self.method = method
         self.path = path
         self.query_string = query_string
-        self.headers = headers
+        # The headers as the parser gave them; a CIMultiDict of them only if a handler asks for one
+        # (a proxied request reads two or three headers: a lookup in the raw list is cheaper).
+        self._raw_headers = raw_headers
+        self._headers: CIMultiDict[str] | None = None
         self.version = version
         self.keep_alive = keep_alive
-        self.content_length = content_length
+        cl = self.header(b"content-length")
+        self.content_length = int(cl) if cl is not None and cl.isdigit() else None
         self.match_info: dict[str, str] = {}
         # The body as it arrived, and whether all of it has (the parser saw the message's end).
         self._body: list[bytes] = []
@@ -103,7 +107,26 @@ class Request:
         self.complete = False
         self._waiter: asyncio.Future[None] | None = None
         self._store: dict[RequestKey[Any], Any] | None = None
-        self._expect_continue = headers.get("Expect", "").lower() == "100-continue"
+        self._expect_continue = (self.header(b"expect") or "").lower() == "100-continue"
+
+    # ------------------------------------------------------------ headers
+
+    @property
+    def headers(self) -> CIMultiDict[str]:
+        h = self._headers
+        if h is None:
+            h = self._headers = CIMultiDict(
+                [(k.decode("latin-1"), v.decode("utf-8", "surrogateescape")) for k, v in self._raw_headers]
+            )
+        return h
+
+    def header(self, lname: bytes) -> str | None:
+        """The first value of the header named ``lname`` (lower case), as ``headers.get`` gives it."""
+        n = len(lname)
+        for k, v in self._raw_headers:
+            if len(k) == n and k.lower() == lname:
+                return v.decode("utf-8", "surrogateescape")
+        return None
 
     # ------------------------------------------------------------ per-request values
 

@@ -1,0 +1,90 @@
+"""What the proxied request's hot path remembers or skips, shown to give the answers it gave before.
+
+The key table remembers presented keys with their record (no hash per request): a change to the
+table must reach the very next check. A request's headers are read from the parser's raw list
+(no header dict per request): the lookups must answer as the dict did.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from llmgw_common.apikeys import hash_key
+from llmgw_common.messages import ApiKeyRecord
+from llmgw_router import keys as keys_mod
+from llmgw_router.auth import bearer_key, request_key
+from llmgw_router.keys import KeyTable
+from llmgw_router.web import Request
+
+
+def _rec(key: str, **kw) -> ApiKeyRecord:
+    return ApiKeyRecord(id=kw.pop("id", "k1"), name="n", hash=hash_key(key), created=0.0, **kw)
+
+
+def test_a_key_revoked_after_use_is_refused_on_the_next_check():
+    t = KeyTable([_rec("key-a")])
+    assert t.check("key-a", 0.0).record is not None  # remembered now
+    t.put(_rec("key-a", revoked=True))
+    assert t.check("key-a", 0.0).problem == "API key 'n' was revoked"
+
+
+def test_a_key_removed_after_use_is_refused_on_the_next_check():
+    t = KeyTable([_rec("key-a")])
+    assert t.check("key-a", 0.0).record is not None
+    t.remove("k1")
+    assert t.check("key-a", 0.0).problem == "invalid API key"
+
+
+def test_a_key_replaced_after_use_is_refused_and_its_successor_accepted():
+    t = KeyTable([_rec("key-a")])
+    assert t.check("key-a", 0.0).record is not None
+    t.put(_rec("key-b"))  # same id, new key: the old one is gone
+    assert t.check("key-a", 0.0).problem == "invalid API key"
+    assert t.check("key-b", 0.0).record is not None
+
+
+def test_a_remembered_key_still_expires():
+    t = KeyTable([_rec("key-a", expires=10.0)])
+    assert t.check("key-a", 9.0).record is not None
+    assert t.check("key-a", 10.0).problem == "API key 'n' has expired"
+
+
+def test_the_memory_of_keys_is_bounded(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(keys_mod, "MEMO_SIZE", 3)
+    recs = [_rec(f"key-{i}", id=f"k{i}") for i in range(10)]
+    t = KeyTable(recs)
+    for i in range(10):
+        assert t.check(f"key-{i}", 0.0).record is recs[i]
+        assert len(t._memo) <= 3
+    for i in range(10):  # asked again, the answers are the same whether remembered or not
+        assert t.check(f"key-{i}", 0.0).record is recs[i]
+    assert t.check("key-x", 0.0).problem == "invalid API key" and "key-x" not in t._memo
+
+
+def _request(raw: list[tuple[bytes, bytes]]) -> Request:
+    return Request(None, "POST", "/v1/chat/completions", "", raw, "1.1", True)  # type: ignore[arg-type]
+
+
+RAW_CASES = [
+    [],
+    [(b"Host", b"h"), (b"Authorization", b"Bearer abc"), (b"Content-Length", b"12")],
+    [(b"authorization", b"bearer  abc "), (b"AUTHORIZATION", b"Bearer other")],
+    [(b"Authorization", b"Basic abc"), (b"x-api-key", b"k")],
+    [(b"Authorization", b""), (b"X-Api-Key", b"k2"), (b"api-key", b"k3")],
+    [(b"api-key", b"k3")],
+    [(b"Authorization", b"Bearer \xff\xfe")],
+    [(b"Content-Length", b"-1")],
+    [(b"Content-Length", b"7"), (b"content-length", b"9"), (b"Expect", b"100-Continue")],
+]
+
+
+@pytest.mark.parametrize("raw", RAW_CASES)
+def test_header_lookups_answer_as_the_header_dict(raw: list[tuple[bytes, bytes]]):
+    req = _request(raw)
+    headers = req.headers  # the CIMultiDict, built on demand
+    for name in ("Authorization", "Content-Length", "Expect", "x-api-key", "api-key", "Host", "Nope"):
+        assert _request(raw).header(name.lower().encode()) == headers.get(name)
+    assert request_key(_request(raw)) == bearer_key(headers)
+    cl = headers.get("Content-Length")
+    assert req.content_length == (int(cl) if cl is not None and cl.isdigit() else None)
+    assert req._expect_continue == (headers.get("Expect", "").lower() == "100-continue")
