@@ -88,3 +88,41 @@ def test_header_lookups_answer_as_the_header_dict(raw: list[tuple[bytes, bytes]]
     cl = headers.get("Content-Length")
     assert req.content_length == (int(cl) if cl is not None and cl.isdigit() else None)
     assert req._expect_continue == (headers.get("Expect", "").lower() == "100-continue")
+
+
+ENGINE_HEADERS = [
+    [],
+    [(b"Content-Type", b"application/json"), (b"Content-Length", b"12"), (b"Date", b"x"), (b"X-Req", b"1")],
+    [(b"server", b"s"), (b"CONNECTION", b"keep-alive"), (b"x-a", b"1"), (b"X-A", b"2")],
+    [(b"X-Evil", b"a\r\nSet-Cookie: b"), (b"content-type", b"text/plain\n"), (b"X-Latin", b"caf\xe9")],
+    [(b"Transfer-Encoding", b"chunked"), (b"Trailer", b"t"), (b"TE", b"x"), (b"Upgrade", b"h2c")],
+]
+
+
+def _as_before(pairs: list[tuple[bytes, bytes]]) -> tuple[bytes, bool]:
+    """The head lines as the proxy made them before relay_lines: a header dict, then each line built."""
+    from multidict import CIMultiDict
+
+    from llmgw_router.proxy import _DROP
+
+    h: CIMultiDict[str] = CIMultiDict()
+    for k, v in pairs:
+        name = k.decode("latin-1")
+        if name.lower() not in _DROP:
+            h.add(name, v.decode("latin-1"))
+    lines = b"".join(
+        f"{k}: {v}\r\n".encode("latin-1", "replace") for k, v in h.items() if "\n" not in v and "\r" not in v
+    )
+    return lines, "Content-Type" in h
+
+
+@pytest.mark.parametrize("pairs", ENGINE_HEADERS)
+def test_relayed_header_lines_are_those_the_header_dict_gave(pairs: list[tuple[bytes, bytes]]):
+    from llmgw_router.proxy import _DROP_RAW
+    from llmgw_router.web import RelayedResponse, relay_lines
+
+    assert relay_lines(pairs, _DROP_RAW) == _as_before(pairs)
+    lines, has_type = relay_lines(pairs, _DROP_RAW)
+    resp = RelayedResponse(200, b"{}", lines, has_type)
+    assert ("Content-Type" in resp.headers) == (not has_type)
+    assert not RelayedResponse(200, b"", lines, has_type).headers

@@ -14,8 +14,6 @@ import logging
 import time
 from typing import Any
 
-from multidict import CIMultiDict
-
 from llmgw_router import web
 from llmgw_router.context import RouterContext
 from llmgw_router.endpoints import EndpointState
@@ -43,6 +41,7 @@ _DROP = frozenset(
         "Trailer",
     )
 )
+_DROP_RAW = frozenset(h.encode() for h in _DROP)
 # Statuses recorded for requests that never got an engine answer to relay.
 CLIENT_GONE = 499
 
@@ -73,15 +72,6 @@ def pick(
     if ep is None or not ep.breaker.acquire(now):
         return None
     return ep
-
-
-def _response_headers(up: Response) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict()
-    for k, v in up.headers:
-        name = k.decode("latin-1")
-        if name.lower() not in _DROP:
-            out.add(name, v.decode("latin-1"))
-    return out
 
 
 async def forward(
@@ -190,7 +180,8 @@ async def _attempt(
             ctx.metrics.first_byte(model, elapsed)
             if status < 300:
                 ctx.usage.add(key_id, model, find_usage(data))
-            return web.Response(status=status, body=data, headers=_response_headers(up)), status, verdict
+            lines, has_type = web.relay_lines(up.headers, _DROP_RAW)
+            return web.RelayedResponse(status, data, lines, has_type), status, verdict
         return await _stream(ctx, request, up, ep, model, key_id, want_usage, t0, verdict, mig, started)
     finally:
         ep.answers.discard(up)
@@ -222,7 +213,11 @@ async def _stream(
         # The engine answers: say so now, not when the stream ends. A half-open breaker lets one probe
         # through at a time, so a long stream as the probe would keep the endpoint shut for its length.
         ep.breaker.success()
-    resp = started or web.StreamResponse(status=status, headers=_response_headers(up))
+    if started is None:
+        resp = web.StreamResponse(status=status)
+        resp.raw_headers = web.relay_lines(up.headers, _DROP_RAW)[0]
+    else:
+        resp = started
     tail = b""
     try:
         try:

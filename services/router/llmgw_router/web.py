@@ -225,10 +225,22 @@ class Request:
 class StreamResponse:
     """A response whose body is written as it comes (chunked on HTTP/1.1)."""
 
-    __slots__ = ("_chunked", "_conn", "_eof", "_head", "_no_body", "headers", "status", "will_close")
+    __slots__ = (
+        "_chunked",
+        "_conn",
+        "_eof",
+        "_head",
+        "_no_body",
+        "headers",
+        "raw_headers",
+        "status",
+        "will_close",
+    )
 
     def __init__(self, *, status: int = 200, headers: Mapping[str, str] | None = None) -> None:
         self.status = status
+        # Header lines sent as they are, before ``headers`` (an engine's, relayed: see relay_lines).
+        self.raw_headers = b""
         # Taken as is when it is already a CIMultiDict (the proxy builds one per answer).
         self.headers: CIMultiDict[str] = (
             headers if isinstance(headers, CIMultiDict) else CIMultiDict(headers or ())
@@ -254,7 +266,7 @@ class StreamResponse:
         self._no_body = request.method == "HEAD"
         if conn.must_close(request):
             self.will_close = True
-        parts = [status_line(self.status)]
+        parts = [status_line(self.status), self.raw_headers]
         for k, v in self.headers.items():
             if "\n" in v or "\r" in v:  # never let a value split the head (header injection)
                 continue
@@ -315,6 +327,24 @@ class StreamResponse:
             await conn.send(out)
 
 
+def relay_lines(pairs: list[tuple[bytes, bytes]], drop: frozenset[bytes]) -> tuple[bytes, bool]:
+    """Raw header pairs as the head lines :meth:`StreamResponse._build_head` would make of them (those
+    named in ``drop``, lower case, left out; a value with CR or LF never sent), and whether a
+    Content-Type is among those kept."""
+    lines = []
+    has_type = False
+    for k, v in pairs:
+        lk = k.lower()
+        if lk in drop:
+            continue
+        if lk == b"content-type":
+            has_type = True
+        if b"\n" in v or b"\r" in v:
+            continue
+        lines.append(k + b": " + v + b"\r\n")
+    return b"".join(lines), has_type
+
+
 class Response(StreamResponse):
     """A whole response: head and body in one write."""
 
@@ -357,6 +387,19 @@ class Response(StreamResponse):
         out = (self._head or b"") + (b"" if self._no_body else self.body + data)
         self._head = None
         await conn.send(out)
+
+
+class RelayedResponse(Response):
+    """An engine's whole answer, relayed: its header lines (:func:`relay_lines`) as they came."""
+
+    __slots__ = ()
+
+    def __init__(self, status: int, body: bytes, lines: bytes, has_type: bool) -> None:
+        StreamResponse.__init__(self, status=status)
+        self.raw_headers = lines
+        self.body = body
+        if not has_type and body:
+            self.headers["Content-Type"] = "application/octet-stream"
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
