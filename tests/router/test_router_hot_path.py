@@ -126,3 +126,23 @@ def test_relayed_header_lines_are_those_the_header_dict_gave(pairs: list[tuple[b
     resp = RelayedResponse(200, b"{}", lines, has_type)
     assert ("Content-Type" in resp.headers) == (not has_type)
     assert not RelayedResponse(200, b"", lines, has_type).headers
+
+
+ANSWER_HEADERS = [
+    [],
+    [(b"Content-Type", b"application/json"), (b"Content-Length", b"12")],
+    [(b"content-length", b"7"), (b"CONTENT-LENGTH", b"9"), (b"content-type", b"a"), (b"Content-Type", b"b")],
+    [(b"Content-Length", b"-3"), (b"Content-Typf", b"x"), (b"Content-Lengtx", b"4")],
+    [(b"Content-Type", b""), (b"Content-Length", b"")],
+    [(b"Transfer-Encoding", b"chunked"), (b"Content-Type", b"text/event-stream")],
+]
+
+
+@pytest.mark.parametrize("pairs", ANSWER_HEADERS)
+def test_an_answers_framing_in_one_pass_is_what_the_two_lookups_gave(pairs: list[tuple[bytes, bytes]]):
+    from llmgw_router.upstream import Response, UpstreamClient, _Conn
+
+    conn = _Conn(None)  # type: ignore[arg-type]  # never reads: only its head is looked at
+    conn.headers = pairs
+    up = Response(UpstreamClient(1.0, 1.0), ("h", 1, False), conn, 1.0, 1.0)
+    assert up.framing() == (up.header(b"content-type") or b"", up.content_length)

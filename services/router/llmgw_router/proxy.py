@@ -167,8 +167,8 @@ async def _attempt(
                 detail = ""
             raise _Retryable(f"{ep.replica_id} answered {status}: {detail}", status)
         verdict = status < 500
-        ctype = up.header(b"content-type") or b""
-        if up.content_length is not None and not ctype.startswith(b"text/event-stream"):
+        ctype, length = up.framing()
+        if length is not None and not ctype.startswith(b"text/event-stream"):
             try:
                 data = await up.read()
             except ReadTimeout:
