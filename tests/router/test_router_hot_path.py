@@ -146,3 +146,44 @@ def test_an_answers_framing_in_one_pass_is_what_the_two_lookups_gave(pairs: list
     conn.headers = pairs
     up = Response(UpstreamClient(1.0, 1.0), ("h", 1, False), conn, 1.0, 1.0)
     assert up.framing() == (up.header(b"content-type") or b"", up.content_length)
+
+
+BODIES = [
+    b'{"model": "m"}',
+    b'{"model": "m", "x": NaN, "y": 1e999, "z": "\\ud800"}',
+    b"{",
+    b'{"model": "m"} x',
+    b'{"model": "caf\xe9"}',
+    b'{"model": "m", "s": "\xed\xa0\x80"}',
+    b"{\x00\x00\x00",
+    b"{\x00",
+    b"{\x00}",
+    b"\xef\xbb\xbf{}",
+    b'  {"model": "m"}',
+    b"[]",
+    b"",
+    b'{"model": 3}',
+]
+
+
+def _parse_as_before(body: bytes) -> object:
+    import json
+
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"the request body is not valid JSON: {e}"
+    if not isinstance(obj, dict):
+        return "the request body must be a JSON object"
+    model = obj.get("model")
+    if not isinstance(model, str) or not model:
+        return "you must provide a model parameter"
+    return obj
+
+
+@pytest.mark.parametrize("body", BODIES)
+def test_a_body_parses_as_json_loads_parses_it(body: bytes):
+    from llmgw_router.proxy import parse_request
+
+    got, expected = parse_request(body), _parse_as_before(body)
+    assert repr(got) == repr(expected)  # repr: NaN is not equal to itself
