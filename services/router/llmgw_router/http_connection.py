@@ -22,7 +22,7 @@ from urllib.parse import unquote
 import httptools
 
 from llmgw_router.errors import error_body
-from llmgw_router.web import Request, Response, status_line
+from llmgw_router.web import RelayedResponse, Request, Response, status_line
 
 if TYPE_CHECKING:
     from llmgw_router.http_server import HttpServer
@@ -36,6 +36,7 @@ MAX_PIPELINE = 16
 # After a response that ends before its request's body did: read and drop the rest this long.
 LINGER_S = 5.0
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_WHOLE = frozenset((Response, RelayedResponse))
 # Headers that say where a request's body ends (to read on past an Upgrade header: below).
 _FRAMING = frozenset((b"content-length", b"transfer-encoding"))
 
@@ -278,9 +279,15 @@ class Connection(asyncio.Protocol):
                 resp = Response(
                     status=500, body=error_body(500, "internal error"), content_type="application/json"
                 )
-            if not resp.prepared:
-                await resp.prepare(req)
-            await resp.write_eof()
+            if type(resp) in _WHOLE and not resp.prepared:
+                # A whole answer: head and body made at once and sent in one write (prepare, then
+                # write_eof, would make the same bytes in three coroutines). Not for a subclass: it
+                # may have its own prepare or write_eof.
+                await self.send(cast(Response, resp).whole(req))
+            else:
+                if not resp.prepared:
+                    await resp.prepare(req)
+                await resp.write_eof()
             close = resp.will_close
         except (ConnectionResetError, asyncio.CancelledError):
             self._task = None

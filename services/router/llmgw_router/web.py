@@ -379,6 +379,16 @@ class Response(StreamResponse):
         self.headers.popall("Content-Length", None)
         self._head = self._build_head(request, len(self.body))
 
+    def whole(self, request: Request) -> bytes:
+        """What ``prepare`` then ``write_eof()`` would send, as one piece (the response is then ended);
+        ConnectionResetError if the client is gone."""
+        if request._conn.gone():
+            raise ConnectionResetError("the client has gone")
+        self.headers.popall("Content-Length", None)
+        head = self._build_head(request, len(self.body))
+        self._eof = True
+        return head if self._no_body else head + self.body
+
     async def write_eof(self, data: bytes = b"") -> None:
         conn = self._conn
         if conn is None or self._eof:
