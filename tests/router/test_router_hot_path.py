@@ -75,6 +75,8 @@ RAW_CASES = [
     [(b"Authorization", b"Bearer \xff\xfe")],
     [(b"Content-Length", b"-1")],
     [(b"Content-Length", b"7"), (b"content-length", b"9"), (b"Expect", b"100-Continue")],
+    [(b"expect", b"100-continue"), (b"EXPECT", b"nope"), (b"Content-Lengtx", b"3"), (b"Authorizatiom", b"x")],
+    [(b"Expect", b"\xff"), (b"Content-Length", b"")],
 ]
 
 
@@ -85,6 +87,7 @@ def test_header_lookups_answer_as_the_header_dict(raw: list[tuple[bytes, bytes]]
     for name in ("Authorization", "Content-Length", "Expect", "x-api-key", "api-key", "Host", "Nope"):
         assert _request(raw).header(name.lower().encode()) == headers.get(name)
     assert request_key(_request(raw)) == bearer_key(headers)
+    assert req.authorization == headers.get("Authorization")
     cl = headers.get("Content-Length")
     assert req.content_length == (int(cl) if cl is not None and cl.isdigit() else None)
     assert req._expect_continue == (headers.get("Expect", "").lower() == "100-continue")

@@ -57,7 +57,7 @@ def bearer_key(headers: Mapping[str, str]) -> str | None:
 
 def request_key(request: Request) -> str | None:
     """:func:`bearer_key` of a request's headers, read from the raw list (no header dict built)."""
-    auth = request.header(b"authorization")
+    auth = request.authorization
     if auth:
         return _from_authorization(auth)
     return request.header(b"x-api-key") or request.header(b"api-key") or None

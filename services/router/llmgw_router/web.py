@@ -67,6 +67,7 @@ class Request:
         "_store",
         "_too_large",
         "_waiter",
+        "authorization",
         "complete",
         "content_length",
         "keep_alive",
@@ -97,8 +98,21 @@ class Request:
         self._headers: CIMultiDict[str] | None = None
         self.version = version
         self.keep_alive = keep_alive
-        cl = self.header(b"content-length")
+        # The three headers every request's handling reads, found in one pass (first of each).
+        cl = expect = auth = None
+        for k, v in raw_headers:
+            n = len(k)
+            if n == 14:
+                if cl is None and k.lower() == b"content-length":
+                    cl = v.decode("utf-8", "surrogateescape")
+            elif n == 13:
+                if auth is None and k.lower() == b"authorization":
+                    auth = v.decode("utf-8", "surrogateescape")
+            elif n == 6 and expect is None and k.lower() == b"expect":
+                expect = v.decode("utf-8", "surrogateescape")
         self.content_length = int(cl) if cl is not None and cl.isdigit() else None
+        # ``headers.get("Authorization")``
+        self.authorization = auth
         self.match_info: dict[str, str] = {}
         # The body as it arrived, and whether all of it has (the parser saw the message's end).
         self._body: list[bytes] = []
@@ -107,7 +121,7 @@ class Request:
         self.complete = False
         self._waiter: asyncio.Future[None] | None = None
         self._store: dict[RequestKey[Any], Any] | None = None
-        self._expect_continue = (self.header(b"expect") or "").lower() == "100-continue"
+        self._expect_continue = expect is not None and expect.lower() == "100-continue"
 
     # ------------------------------------------------------------ headers
 
