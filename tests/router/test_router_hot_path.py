@@ -124,8 +124,9 @@ def test_relayed_header_lines_are_those_the_header_dict_gave(pairs: list[tuple[b
     from llmgw_router.proxy import _DROP_RAW
     from llmgw_router.web import RelayedResponse, relay_lines
 
-    assert relay_lines(pairs, _DROP_RAW) == _as_before(pairs)
-    lines, has_type = relay_lines(pairs, _DROP_RAW)
+    lines, ctype, _ = relay_lines(pairs, _DROP_RAW)
+    has_type = ctype is not None
+    assert (lines, has_type) == _as_before(pairs)
     resp = RelayedResponse(200, b"{}", lines, has_type)
     assert ("Content-Type" in resp.headers) == (not has_type)
     assert not RelayedResponse(200, b"", lines, has_type).headers
@@ -142,13 +143,19 @@ ANSWER_HEADERS = [
 
 
 @pytest.mark.parametrize("pairs", ANSWER_HEADERS)
-def test_an_answers_framing_in_one_pass_is_what_the_two_lookups_gave(pairs: list[tuple[bytes, bytes]]):
+def test_an_answers_framing_from_the_relay_pass_is_what_the_two_lookups_gave(
+    pairs: list[tuple[bytes, bytes]],
+):
+    from llmgw_router.proxy import _DROP_RAW
     from llmgw_router.upstream import Response, UpstreamClient, _Conn
+    from llmgw_router.web import relay_lines
 
     conn = _Conn(None)  # type: ignore[arg-type]  # never reads: only its head is looked at
     conn.headers = pairs
     up = Response(UpstreamClient(1.0, 1.0), ("h", 1, False), conn, 1.0, 1.0)
-    assert up.framing() == (up.header(b"content-type") or b"", up.content_length)
+    _, ctype, clen = relay_lines(pairs, _DROP_RAW)
+    assert ctype == up.header(b"content-type")
+    assert (int(clen) if clen is not None and clen.isdigit() else None) == up.content_length
 
 
 BODIES = [

@@ -168,8 +168,10 @@ async def _attempt(
                 detail = ""
             raise _Retryable(f"{ep.replica_id} answered {status}: {detail}", status)
         verdict = status < 500
-        ctype, length = up.framing()
-        if length is not None and not ctype.startswith(b"text/event-stream"):
+        # The header lines to relay, and the answer's Content-Type and Content-Length, in one pass.
+        lines, ctype, clen = web.relay_lines(up.headers, _DROP_RAW)
+        length = int(clen) if clen is not None and clen.isdigit() else None
+        if length is not None and not (ctype or b"").startswith(b"text/event-stream"):
             try:
                 data = await up.read()
             except ReadTimeout:
@@ -181,9 +183,10 @@ async def _attempt(
             ctx.metrics.first_byte(model, elapsed)
             if status < 300:
                 ctx.usage.add(key_id, model, find_usage(data))
-            lines, has_type = web.relay_lines(up.headers, _DROP_RAW)
-            return web.RelayedResponse(status, data, lines, has_type), status, verdict
-        return await _stream(ctx, request, up, ep, model, key_id, want_usage, t0, verdict, mig, started)
+            return web.RelayedResponse(status, data, lines, ctype is not None), status, verdict
+        return await _stream(
+            ctx, request, up, ep, model, key_id, want_usage, t0, verdict, mig, started, lines
+        )
     finally:
         ep.answers.discard(up)
         up.close()  # no-op after a full read; drops the connection after a partial one
@@ -201,7 +204,9 @@ async def _stream(
     verdict: bool,
     mig: Migration | None,
     started: web.StreamResponse | None = None,
+    lines: bytes = b"",
 ) -> tuple[web.StreamResponse, int, bool | None]:
+    """``lines``: the engine's header lines to relay (web.relay_lines)."""
     status = up.status
     try:
         first = await up.readany()
@@ -216,7 +221,7 @@ async def _stream(
         ep.breaker.success()
     if started is None:
         resp = web.StreamResponse(status=status)
-        resp.raw_headers = web.relay_lines(up.headers, _DROP_RAW)[0]
+        resp.raw_headers = lines
     else:
         resp = started
     tail = b""

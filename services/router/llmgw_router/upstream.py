@@ -220,19 +220,6 @@ class Response:
                 return v
         return None
 
-    def framing(self) -> tuple[bytes, int | None]:
-        """``header(b"content-type") or b""`` and :attr:`content_length`, in one pass over the headers."""
-        ctype: bytes | None = None
-        length: bytes | None = None
-        for k, v in self.headers:
-            n = len(k)
-            if n == 12:
-                if ctype is None and k.lower() == b"content-type":
-                    ctype = v
-            elif n == 14 and length is None and k.lower() == b"content-length":
-                length = v
-        return ctype or b"", int(length) if length is not None and length.isdigit() else None
-
     @property
     def content_length(self) -> int | None:
         v = self.header(b"content-length")

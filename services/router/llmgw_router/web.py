@@ -341,22 +341,27 @@ class StreamResponse:
             await conn.send(out)
 
 
-def relay_lines(pairs: list[tuple[bytes, bytes]], drop: frozenset[bytes]) -> tuple[bytes, bool]:
+def relay_lines(
+    pairs: list[tuple[bytes, bytes]], drop: frozenset[bytes]
+) -> tuple[bytes, bytes | None, bytes | None]:
     """Raw header pairs as the head lines :meth:`StreamResponse._build_head` would make of them (those
-    named in ``drop``, lower case, left out; a value with CR or LF never sent), and whether a
-    Content-Type is among those kept."""
+    named in ``drop``, lower case, left out; a value with CR or LF never sent); with the first
+    Content-Type and the first Content-Length among the pairs (None when there is none), which the
+    proxy needs too, found in the same pass."""
     lines = []
-    has_type = False
+    ctype = length = None
     for k, v in pairs:
         lk = k.lower()
         if lk in drop:
+            if length is None and lk == b"content-length":
+                length = v
             continue
-        if lk == b"content-type":
-            has_type = True
+        if ctype is None and lk == b"content-type":
+            ctype = v
         if b"\n" in v or b"\r" in v:
             continue
         lines.append(k + b": " + v + b"\r\n")
-    return b"".join(lines), has_type
+    return b"".join(lines), ctype, length
 
 
 class Response(StreamResponse):
