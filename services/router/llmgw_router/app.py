@@ -16,7 +16,7 @@ from llmgw_common.messages import ApiKeyRecord
 from llmgw_router import landing, web
 from llmgw_router.admission import AdmissionRefused
 from llmgw_router.affinity import prompt_key
-from llmgw_router.auth import bearer_key
+from llmgw_router.auth import request_key
 from llmgw_router.context import RouterContext
 from llmgw_router.errors import error_response
 from llmgw_router.keys import allows_model
@@ -40,7 +40,7 @@ def _not_found_message(model: str) -> str:
 def _authenticate(ctx: RouterContext, request: web.Request) -> web.Response | None:
     """The 401 answer for a request that needs a key and has no valid one; None when it may go on."""
     if ctx.auth and not ctx.exemptions.exempt(request.path):
-        check = ctx.keys.check(bearer_key(request.headers), ctx.clock())
+        check = ctx.keys.check(request_key(request), ctx.clock())
         if check.record is None:
             return error_response(401, check.problem or "invalid API key")
         request[KEY_RECORD] = check.record
@@ -158,9 +158,13 @@ def _make_proxy_handler(ctx: RouterContext, path: str) -> Handler:
 
     async def handle(request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
-        refused = _authenticate(ctx, request)
-        if refused is not None:
-            return refused
+        # _authenticate, with the record kept here: nothing else reads it from a proxied request.
+        rec = None
+        if ctx.auth and not ctx.exemptions.exempt(request.path):
+            check = ctx.keys.check(request_key(request), ctx.clock())
+            rec = check.record
+            if rec is None:
+                return error_response(401, check.problem or "invalid API key")
         cl = request.content_length
         if cl is not None and cl > ctx.limits.max_body_bytes:
             metrics.request(UNKNOWN_MODEL, 413)
@@ -191,7 +195,6 @@ def _make_proxy_handler(ctx: RouterContext, path: str) -> Handler:
             metrics.request(UNKNOWN_MODEL, 400)
             return error_response(400, parsed, param=None if "JSON" in parsed else "model")
         model: str = parsed["model"]
-        rec = _key(request)
         profile = ctx.pool.profiles.get(model)
         if profile is None or not allows_model(rec, model):
             metrics.request(UNKNOWN_MODEL, 404)

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llmgw_router.web import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +51,22 @@ def bearer_key(headers: Mapping[str, str]) -> str | None:
     """The key from ``Authorization: Bearer <key>`` (or ``api-key``/``x-api-key``); None when absent."""
     auth = headers.get("Authorization")
     if auth:
-        scheme, _, value = auth.partition(" ")
-        if scheme.lower() == "bearer" and value.strip():
-            return value.strip()
-        return None
+        return _from_authorization(auth)
     return headers.get("x-api-key") or headers.get("api-key") or None
+
+
+def request_key(request: Request) -> str | None:
+    """:func:`bearer_key` of a request's headers, read from the raw list (no header dict built)."""
+    auth = request.authorization
+    if auth:
+        return _from_authorization(auth)
+    return request.header(b"x-api-key") or request.header(b"api-key") or None
+
+
+def _from_authorization(auth: str) -> str | None:
+    scheme, _, value = auth.partition(" ")
+    if scheme.lower() == "bearer":
+        value = value.strip()
+        if value:
+            return value
+    return None

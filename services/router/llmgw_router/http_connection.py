@@ -20,10 +20,9 @@ from typing import TYPE_CHECKING, cast
 from urllib.parse import unquote
 
 import httptools
-from multidict import CIMultiDict
 
 from llmgw_router.errors import error_body
-from llmgw_router.web import Request, Response, status_line
+from llmgw_router.web import RelayedResponse, Request, Response, status_line
 
 if TYPE_CHECKING:
     from llmgw_router.http_server import HttpServer
@@ -37,6 +36,7 @@ MAX_PIPELINE = 16
 # After a response that ends before its request's body did: read and drop the rest this long.
 LINGER_S = 5.0
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_WHOLE = frozenset((Response, RelayedResponse))
 # Headers that say where a request's body ends (to read on past an Upgrade header: below).
 _FRAMING = frozenset((b"content-length", b"transfer-encoding"))
 
@@ -223,9 +223,6 @@ class Connection(asyncio.Protocol):
         self.deadline = None
         self._head_bytes = 0
         p = self.parser
-        headers: CIMultiDict[str] = CIMultiDict(
-            [(k.decode("latin-1"), v.decode("utf-8", "surrogateescape")) for k, v in self._headers]
-        )
         raw = self._url
         q = raw.find(b"?")
         raw_path, query = (raw, b"") if q < 0 else (raw[:q], raw[q + 1 :])
@@ -235,16 +232,14 @@ class Connection(asyncio.Protocol):
                 path = unquote(path, errors="strict")
         except UnicodeDecodeError:
             path = "\0"  # not a path any route or exemption has: 404 after the key check
-        cl = headers.get("Content-Length")
         req = Request(
             self,
             p.get_method().decode("ascii", "replace"),
             path,
             query.decode("latin-1"),
-            headers,
+            self._headers,
             p.get_http_version(),
             p.should_keep_alive(),
-            int(cl) if cl is not None and cl.isdigit() else None,
         )
         self._parsing = self._body_target = req
         if self._task is None and not self._pipeline:
@@ -284,9 +279,15 @@ class Connection(asyncio.Protocol):
                 resp = Response(
                     status=500, body=error_body(500, "internal error"), content_type="application/json"
                 )
-            if not resp.prepared:
-                await resp.prepare(req)
-            await resp.write_eof()
+            if type(resp) in _WHOLE and not resp.prepared:
+                # A whole answer: head and body made at once and sent in one write (prepare, then
+                # write_eof, would make the same bytes in three coroutines). Not for a subclass: it
+                # may have its own prepare or write_eof.
+                await self.send(cast(Response, resp).whole(req))
+            else:
+                if not resp.prepared:
+                    await resp.prepare(req)
+                await resp.write_eof()
             close = resp.will_close
         except (ConnectionResetError, asyncio.CancelledError):
             self._task = None

@@ -23,12 +23,20 @@ class KeyCheck:
     problem: str | None = None
 
 
+# Presented keys remembered with their record (hashing each request's key was a measurable part of
+# the router's CPU per request); past this many the memo starts over.
+MEMO_SIZE = 4096
+
+
 class KeyTable:
     """hash -> record, fed from the bucket (or a static file). Reads are plain dict lookups."""
 
     def __init__(self, records: Iterable[ApiKeyRecord] = ()) -> None:
         self._by_id: dict[str, ApiKeyRecord] = {}
         self._by_hash: dict[str, ApiKeyRecord] = {}
+        # Presented key -> its record, for keys that matched one. Emptied on every change to the table,
+        # so a replaced (revoked) or removed record is never answered from it.
+        self._memo: dict[str, ApiKeyRecord] = {}
         for r in records:
             self.put(r)
 
@@ -36,6 +44,7 @@ class KeyTable:
         return len(self._by_id)
 
     def put(self, record: ApiKeyRecord) -> None:
+        self._memo.clear()
         old = self._by_id.pop(record.id, None)
         if old is not None:
             self._by_hash.pop(old.hash, None)
@@ -43,6 +52,7 @@ class KeyTable:
         self._by_hash[record.hash] = record
 
     def remove(self, key_id: str) -> None:
+        self._memo.clear()
         old = self._by_id.pop(key_id, None)
         if old is not None:
             self._by_hash.pop(old.hash, None)
@@ -50,14 +60,19 @@ class KeyTable:
     def check(self, key: str | None, now: float) -> KeyCheck:
         if not key:
             return KeyCheck(None, "no API key: send 'Authorization: Bearer <key>'")
-        try:
-            digest = hash_key(key)
-        except UnicodeEncodeError:
-            # aiohttp hands over header bytes that are not UTF-8 as surrogates; no key has them.
-            return KeyCheck(None, "invalid API key: it is not valid UTF-8")
-        rec = self._by_hash.get(digest)
+        rec = self._memo.get(key)
         if rec is None:
-            return KeyCheck(None, "invalid API key")
+            try:
+                digest = hash_key(key)
+            except UnicodeEncodeError:
+                # aiohttp hands over header bytes that are not UTF-8 as surrogates; no key has them.
+                return KeyCheck(None, "invalid API key: it is not valid UTF-8")
+            rec = self._by_hash.get(digest)
+            if rec is None:
+                return KeyCheck(None, "invalid API key")
+            if len(self._memo) >= MEMO_SIZE:
+                self._memo.clear()
+            self._memo[key] = rec
         if rec.revoked:
             return KeyCheck(None, f"API key {rec.name!r} was revoked")
         if rec.expires is not None and now >= rec.expires:

@@ -14,8 +14,6 @@ import logging
 import time
 from typing import Any
 
-from multidict import CIMultiDict
-
 from llmgw_router import web
 from llmgw_router.context import RouterContext
 from llmgw_router.endpoints import EndpointState
@@ -43,6 +41,8 @@ _DROP = frozenset(
         "Trailer",
     )
 )
+_DROP_RAW = frozenset(h.encode() for h in _DROP)
+_DECODER = json.JSONDecoder()
 # Statuses recorded for requests that never got an engine answer to relay.
 CLIENT_GONE = 499
 
@@ -73,15 +73,6 @@ def pick(
     if ep is None or not ep.breaker.acquire(now):
         return None
     return ep
-
-
-def _response_headers(up: Response) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict()
-    for k, v in up.headers:
-        name = k.decode("latin-1")
-        if name.lower() not in _DROP:
-            out.add(name, v.decode("latin-1"))
-    return out
 
 
 async def forward(
@@ -177,8 +168,10 @@ async def _attempt(
                 detail = ""
             raise _Retryable(f"{ep.replica_id} answered {status}: {detail}", status)
         verdict = status < 500
-        ctype = up.header(b"content-type") or b""
-        if up.content_length is not None and not ctype.startswith(b"text/event-stream"):
+        # The header lines to relay, and the answer's Content-Type and Content-Length, in one pass.
+        lines, ctype, clen = web.relay_lines(up.headers, _DROP_RAW)
+        length = int(clen) if clen is not None and clen.isdigit() else None
+        if length is not None and not (ctype or b"").startswith(b"text/event-stream"):
             try:
                 data = await up.read()
             except ReadTimeout:
@@ -190,8 +183,10 @@ async def _attempt(
             ctx.metrics.first_byte(model, elapsed)
             if status < 300:
                 ctx.usage.add(key_id, model, find_usage(data))
-            return web.Response(status=status, body=data, headers=_response_headers(up)), status, verdict
-        return await _stream(ctx, request, up, ep, model, key_id, want_usage, t0, verdict, mig, started)
+            return web.RelayedResponse(status, data, lines, ctype is not None), status, verdict
+        return await _stream(
+            ctx, request, up, ep, model, key_id, want_usage, t0, verdict, mig, started, lines
+        )
     finally:
         ep.answers.discard(up)
         up.close()  # no-op after a full read; drops the connection after a partial one
@@ -209,7 +204,9 @@ async def _stream(
     verdict: bool,
     mig: Migration | None,
     started: web.StreamResponse | None = None,
+    lines: bytes = b"",
 ) -> tuple[web.StreamResponse, int, bool | None]:
+    """``lines``: the engine's header lines to relay (web.relay_lines)."""
     status = up.status
     try:
         first = await up.readany()
@@ -222,7 +219,11 @@ async def _stream(
         # The engine answers: say so now, not when the stream ends. A half-open breaker lets one probe
         # through at a time, so a long stream as the probe would keep the endpoint shut for its length.
         ep.breaker.success()
-    resp = started or web.StreamResponse(status=status, headers=_response_headers(up))
+    if started is None:
+        resp = web.StreamResponse(status=status)
+        resp.raw_headers = lines
+    else:
+        resp = started
     tail = b""
     try:
         try:
@@ -274,7 +275,12 @@ def _gateway_timeout(ep: EndpointState) -> web.Response:
 def parse_request(body: bytes) -> dict[str, Any] | str:
     """The request as a dict, or what is wrong with it (a 400 message)."""
     try:
-        obj = json.loads(body)
+        if body[:1] == b"{" and body[1:2] != b"\0":
+            # What json.loads does with these bytes (json.detect_encoding says UTF-8 for them), minus
+            # its checks and the detection: the same object, or the same error.
+            obj = _DECODER.decode(body.decode("utf-8", "surrogatepass"))
+        else:
+            obj = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         return f"the request body is not valid JSON: {e}"
     except RecursionError:

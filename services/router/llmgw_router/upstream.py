@@ -253,6 +253,17 @@ class Response:
         return data
 
     async def read(self) -> bytes:
+        c = self._conn
+        if not self._done and c.complete:
+            # The whole answer is here already (a short answer usually is): take it, no read loop.
+            chunks = c._chunks
+            data = chunks.popleft() if len(chunks) == 1 else b"".join(_drain(chunks))
+            c._buffered = 0
+            if c._paused and c.transport is not None:
+                c._paused = False
+                c.transport.resume_reading()
+            self._finish()
+            return data
         parts: list[bytes] = []
         while True:
             data = await self.readany()
@@ -317,6 +328,8 @@ class UpstreamClient:
         self.max_idle_per_endpoint = max_idle_per_endpoint
         self._idle: dict[tuple[str, int, bool], list[_Conn]] = {}
         self._targets: dict[str, tuple[tuple[str, int, bool], bytes, bytes]] = {}
+        # (base URL, path, content type) -> its connection key and request head up to the length's value.
+        self._heads: dict[tuple[str, str, bytes], tuple[tuple[str, int, bool], bytes]] = {}
         self._ssl: ssl.SSLContext | None = None
 
     def _target(self, base_url: str) -> tuple[tuple[str, int, bool], bytes, bytes]:
@@ -330,6 +343,23 @@ class UpstreamClient:
             t = self._targets[base_url] = ((host, port, tls), host_header, u.path.rstrip("/").encode())
         return t
 
+    def _head_of(self, base_url: str, path: str, content_type: bytes) -> tuple[tuple[str, int, bool], bytes]:
+        key, host_header, prefix = self._target(base_url)
+        start = (
+            b"POST "
+            + prefix
+            + path.encode()
+            + b" HTTP/1.1\r\nHost: "
+            + host_header
+            + b"\r\nContent-Type: "
+            + content_type
+            + b"\r\nAccept-Encoding: identity\r\nContent-Length: "
+        )
+        if len(self._heads) >= 1024:  # endpoints come and go: never more than this many remembered
+            self._heads.clear()
+        self._heads[(base_url, path, content_type)] = (key, start)
+        return key, start
+
     async def post(
         self,
         base_url: str,
@@ -342,19 +372,11 @@ class UpstreamClient:
 
         ``held``: while the answer's head is awaited its connection is in this set, to be aborted.
         """
-        key, host_header, prefix = self._target(base_url)
-        head = (
-            b"POST "
-            + prefix
-            + path.encode()
-            + b" HTTP/1.1\r\nHost: "
-            + host_header
-            + b"\r\nContent-Type: "
-            + content_type
-            + b"\r\nAccept-Encoding: identity\r\nContent-Length: "
-            + str(len(body)).encode()
-            + b"\r\n\r\n"
-        )
+        t = self._heads.get((base_url, path, content_type))
+        if t is None:
+            t = self._head_of(base_url, path, content_type)
+        key, head_start = t
+        head = b"%b%d\r\n\r\n" % (head_start, len(body))
         conn, reused = self._take(key)
         if conn is None:
             conn = await self._connect(key)

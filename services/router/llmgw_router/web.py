@@ -61,13 +61,15 @@ class Request:
         "_body",
         "_conn",
         "_expect_continue",
+        "_headers",
+        "_raw_headers",
         "_size",
         "_store",
         "_too_large",
         "_waiter",
+        "authorization",
         "complete",
         "content_length",
-        "headers",
         "keep_alive",
         "match_info",
         "method",
@@ -82,19 +84,35 @@ class Request:
         method: str,
         path: str,
         query_string: str,
-        headers: CIMultiDict[str],
+        raw_headers: list[tuple[bytes, bytes]],
         version: str,
         keep_alive: bool,
-        content_length: int | None,
     ) -> None:
         self._conn = conn
         self.method = method
         self.path = path
         self.query_string = query_string
-        self.headers = headers
+        # The headers as the parser gave them; a CIMultiDict of them only if a handler asks for one
+        # (a proxied request reads two or three headers: a lookup in the raw list is cheaper).
+        self._raw_headers = raw_headers
+        self._headers: CIMultiDict[str] | None = None
         self.version = version
         self.keep_alive = keep_alive
-        self.content_length = content_length
+        # The three headers every request's handling reads, found in one pass (first of each).
+        cl = expect = auth = None
+        for k, v in raw_headers:
+            n = len(k)
+            if n == 14:
+                if cl is None and k.lower() == b"content-length":
+                    cl = v.decode("utf-8", "surrogateescape")
+            elif n == 13:
+                if auth is None and k.lower() == b"authorization":
+                    auth = v.decode("utf-8", "surrogateescape")
+            elif n == 6 and expect is None and k.lower() == b"expect":
+                expect = v.decode("utf-8", "surrogateescape")
+        self.content_length = int(cl) if cl is not None and cl.isdigit() else None
+        # ``headers.get("Authorization")``
+        self.authorization = auth
         self.match_info: dict[str, str] = {}
         # The body as it arrived, and whether all of it has (the parser saw the message's end).
         self._body: list[bytes] = []
@@ -103,7 +121,26 @@ class Request:
         self.complete = False
         self._waiter: asyncio.Future[None] | None = None
         self._store: dict[RequestKey[Any], Any] | None = None
-        self._expect_continue = headers.get("Expect", "").lower() == "100-continue"
+        self._expect_continue = expect is not None and expect.lower() == "100-continue"
+
+    # ------------------------------------------------------------ headers
+
+    @property
+    def headers(self) -> CIMultiDict[str]:
+        h = self._headers
+        if h is None:
+            h = self._headers = CIMultiDict(
+                [(k.decode("latin-1"), v.decode("utf-8", "surrogateescape")) for k, v in self._raw_headers]
+            )
+        return h
+
+    def header(self, lname: bytes) -> str | None:
+        """The first value of the header named ``lname`` (lower case), as ``headers.get`` gives it."""
+        n = len(lname)
+        for k, v in self._raw_headers:
+            if len(k) == n and k.lower() == lname:
+                return v.decode("utf-8", "surrogateescape")
+        return None
 
     # ------------------------------------------------------------ per-request values
 
@@ -202,10 +239,22 @@ class Request:
 class StreamResponse:
     """A response whose body is written as it comes (chunked on HTTP/1.1)."""
 
-    __slots__ = ("_chunked", "_conn", "_eof", "_head", "_no_body", "headers", "status", "will_close")
+    __slots__ = (
+        "_chunked",
+        "_conn",
+        "_eof",
+        "_head",
+        "_no_body",
+        "headers",
+        "raw_headers",
+        "status",
+        "will_close",
+    )
 
     def __init__(self, *, status: int = 200, headers: Mapping[str, str] | None = None) -> None:
         self.status = status
+        # Header lines sent as they are, before ``headers`` (an engine's, relayed: see relay_lines).
+        self.raw_headers = b""
         # Taken as is when it is already a CIMultiDict (the proxy builds one per answer).
         self.headers: CIMultiDict[str] = (
             headers if isinstance(headers, CIMultiDict) else CIMultiDict(headers or ())
@@ -231,7 +280,7 @@ class StreamResponse:
         self._no_body = request.method == "HEAD"
         if conn.must_close(request):
             self.will_close = True
-        parts = [status_line(self.status)]
+        parts = [status_line(self.status), self.raw_headers]
         for k, v in self.headers.items():
             if "\n" in v or "\r" in v:  # never let a value split the head (header injection)
                 continue
@@ -292,6 +341,29 @@ class StreamResponse:
             await conn.send(out)
 
 
+def relay_lines(
+    pairs: list[tuple[bytes, bytes]], drop: frozenset[bytes]
+) -> tuple[bytes, bytes | None, bytes | None]:
+    """Raw header pairs as the head lines :meth:`StreamResponse._build_head` would make of them (those
+    named in ``drop``, lower case, left out; a value with CR or LF never sent); with the first
+    Content-Type and the first Content-Length among the pairs (None when there is none), which the
+    proxy needs too, found in the same pass."""
+    lines = []
+    ctype = length = None
+    for k, v in pairs:
+        lk = k.lower()
+        if lk in drop:
+            if length is None and lk == b"content-length":
+                length = v
+            continue
+        if ctype is None and lk == b"content-type":
+            ctype = v
+        if b"\n" in v or b"\r" in v:
+            continue
+        lines.append(k + b": " + v + b"\r\n")
+    return b"".join(lines), ctype, length
+
+
 class Response(StreamResponse):
     """A whole response: head and body in one write."""
 
@@ -326,6 +398,16 @@ class Response(StreamResponse):
         self.headers.popall("Content-Length", None)
         self._head = self._build_head(request, len(self.body))
 
+    def whole(self, request: Request) -> bytes:
+        """What ``prepare`` then ``write_eof()`` would send, as one piece (the response is then ended);
+        ConnectionResetError if the client is gone."""
+        if request._conn.gone():
+            raise ConnectionResetError("the client has gone")
+        self.headers.popall("Content-Length", None)
+        head = self._build_head(request, len(self.body))
+        self._eof = True
+        return head if self._no_body else head + self.body
+
     async def write_eof(self, data: bytes = b"") -> None:
         conn = self._conn
         if conn is None or self._eof:
@@ -334,6 +416,19 @@ class Response(StreamResponse):
         out = (self._head or b"") + (b"" if self._no_body else self.body + data)
         self._head = None
         await conn.send(out)
+
+
+class RelayedResponse(Response):
+    """An engine's whole answer, relayed: its header lines (:func:`relay_lines`) as they came."""
+
+    __slots__ = ()
+
+    def __init__(self, status: int, body: bytes, lines: bytes, has_type: bool) -> None:
+        StreamResponse.__init__(self, status=status)
+        self.raw_headers = lines
+        self.body = body
+        if not has_type and body:
+            self.headers["Content-Type"] = "application/octet-stream"
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
