@@ -7,6 +7,8 @@ table must reach the very next check. A request's headers are read from the pars
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from llmgw_common.apikeys import hash_key
@@ -17,25 +19,25 @@ from llmgw_router.keys import KeyTable
 from llmgw_router.web import Request
 
 
-def _rec(key: str, **kw) -> ApiKeyRecord:
+def _rec(key: str, **kw: Any) -> ApiKeyRecord:
     return ApiKeyRecord(id=kw.pop("id", "k1"), name="n", hash=hash_key(key), created=0.0, **kw)
 
 
-def test_a_key_revoked_after_use_is_refused_on_the_next_check():
+def test_a_key_revoked_after_use_is_refused_on_the_next_check() -> None:
     t = KeyTable([_rec("key-a")])
     assert t.check("key-a", 0.0).record is not None  # remembered now
     t.put(_rec("key-a", revoked=True))
     assert t.check("key-a", 0.0).problem == "API key 'n' was revoked"
 
 
-def test_a_key_removed_after_use_is_refused_on_the_next_check():
+def test_a_key_removed_after_use_is_refused_on_the_next_check() -> None:
     t = KeyTable([_rec("key-a")])
     assert t.check("key-a", 0.0).record is not None
     t.remove("k1")
     assert t.check("key-a", 0.0).problem == "invalid API key"
 
 
-def test_a_key_replaced_after_use_is_refused_and_its_successor_accepted():
+def test_a_key_replaced_after_use_is_refused_and_its_successor_accepted() -> None:
     t = KeyTable([_rec("key-a")])
     assert t.check("key-a", 0.0).record is not None
     t.put(_rec("key-b"))  # same id, new key: the old one is gone
@@ -43,13 +45,13 @@ def test_a_key_replaced_after_use_is_refused_and_its_successor_accepted():
     assert t.check("key-b", 0.0).record is not None
 
 
-def test_a_remembered_key_still_expires():
+def test_a_remembered_key_still_expires() -> None:
     t = KeyTable([_rec("key-a", expires=10.0)])
     assert t.check("key-a", 9.0).record is not None
     assert t.check("key-a", 10.0).problem == "API key 'n' has expired"
 
 
-def test_the_memory_of_keys_is_bounded(monkeypatch: pytest.MonkeyPatch):
+def test_the_memory_of_keys_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(keys_mod, "MEMO_SIZE", 3)
     recs = [_rec(f"key-{i}", id=f"k{i}") for i in range(10)]
     t = KeyTable(recs)
@@ -81,7 +83,7 @@ RAW_CASES = [
 
 
 @pytest.mark.parametrize("raw", RAW_CASES)
-def test_header_lookups_answer_as_the_header_dict(raw: list[tuple[bytes, bytes]]):
+def test_header_lookups_answer_as_the_header_dict(raw: list[tuple[bytes, bytes]]) -> None:
     req = _request(raw)
     headers = req.headers  # the CIMultiDict, built on demand
     for name in ("Authorization", "Content-Length", "Expect", "x-api-key", "api-key", "Host", "Nope"):
@@ -120,7 +122,7 @@ def _as_before(pairs: list[tuple[bytes, bytes]]) -> tuple[bytes, bool]:
 
 
 @pytest.mark.parametrize("pairs", ENGINE_HEADERS)
-def test_relayed_header_lines_are_those_the_header_dict_gave(pairs: list[tuple[bytes, bytes]]):
+def test_relayed_header_lines_are_those_the_header_dict_gave(pairs: list[tuple[bytes, bytes]]) -> None:
     from llmgw_router.proxy import _DROP_RAW
     from llmgw_router.web import RelayedResponse, relay_lines
 
@@ -145,7 +147,7 @@ ANSWER_HEADERS = [
 @pytest.mark.parametrize("pairs", ANSWER_HEADERS)
 def test_an_answers_framing_from_the_relay_pass_is_what_the_two_lookups_gave(
     pairs: list[tuple[bytes, bytes]],
-):
+) -> None:
     from llmgw_router.proxy import _DROP_RAW
     from llmgw_router.upstream import Response, UpstreamClient, _Conn
     from llmgw_router.web import relay_lines
@@ -192,7 +194,7 @@ def _parse_as_before(body: bytes) -> object:
 
 
 @pytest.mark.parametrize("body", BODIES)
-def test_a_body_parses_as_json_loads_parses_it(body: bytes):
+def test_a_body_parses_as_json_loads_parses_it(body: bytes) -> None:
     from llmgw_router.proxy import parse_request
 
     got, expected = parse_request(body), _parse_as_before(body)
