@@ -12,7 +12,7 @@ from llmgw_common import bus
 from llmgw_common.codec import decode
 from llmgw_common.messages import IdleReport
 from llmgw_common.natsserver import NatsServer
-from llmgw_common.runtime import TaskDied
+from llmgw_common.runtime import TaskDied, cancel_and_wait
 from llmgw_common.settings import RouterSettings
 from llmgw_common.subjects import Subjects
 from llmgw_router.service import Router
@@ -72,7 +72,8 @@ async def test_a_loop_that_ends_ends_the_run(nats_server: NatsServer, prefix: st
         await asyncio.sleep(0.1)
         assert not run.done()
         loops = [*r._tasks, *(t for f in r._followers for t in f.tasks)]
-        next(t for t in loops if t.get_name() == which).cancel()
+        # Not one cancel: the tick's nats flush can swallow it (3.11 wait_for; see cancel_and_wait).
+        await cancel_and_wait([next(t for t in loops if t.get_name() == which)])
         with pytest.raises(TaskDied) as died:
             await asyncio.wait_for(run, 10)
         # A follower's loop is the bus task's life: its end is reported as the bus task's.
