@@ -18,6 +18,7 @@ from llmgw_common.ctl import LeaseRecord
 from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import LEADER_KEY, Subjects
 from llmgw_controlplane.apply import ReplicaStore
+from llmgw_controlplane.leader import Lease, LeaseLost
 from tests.controlplane.cp_helpers import cp_settings, start_cp
 from tests.kit.poll import eventually
 
@@ -84,3 +85,31 @@ async def test_lease_lost_during_a_takeover_abandons_it(
         assert run.cp.lease is not None and not run.cp.lease.held()
     finally:
         await run.stop()
+
+
+async def test_lease_lost_ends_a_takeover_that_swallowed_a_cancel(bus_nc: NATS, prefix: str) -> None:
+    """Python 3.11's asyncio.wait_for, in nats-py's request and so in every KV read of a takeover's load,
+    drops a cancel that lands as its answer arrives (CPython gh-86296): a while_renewing() that cancelled
+    the load once then waited for it for ever, and the lease loop neither led nor retried."""
+    kv = await bus.ensure_kv(bus_nc.jetstream(), Subjects(prefix).bucket_leader, ttl=30.0)
+    lease = Lease(kv, "a", ttl_s=0.6)
+    assert await lease.step()
+    # Another control plane holds the lease now: the first renewal under while_renewing() fails.
+    await kv.put(LEADER_KEY, encode(LeaseRecord(holder="usurper", acquired_at=1.0, renewed_at=1.0)))
+
+    async def load_that_swallows_one_cancel() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass  # what 3.11's wait_for does when its answer and the cancel arrive together
+        await asyncio.sleep(3600)  # the rest of the load
+
+    renewing = asyncio.create_task(lease.while_renewing(load_that_swallows_one_cancel()))
+    try:
+        # Not wait_for: it would cancel while_renewing(), whose gather would swallow that cancel too.
+        done, _ = await asyncio.wait({renewing}, timeout=5)
+        assert renewing in done
+        assert isinstance(renewing.exception(), LeaseLost)
+    finally:
+        renewing.cancel()
+        await asyncio.gather(renewing, return_exceptions=True)

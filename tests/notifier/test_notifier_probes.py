@@ -13,14 +13,16 @@ import pytest
 from aiohttp import web
 from nats.aio.client import Client as NATS
 
+from llmgw_common.bus import DropLog
 from llmgw_common.catalog import WatchSpec
 from llmgw_common.codec import encode
 from llmgw_common.messages import RoutingEndpoints, Webhook
 from llmgw_common.natsserver import NatsServer
 from llmgw_common.settings import NotifierSettings
-from llmgw_common.subjects import ROUTING_ENDPOINTS
+from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
+from llmgw_notifier.delivery import NotifierStats
 from llmgw_notifier.outages import DOWN, RECOVERED
-from llmgw_notifier.probes import probe_once
+from llmgw_notifier.probes import Prober, ProbeResult, probe_once
 from tests.kit.poll import eventually
 from tests.notifier.notifier_helpers import Bus, running
 
@@ -263,3 +265,89 @@ async def test_close_ends_a_probe_loop_that_swallowed_a_cancel(nc: NATS, prefix:
             stubborn.cancel()
             closing.cancel()
             await asyncio.gather(closing, stubborn, return_exceptions=True)
+
+
+class PublishSwallowsOneCancel(Prober):
+    """A Prober whose event publish swallows each loop's first cancel, as 3.11's asyncio.wait_for in
+    js.publish does when the ack and the cancel arrive together (CPython gh-86296); ``then_hang`` makes
+    the loop's record go on waiting afterwards (a next queued event's publish), else it returns."""
+
+    def __init__(self, *, then_hang: bool, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.then_hang = then_hang
+        self.recording: set[asyncio.Task[Any]] = set()  # loops that reached a publish
+        self.swallowed: set[asyncio.Task[Any]] = set()
+
+    async def record(self, model: str, spec: WatchSpec, result: ProbeResult) -> None:
+        me = asyncio.current_task()
+        assert me is not None
+        self.recording.add(me)
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            if me in self.swallowed:
+                raise
+            self.swallowed.add(me)
+        if self.then_hang:
+            await asyncio.sleep(3600)
+
+
+def _swallowing_prober(
+    prefix: str, nc: NATS, http: httpx.AsyncClient, router: FakeRouter, *, then_hang: bool
+) -> PublishSwallowsOneCancel:
+    return PublishSwallowsOneCancel(
+        then_hang=then_hang,
+        js=nc.jetstream(),
+        subjects=Subjects(prefix),
+        settings=NotifierSettings(prefix=prefix, router_url=router.url, probe_key=KEY),
+        http=http,
+        stats=NotifierStats(),
+        drops=DropLog(logging.getLogger("test")),
+    )
+
+
+@pytest.mark.parametrize("change", ["replaced", "unwatched"])
+async def test_a_retired_probe_loop_that_swallowed_its_cancel_ends(
+    nc: NATS, prefix: str, router: FakeRouter, change: str
+) -> None:
+    """apply() cancels a loop whose spec changed or whose model is no longer watched once, without
+    waiting (it is sync): a loop that swallowed that cancel went on probing and publishing events,
+    untracked, next to its replacement."""
+    async with httpx.AsyncClient() as http:
+        prober = _swallowing_prober(prefix, nc, http, router, then_hang=False)
+        prober.apply({"m": WatchSpec(probe_every=0.05, budget=1.0)})
+        old = prober.tasks["m"]
+        try:
+            await eventually(lambda: old in prober.recording, what="the loop to publish")
+            prober.apply({"m": WatchSpec(probe_every=0.1, budget=1.0)} if change == "replaced" else {})
+            done, _ = await asyncio.wait({old}, timeout=5)
+            assert old in done, "the retired loop goes on"
+            assert old in prober.swallowed
+        finally:
+            old.cancel()
+            await asyncio.gather(old, return_exceptions=True)
+            await prober.close()
+
+
+async def test_close_ends_a_retired_probe_loop_that_swallowed_its_cancel(
+    nc: NATS, prefix: str, router: FakeRouter
+) -> None:
+    """A retired loop that swallowed apply()'s cancel and is still publishing is no longer in
+    ``tasks``: close() returned while it went on, publishing on a closing connection."""
+    async with httpx.AsyncClient() as http:
+        prober = _swallowing_prober(prefix, nc, http, router, then_hang=True)
+        prober.apply({"m": WatchSpec(probe_every=0.05, budget=1.0)})
+        old = prober.tasks["m"]
+        await eventually(lambda: old in prober.recording, what="the loop to publish")
+        prober.apply({})
+        await eventually(lambda: old in prober.swallowed, what="the loop to swallow the cancel")
+        closing = asyncio.create_task(prober.close())
+        try:
+            # Not wait_for: it would cancel close(), which could swallow that cancel too.
+            done, _ = await asyncio.wait({closing}, timeout=5)
+            assert closing in done
+            assert old.done(), "close() returned while a retired loop goes on"
+        finally:
+            old.cancel()
+            closing.cancel()
+            await asyncio.gather(closing, old, return_exceptions=True)

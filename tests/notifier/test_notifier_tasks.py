@@ -4,15 +4,20 @@ loop that ends ends the notifier (non-zero exit), rather than leaving it deaf to
 from __future__ import annotations
 
 import asyncio
+import logging
+from typing import Any
 
+import httpx
 import pytest
 from nats.aio.client import Client as NATS
 
 from llmgw_common import bus
+from llmgw_common.messages import Webhook
 from llmgw_common.natsserver import NatsServer
 from llmgw_common.runtime import TaskDied
+from llmgw_common.subjects import Subjects
 from llmgw_notifier import service
-from llmgw_notifier.delivery import NotifierStats
+from llmgw_notifier.delivery import NotifierStats, TargetWorker
 from llmgw_notifier.targets import Targets
 from tests.kit.poll import eventually
 from tests.notifier.notifier_helpers import fast_settings
@@ -110,3 +115,55 @@ async def test_close_ends_a_delivery_worker_that_swallowed_a_cancel(
             stubborn.cancel()
             closing.cancel()
             await asyncio.gather(closing, stubborn, return_exceptions=True)
+
+
+class KeepaliveSwallowsOneCancel(TargetWorker):
+    """A worker whose keepalive swallows its first cancel, as nats-py's publish of an in-progress ack
+    does when it has to wait (its _flush_pending drops CancelledError; the forced flush uses 3.11's
+    wait_for, CPython gh-86296); its session stands in for pulling events."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.keeping: asyncio.Task[Any] | None = None
+
+    async def _session(self) -> None:
+        await asyncio.sleep(3600)
+
+    async def _keepalive(self) -> None:
+        self.keeping = asyncio.current_task()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass
+        while True:
+            await asyncio.sleep(3600)
+
+
+async def test_a_cancelled_delivery_worker_ends_a_keepalive_that_swallowed_a_cancel(
+    nats_server: NatsServer, prefix: str, nc: NATS
+) -> None:
+    """A worker's run(), cancelled, cancelled its keepalive once and then waited for it for ever."""
+    async with httpx.AsyncClient() as http:
+        worker = KeepaliveSwallowsOneCancel(
+            target_id="t",
+            hook=Webhook(url="http://127.0.0.1:9/hook"),
+            since=0.0,
+            nc=nc,
+            js=nc.jetstream(),
+            subjects=Subjects(prefix),
+            settings=fast_settings(nats_server, prefix),
+            http=http,
+            stats=NotifierStats(),
+            drops=bus.DropLog(logging.getLogger("test")),
+        )
+        running = asyncio.create_task(worker.run())
+        await eventually(lambda: worker.keeping is not None, what="the keepalive to start")
+        running.cancel()
+        try:
+            # Not wait_for: it would cancel run() again, and that cancel reaches the keepalive too.
+            done, _ = await asyncio.wait({running}, timeout=5)
+            assert running in done
+            assert running.cancelled()
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)

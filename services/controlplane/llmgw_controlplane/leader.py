@@ -30,6 +30,7 @@ from nats.js.kv import KeyValue
 from llmgw_common import bus
 from llmgw_common.codec import encode
 from llmgw_common.ctl import LeaseRecord
+from llmgw_common.runtime import cancel_and_wait
 from llmgw_common.subjects import LEADER_KEY
 
 log = logging.getLogger("llmgw.controlplane.leader")
@@ -203,8 +204,9 @@ class Lease:
                     raise LeaseLost("the lease was lost while taking over")
         finally:
             if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+                # Not one cancel: the load's KV reads can swallow it (see cancel_and_wait), and a load
+                # that goes on acts as leader after the lease was lost.
+                await cancel_and_wait([task])
 
     async def release(self) -> None:
         """Give the lease up on a clean shutdown so a standby takes over at once."""

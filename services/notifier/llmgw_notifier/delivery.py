@@ -43,6 +43,7 @@ from llmgw_common.bus import DropLog
 from llmgw_common.codec import DecodeError, decode
 from llmgw_common.event_details import parse_details
 from llmgw_common.messages import Event, Webhook
+from llmgw_common.runtime import cancel_and_wait
 from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import Subjects
 from llmgw_common.urls import shown_url
@@ -265,10 +266,11 @@ class TargetWorker:
                     )
                     await asyncio.sleep(1.0)
         finally:
-            keepalive.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keepalive
-            await self._release()
+            try:
+                # Not one cancel: an in-progress ack's publish can swallow it (see cancel_and_wait).
+                await cancel_and_wait([keepalive])
+            finally:
+                await self._release()  # also when this stop is cancelled again meanwhile
 
     async def _session(self) -> None:
         sub = await self._bind()

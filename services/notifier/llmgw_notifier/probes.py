@@ -203,6 +203,8 @@ class Prober:
         self.specs: dict[str, WatchSpec] = {}
         self.states: dict[str, ProbeState] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        # Loops that apply() cancelled and that have not ended yet: close() ends them too.
+        self.retiring: set[asyncio.Task[None]] = set()
         # Events whose publish failed, in order, per model: retried before the next one.
         self.unsent: dict[str, list[Event]] = {}
         self._warned_key: set[str] = set()
@@ -257,7 +259,7 @@ class Prober:
     def apply(self, watched: dict[str, WatchSpec]) -> None:
         """Start, restart (changed spec) or stop probe loops to match ``watched``."""
         for model in [m for m in self.tasks if m not in watched]:
-            self.tasks.pop(model).cancel()
+            self._retire(self.tasks.pop(model))
             self.specs.pop(model, None)
             self.states.pop(model, None)
             self.unsent.pop(model, None)
@@ -267,7 +269,7 @@ class Prober:
                 continue
             old = self.tasks.pop(model, None)
             if old is not None:
-                old.cancel()
+                self._retire(old)
             self.specs[model] = spec
             self.tasks[model] = asyncio.create_task(self._loop(model, spec), name=f"probe-{model}")
             log.info(
@@ -278,6 +280,22 @@ class Prober:
                 spec.failures,
             )
 
+    def _retire(self, task: asyncio.Task[None]) -> None:
+        """Stop a loop that is no longer ``tasks[model]``. Its cancel can be swallowed by an event's
+        js.publish (see cancel_and_wait), and apply() is sync, so it cannot cancel again until the loop
+        ends: the loop itself stops at its next turn once retired (:meth:`_retired`), and close() ends
+        one still under way."""
+        if task.done():
+            return
+        task.cancel()
+        self.retiring.add(task)
+        task.add_done_callback(self.retiring.discard)
+
+    def _retired(self, model: str) -> bool:
+        """Whether the running loop of ``model`` was replaced or dropped (its successor owns the model's
+        state, or nobody does)."""
+        return self.tasks.get(model) is not asyncio.current_task()
+
     def revive(self) -> None:
         """Restart probe loops that died (a bug in one probe): logged, and the model is probed again."""
         for model, t in self.tasks.items():
@@ -286,13 +304,13 @@ class Prober:
         self.apply(dict(self.specs))
 
     async def close(self) -> None:
-        tasks = list(self.tasks.values())
+        tasks = [*self.tasks.values(), *self.retiring]
         self.tasks.clear()
         # Not one cancel: an event's js.publish can swallow it (see cancel_and_wait).
         await cancel_and_wait(tasks)
 
     async def _loop(self, model: str, spec: WatchSpec) -> None:
-        while True:
+        while not self._retired(model):
             t0 = self.clock()
             if model in self.cold_now and not self._is_down(model):
                 # Cold is not down: once woken it is starting again, and failures count once it answers.
@@ -302,6 +320,8 @@ class Prober:
             result = await probe_once(
                 self.http, self.s.router_url, self.s.probe_key, model, spec.budget, self.clock
             )
+            if self._retired(model):
+                return  # its successor's probes count, not this one's
             await self.record(model, spec, result)
             await asyncio.sleep(max(0.0, spec.probe_every - (self.clock() - t0)))
 
