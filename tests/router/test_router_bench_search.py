@@ -66,10 +66,11 @@ async def test_a_stalled_closed_loop_does_not_cap_the_max_rate_search(bench: Mod
             connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=1.0)
         ) as s:
             best, stalls = await bench.max_rate(s, url, False, 0.5, 2)
-            clean = await bench.closed_loop(s, url, False, 64, 0.5)
     finally:
         await runner.cleanup()
-    assert stalls == 64
-    assert clean.errors == 0 and clean.rate > 100
-    # The search is not bounded by the stalled estimate (it was: best <= 50 requests/s).
-    assert best > 0.3 * clean.rate, (best, clean.rate)
+    # Every stalled request is counted (on a busy box a slow ordinary answer may be counted too).
+    assert stalls >= 64
+    # The old search was bounded by max(stalled estimate * 1.15, 50): it could never report more than
+    # 50 requests/s here (it reported 6 and 44). A rate relative to a second measurement was flaky on a
+    # loaded 2-core box, where the same server's rate moves several-fold between two runs.
+    assert best > 50, best
