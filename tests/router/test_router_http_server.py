@@ -280,3 +280,45 @@ async def test_an_answer_that_fails_to_send_closes_the_connection(caplog: pytest
         ]
     finally:
         await srv.shutdown(1.0)
+
+
+class SwallowsOneCancel:
+    """A handler that swallows its first cancel, as 3.11's asyncio.wait_for does when the cancel lands
+    as its answer arrives (CPython gh-86296: nats-py's request in a wake, the upstream connect), then
+    goes on to what stands for the engine."""
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[object] | None = None
+        self.started = asyncio.Event()
+        self.swallowed = asyncio.Event()
+
+    async def __call__(self, _: web.Request) -> web.StreamResponse:
+        self.task = asyncio.current_task()
+        self.started.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.swallowed.set()
+        await asyncio.sleep(3600)  # the engine, generating for a client that has gone
+        return web.Response(text="never sent")
+
+
+async def test_a_handler_that_swallowed_its_clients_hang_up_is_cancelled_until_it_ends() -> None:
+    # One cancel on the hang-up let such a handler go on to the engine, holding its slots, out of
+    # server.connections, so nothing would ever stop it.
+    handler = SwallowsOneCancel()
+    srv = HttpServer(handler, ConnectionGuard(10, 10.0, 10.0), 1024, 60.0)
+    port = await srv.listen("127.0.0.1", 0)
+    try:
+        _, writer = await _open(port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.wait_for(handler.started.wait(), 5)
+        writer.close()
+        await asyncio.wait_for(handler.swallowed.wait(), 5)
+        assert handler.task is not None
+        done, _ = await asyncio.wait({handler.task}, timeout=5)
+        assert handler.task in done
+    finally:
+        if handler.task is not None:
+            handler.task.cancel()
+        await srv.shutdown(1.0)

@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 from email.utils import formatdate
 
+from llmgw_common.runtime import cancel_and_wait
 from llmgw_router.connections import ConnectionGuard
 from llmgw_router.http_connection import Connection, error_head
 from llmgw_router.web import Request, StreamResponse
@@ -64,6 +65,8 @@ class HttpServer:
         self._servers: list[asyncio.AbstractServer] = []
         self._sweeper: asyncio.Task[None] | None = None
         self._idle_event = asyncio.Event()
+        # Handlers of connections that are gone, each with the task that cancels it until it ends.
+        self._ending: dict[asyncio.Task[None], asyncio.Task[None]] = {}
 
     def _make(self) -> Connection:
         c = Connection(self)
@@ -102,6 +105,21 @@ class HttpServer:
             if (c.idle_since is not None and now - c.idle_since >= limit) or c.lingered_out(now)
         ]:
             c.close()
+
+    def end_handler(self, handler: asyncio.Task[None]) -> None:
+        """Cancel ``handler``, whose connection is gone, until it has ended.
+
+        One cancel is not enough: Python 3.11's ``asyncio.wait_for`` (in nats-py's request when a wake
+        is asked for, in the upstream connect) drops a cancel that lands as its answer arrives (CPython
+        gh-86296), and the handler would go on to the engine for a client that has gone, holding an
+        admission place and an engine slot, out of ``connections`` where nothing would find it again.
+        Only for a connection lost with a handler under way: nothing on an answered request's path.
+        """
+        if handler in self._ending or handler.done():
+            return
+        finisher = self.loop.create_task(cancel_and_wait([handler]), name="router-end-handler")
+        self._ending[handler] = finisher
+        finisher.add_done_callback(lambda _: self._ending.pop(handler, None))
 
     def idle_changed(self) -> None:
         if self.draining:
