@@ -109,10 +109,10 @@ class HttpServer:
     def end_handler(self, handler: asyncio.Task[None]) -> None:
         """Cancel ``handler``, whose connection is gone, until it has ended.
 
-        One cancel is not enough: Python 3.11's ``asyncio.wait_for`` (in nats-py's request when a wake
-        is asked for, in the upstream connect) drops a cancel that lands as its answer arrives (CPython
-        gh-86296), and the handler would go on to the engine for a client that has gone, holding an
-        admission place and an engine slot, out of ``connections`` where nothing would find it again.
+        One cancel is not enough: Python 3.11's ``asyncio.wait_for`` (the upstream connect's) drops a
+        cancel that lands as its answer arrives (CPython gh-86296), and the handler would go on to the
+        engine for a client that has gone, holding an admission place and an engine slot, out of
+        ``connections`` where nothing would find it again.
         Only for a connection lost with a handler under way: nothing on an answered request's path.
         """
         if handler in self._ending or handler.done():
