@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -26,6 +27,8 @@ from llmgw_router.http_connection import Connection, error_head
 from llmgw_router.web import Request, StreamResponse
 
 Handler = Callable[[Request], Awaitable[StreamResponse]]
+
+log = logging.getLogger("llmgw.router.http")
 
 
 class _Clock:
@@ -128,8 +131,9 @@ class HttpServer:
     def busy(self) -> int:
         return sum(1 for c in self.connections if c._task is not None or c._pipeline)
 
-    async def shutdown(self, grace_s: float) -> None:
-        """Stop accepting; let requests in flight finish for up to ``grace_s``; close everything."""
+    async def shutdown(self, grace_s: float, end_s: float = 5.0) -> None:
+        """Stop accepting; let requests in flight finish for up to ``grace_s``; close everything; wait up
+        to ``end_s`` for the handlers cancelled then (and before, by their clients' hang-ups) to end."""
         self.draining = True
         for srv in self._servers:
             srv.close()
@@ -148,12 +152,20 @@ class HttpServer:
         for c in list(self.connections):
             if c._task is not None:
                 c._task.cancel()
+                self.end_handler(c._task)
             c.abort()
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
             self._sweeper = None
+        # The handlers cancelled, here or by their hang-ups, have ended before the router closes the
+        # upstream client and the bus they use; one that ends in none of end_s is a bug: logged, left.
+        # (This stop cancelled meanwhile, the finishers still end them.)
+        if self._ending:
+            _, left = await asyncio.wait(set(self._ending.values()), timeout=end_s)
+            if left:
+                log.error("%d request handlers still running %gs after they were cancelled", len(left), end_s)
         for srv in self._servers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(srv.wait_closed(), 1.0)
