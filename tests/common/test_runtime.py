@@ -8,7 +8,15 @@ import logging
 
 import pytest
 
-from llmgw_common.runtime import EXIT_TASK_DIED, FailedPasses, PassGuard, TaskDied, run_service, until_stopped
+from llmgw_common.runtime import (
+    EXIT_TASK_DIED,
+    FailedPasses,
+    PassGuard,
+    TaskDied,
+    cancel_and_wait,
+    run_service,
+    until_stopped,
+)
 
 
 class Clock:
@@ -80,3 +88,33 @@ def test_run_service_exits_70_when_a_task_died() -> None:
     with pytest.raises(SystemExit) as e:
         run_service(main)
     assert e.value.code == EXIT_TASK_DIED == 70
+
+
+async def test_cancel_and_wait_cancelled_itself_still_ends_a_task_that_swallowed_a_cancel() -> None:
+    """A stop that is itself cancelled (a service's stop during a stop) raised at once and left the task
+    that had swallowed its first cancel (3.11's wait_for in nats-py, CPython gh-86296) running, with
+    nothing left to cancel it again."""
+    swallowed = asyncio.Event()
+
+    async def loop_that_swallows_one_cancel() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            swallowed.set()  # what 3.11's wait_for does when its answer and the cancel arrive together
+        while True:
+            await asyncio.sleep(3600)
+
+    stubborn = asyncio.create_task(loop_that_swallows_one_cancel())
+    await asyncio.sleep(0)
+    stopping = asyncio.create_task(cancel_and_wait([stubborn], again_s=0.05))
+    try:
+        await asyncio.wait_for(swallowed.wait(), 5)
+        stopping.cancel()
+        # Not wait_for: it would cancel the stop again.
+        done, _ = await asyncio.wait({stopping}, timeout=5)
+        assert stopping in done and stopping.cancelled()
+        assert stubborn.done() and stubborn.cancelled()
+    finally:
+        stubborn.cancel()
+        stopping.cancel()
+        await asyncio.gather(stubborn, stopping, return_exceptions=True)

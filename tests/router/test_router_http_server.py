@@ -7,6 +7,7 @@ must bring about (an answer, a close, a count back at zero).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 
@@ -280,3 +281,74 @@ async def test_an_answer_that_fails_to_send_closes_the_connection(caplog: pytest
         ]
     finally:
         await srv.shutdown(1.0)
+
+
+class SwallowsCancels:
+    """A handler that swallows its first ``swallows`` cancels, as 3.11's asyncio.wait_for does when the
+    cancel lands as its answer arrives (CPython gh-86296: the upstream connect), then goes on to what
+    stands for the engine."""
+
+    def __init__(self, swallows: int = 1) -> None:
+        self.swallows = swallows
+        self.task: asyncio.Task[object] | None = None
+        self.started = asyncio.Event()
+        self.swallowed = asyncio.Event()
+
+    async def __call__(self, request: web.Request) -> web.StreamResponse:
+        self.task = asyncio.current_task()
+        self.started.set()
+        for _ in range(self.swallows):
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(3600)
+        self.swallowed.set()
+        await asyncio.sleep(3600)  # the engine, generating for a client that has gone
+        return web.Response(text="never sent")
+
+
+async def test_a_handler_that_swallowed_its_clients_hang_up_is_cancelled_until_it_ends() -> None:
+    # One cancel on the hang-up let such a handler go on to the engine, holding its slots, out of
+    # server.connections, so nothing would ever stop it.
+    handler = SwallowsCancels()
+    srv = HttpServer(handler, ConnectionGuard(10, 10.0, 10.0), 1024, 60.0)
+    port = await srv.listen("127.0.0.1", 0)
+    try:
+        _, writer = await _open(port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.wait_for(handler.started.wait(), 5)
+        writer.close()
+        await asyncio.wait_for(handler.swallowed.wait(), 5)
+        assert handler.task is not None
+        done, _ = await asyncio.wait({handler.task}, timeout=5)
+        assert handler.task in done
+    finally:
+        if handler.task is not None:
+            handler.task.cancel()
+        await srv.shutdown(1.0)
+
+
+@pytest.mark.parametrize("client", ["connected", "gone"])
+async def test_shutdown_returns_after_the_handlers_it_cancelled_have_ended(client: str) -> None:
+    # shutdown cancelled its connections' handlers once and never waited for them: one still running
+    # after that (here: swallowing every cancel that lands at once, shutdown's, the hang-up's and its
+    # finisher's first) outlived it, using the upstream client and bus the router closes next. A
+    # handler whose client had gone was out of the connections, its finisher not waited for.
+    handler = SwallowsCancels(swallows=3)
+    srv = HttpServer(handler, ConnectionGuard(10, 10.0, 10.0), 1024, 60.0)
+    port = await srv.listen("127.0.0.1", 0)
+    _, writer = await _open(port)
+    try:
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.wait_for(handler.started.wait(), 5)
+        if client == "gone":
+            writer.close()
+            await eventually(lambda: not srv.connections, timeout=5.0, what="the connection to be lost")
+        shutting = asyncio.create_task(srv.shutdown(0.1))
+        # Not wait_for: it would cancel shutdown.
+        done, _ = await asyncio.wait({shutting}, timeout=10)
+        assert shutting in done and shutting.exception() is None
+        assert handler.task is not None and handler.task.done()
+        assert handler.swallowed.is_set()
+    finally:
+        writer.close()
+        if handler.task is not None:
+            handler.task.cancel()

@@ -93,16 +93,27 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], again_s: float = 0
     Python 3.11's ``asyncio.wait_for``, which nats-py's request and flush use, drops a cancel that lands
     as its answer arrives (CPython gh-86296): a loop around such a call goes on, and a stop that cancels
     once waits for it for ever. Their results and errors are dropped: the caller is stopping them.
+
+    Cancelled itself meanwhile (a service's stop cancelled during its stop), this still goes on until the
+    tasks have ended, and only then raises that CancelledError: returning at once would leave a task
+    that swallowed its cancel running with no one left to cancel it again. So it is no more bounded
+    than without that cancel: a task that never ends, even cancelled, is waited for as long.
     """
     pending = list(tasks)
     for t in pending:
         t.cancel()
+    interrupted: asyncio.CancelledError | None = None
     for t in pending:
         while not t.done():
-            await asyncio.wait((t,), timeout=again_s)
+            try:
+                await asyncio.wait((t,), timeout=again_s)
+            except asyncio.CancelledError as e:
+                interrupted = e  # re-raised once the tasks have ended
             t.cancel()
         if not t.cancelled():
             t.exception()  # retrieved, so asyncio does not log it as never retrieved
+    if interrupted is not None:
+        raise interrupted
 
 
 class FailedPasses(RuntimeError):

@@ -173,8 +173,10 @@ class Connection(asyncio.Protocol):
             self.admitted = False
             self.server.guard.forget(self)
         if self._task is not None and not self._task.done():
-            # The client hung up: its handler is cancelled, which closes its upstream request.
+            # The client hung up: its handler is cancelled, which closes its upstream request. Not
+            # only once (the server's finisher cancels again until it ends): see HttpServer.end_handler.
             self._task.cancel()
+            self.server.end_handler(self._task)
         self._pipeline.clear()
         d = self._drain
         if d is not None and not d.done():
