@@ -8,12 +8,18 @@ context is never used for a handshake; sharing it only removes the cost.
 
 from __future__ import annotations
 
+import importlib
 import ssl
 from typing import Any
 
+import httpcore  # noqa: F401
 import httpx
 
 TLS = ssl.create_default_context()
+
+# A client's first request imports its transport's modules (httpcore, anyio's asyncio backend), in the
+# test's loop: some 50 ms on an idle box, several times that on a loaded one. Here they load at import.
+importlib.import_module("anyio._backends._asyncio")
 
 
 def async_client(**kwargs: Any) -> httpx.AsyncClient:
