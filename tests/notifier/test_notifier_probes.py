@@ -8,7 +8,6 @@ import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 import pytest
 from aiohttp import web
 from nats.aio.client import Client as NATS
@@ -21,6 +20,7 @@ from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import ROUTING_ENDPOINTS
 from llmgw_notifier.outages import DOWN, RECOVERED
 from llmgw_notifier.probes import probe_once
+from tests.http_clients import async_client
 from tests.kit.poll import eventually
 from tests.notifier.notifier_helpers import Bus, running
 
@@ -102,7 +102,7 @@ async def test_probe_once_classifies_answers(router: FakeRouter) -> None:
     free.bind(("127.0.0.1", 0))
     dead_port = free.getsockname()[1]
     free.close()
-    async with httpx.AsyncClient() as client:
+    async with async_client() as client:
         ok = await probe_once(client, router.url, KEY, "judge", 2.0)
         assert ok.ok and ok.conclusive
         assert router.requests[-1]["auth"] == f"Bearer {KEY}"
@@ -233,7 +233,7 @@ async def test_close_ends_a_probe_loop_that_swallowed_a_cancel(nc: NATS, prefix:
     from llmgw_notifier.delivery import NotifierStats
     from llmgw_notifier.probes import Prober
 
-    async with httpx.AsyncClient() as http:
+    async with async_client() as http:
         prober = Prober(
             js=nc.jetstream(),
             subjects=Subjects(prefix),
