@@ -9,6 +9,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from llmgw_common.natsserver import NatsServer, ensure_on_path
+from tests.loopguard import BlockedLoopGuard
 
 ensure_on_path()
 
@@ -43,3 +44,20 @@ def artifacts_dir() -> Path:
     d = Path(__file__).resolve().parent.parent / "test-artifacts"
     d.mkdir(exist_ok=True)
     return d
+
+
+# Over this, one step of a test's event loop fails the test (tests/loopguard.py); 0 turns it off.
+LOOP_BLOCKED_LIMIT_S = float(os.environ.get("LLMGW_TEST_LOOP_BLOCKED_S", "2.0"))
+
+
+@pytest.fixture(autouse=True)
+def _loop_not_blocked() -> Iterator[None]:
+    """Autouse, so set up before the test's event loop and torn down after it closed: it sees every
+    step of that loop, its teardown included."""
+    if LOOP_BLOCKED_LIMIT_S <= 0:
+        yield
+        return
+    with BlockedLoopGuard(LOOP_BLOCKED_LIMIT_S).watching() as guard:
+        yield
+    if guard.steps:
+        pytest.fail(guard.report(), pytrace=False)

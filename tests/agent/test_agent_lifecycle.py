@@ -112,7 +112,7 @@ async def test_sigkilled_agent_readopts_its_engines(
         pids = [x.pid for x in hb1.shards]
         created = [psutil.Process(p).create_time() for p in pids]
         first.send_signal(signal.SIGKILL)
-        first.wait(10)
+        await asyncio.to_thread(first.wait, 10)
         assert all(alive(p) for p in pids)
 
         second = start_agent(nats_server.url, prefix, node, tmp_path / "state", log)
@@ -130,13 +130,13 @@ async def test_sigkilled_agent_readopts_its_engines(
 
         # A clean stop of the new agent stops the adopted engines too.
         second.send_signal(signal.SIGTERM)
-        assert second.wait(20) == 0
+        assert await asyncio.to_thread(second.wait, 20) == 0
         assert not any(alive(p) for p in pids)
     finally:
         for proc in (first, second):
             if proc is not None and proc.poll() is None:
                 proc.kill()
-                proc.wait(5)
+                await asyncio.to_thread(proc.wait, 5)
         for p in pids:
             kill_group(p)
         with contextlib.suppress(OSError):

@@ -15,6 +15,7 @@ from llmgw_common.catalog import load_catalog_file
 from llmgw_common.messages import ShardAssignment
 from llmgw_common.settings import AgentSettings
 from tests.agent.agent_helpers import free_port
+from tests.http_clients import async_client
 from tests.kit.poll import eventually
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "catalog.yaml"
@@ -56,7 +57,7 @@ async def test_real_sim_engine_in_llamacpp_style_scraped_by_the_agent_gives_load
         stderr=asyncio.subprocess.DEVNULL,
     )
     try:
-        async with httpx.AsyncClient(timeout=30) as http:
+        async with async_client(timeout=30) as http:
 
             async def healthy() -> bool:
                 return (await http.get(health_url)).status_code == 200

@@ -10,6 +10,7 @@ process of the cluster, engines included, whatever a test killed or left stopped
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -26,6 +27,7 @@ import psutil
 
 from llmgw_common.natsserver import NatsServer, ensure_on_path
 from tests.chaos.chaos_bus import BUS_ERRORS
+from tests.http_clients import async_client
 from tests.kit.poll import eventually, eventually_sync
 
 MARKER = "LLMGW_CHAOS_RUN"
@@ -245,6 +247,27 @@ class ChaosCluster:
                 raise  # it exited: the message has its log already
             raise AssertionError(f"{e}\n{p.tail()}") from None
 
+    async def wait_router_async(self, name: str = "router", timeout: float = 30.0) -> None:
+        """:meth:`wait_router` for a test's loop: polls without blocking it."""
+        p = self.procs[name]
+
+        async def healthy() -> bool:
+            if not p.alive():
+                raise AssertionError(f"{name} exited:\n{p.tail()}")
+            try:
+                r = await http.get(self.router_url(name) + "/health")
+            except httpx.HTTPError:
+                return False
+            return r.status_code == 200
+
+        async with async_client(timeout=1) as http:
+            try:
+                await eventually(healthy, timeout=timeout, every=0.1, what=f"{name} to answer /health")
+            except AssertionError as e:
+                if not p.alive():
+                    raise
+                raise AssertionError(f"{e}\n{p.tail()}") from None
+
     # ------------------------------------------------------------ inspection
 
     def members(self) -> list[psutil.Process]:
@@ -276,6 +299,10 @@ class ChaosCluster:
 
     # ------------------------------------------------------------ teardown
 
+    async def aclose(self) -> None:
+        """:meth:`close` for a test's loop: its waits for processes run in a thread."""
+        await asyncio.to_thread(self.close)
+
     def close(self) -> None:
         """Stop everything: services by SIGTERM in reverse start order, then any leftover by SIGKILL."""
         for p in reversed(list(self.procs.values())):
@@ -294,8 +321,6 @@ class ChaosCluster:
 
 def mint_key(cluster: ChaosCluster, name: str = "chaos") -> str:
     """An API key stored in the cluster's keys bucket (as ``llmgw keys create`` does)."""
-    import asyncio
-
     from llmgw_common import bus
     from llmgw_common.apikeys import create_key
     from llmgw_common.settings import BusSettings
@@ -313,8 +338,6 @@ def mint_key(cluster: ChaosCluster, name: str = "chaos") -> str:
 
 def wait_endpoints(cluster: ChaosCluster, model: str, count: int, timeout: float = 60.0) -> list[str]:
     """Wait until the routing bucket lists ``count`` endpoints for ``model``; their nodes."""
-    import asyncio
-
     from llmgw_common import bus
     from llmgw_common.messages import RoutingEndpoints
     from llmgw_common.settings import BusSettings

@@ -25,6 +25,7 @@ import httpx
 
 from llmgw_sim import openai_api as oai
 from tests.chaos.chaos_bus import BusView
+from tests.http_clients import async_client
 from tests.kit.poll import eventually
 
 
@@ -146,7 +147,7 @@ class Traffic:
 
     async def _client(self, client: int) -> None:
         limits = httpx.Limits(max_connections=2, max_keepalive_connections=1)
-        async with httpx.AsyncClient(timeout=self.timeout_s, limits=limits) as http:
+        async with async_client(timeout=self.timeout_s, limits=limits) as http:
             while not self._stop.is_set():
                 self.records.append(await self.one(http, client))
 
@@ -220,7 +221,7 @@ async def streams_on(view: BusView, model: str, node: str) -> float:
     urls = [e.url for e in (eps.endpoints.get(model, ()) if eps else ()) if e.node == node]
     if not urls:
         return 0.0
-    async with httpx.AsyncClient(timeout=2) as http:
+    async with async_client(timeout=2) as http:
         text = (await http.get(urls[0] + "/metrics")).text
     return next(
         (float(x.split()[-1]) for x in text.splitlines() if x.startswith("vllm:num_requests_running")), 0.0
@@ -241,7 +242,7 @@ async def wait_serving(base_url: str, key: str, model: str = "chat", timeout: fl
         last = f"HTTP {r.status_code}: {r.text[:200]}"
         return r.status_code == 200
 
-    async with httpx.AsyncClient(timeout=5) as http:
+    async with async_client(timeout=5) as http:
         try:
             await eventually(
                 served,

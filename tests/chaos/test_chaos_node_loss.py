@@ -9,6 +9,7 @@ one id, one finish_reason, one [DONE], and usage that adds up.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -104,7 +105,8 @@ async def test_node_loss_under_traffic(cluster: tuple[ChaosCluster, str]) -> Non
         assert not traffic.all().failed, report
         assert migrations > 0, report
         assert sorted(set(nodes)) != [victim] and all(n != victim for n in nodes), report
-        assert not c.engine_pids() & set(engines), f"killed engines still alive\n{report}"
+        alive = await asyncio.to_thread(c.engine_pids)
+        assert not alive & set(engines), f"killed engines still alive\n{report}"
     finally:
         await traffic.stop()
         await view.close()

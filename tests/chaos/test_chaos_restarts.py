@@ -148,7 +148,7 @@ async def test_router_restart_idle_is_unknown_until_used(
         c.procs["router"].kill()
         t_restart = time.time()
         c.start_router("router")
-        c.wait_router("router")
+        await c.wait_router_async("router")
 
         async def fresh_report() -> IdleReport | None:
             new = [r for r in idle_reports if r.since >= t_restart - 0.5]
@@ -264,7 +264,7 @@ async def test_nats_restart_everything_reconnects(cluster: tuple[ChaosCluster, s
     finally:
         await traffic.stop()
         if c.nats is None or c.nats.proc is None:
-            c.start_nats()
+            await asyncio.to_thread(c.start_nats)
 
 
 async def _truthy(xs: list[float]) -> bool:

@@ -47,7 +47,7 @@ async def test_a_leader_whose_passes_keep_failing_exits_and_gives_the_lease_up(t
     trigger = tmp_path / "fail-now"
     view: BusView | None = None
     try:
-        c.start_nats()
+        await asyncio.to_thread(c.start_nats)
         a = c.start_controlplane("cp-a", launcher=launcher("reconcile-raises", trigger))
         view = await BusView.connect(c.nats_url, c.prefix)
 
@@ -94,7 +94,7 @@ async def test_a_leader_whose_passes_keep_failing_exits_and_gives_the_lease_up(t
     finally:
         if view is not None:
             await view.close()
-        c.close()
+        await c.aclose()
 
 
 def test_a_router_whose_loop_ends_exits_non_zero(tmp_path: Path) -> None:

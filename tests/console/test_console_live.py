@@ -6,14 +6,13 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-import httpx
-
 from llmgw_common import bus
 from llmgw_common.ctl import StatusReply
 from llmgw_common.messages import Assignment, ClusterSettings, UsageReport, Webhook
 from llmgw_common.subjects import Subjects
 from tests.console.console_live import LIVE_UNHEALTHY, LiveConsole
 from tests.console.console_pages import rows, text
+from tests.http_clients import async_client
 from tests.kit.poll import eventually
 
 
@@ -88,7 +87,7 @@ async def _compare_with_fleet(live: LiveConsole) -> bool:
     # llama-8b takes 2 healthy H100s on one node; qwen-cpu runs on the CPU node.
     assert sorted(len(g) for g in used.values()) == [0, 0, 0, 2]
     inv = {a.node: a.inventory for a in live.agents}
-    async with httpx.AsyncClient(base_url=live.url) as c:
+    async with async_client(base_url=live.url) as c:
         page = (await c.get("/")).text
         assert rows(page, "capacity")[1:] == _expected_capacity(live, used)
         # A node whose healthy GPUs are all free counts as a free node of its fabric (the unhealthy
@@ -142,7 +141,7 @@ async def _compare_with_fleet(live: LiveConsole) -> bool:
 
 async def test_live_webhook_banner_follows_settings(live_console: LiveConsole) -> None:
     live = live_console
-    async with httpx.AsyncClient(base_url=live.url) as c:
+    async with async_client(base_url=live.url) as c:
         assert 'id="webhook-warning"' in (await c.get("/")).text
         await live.ctl.settings_set(ClusterSettings(webhooks=(Webhook(url="https://hooks.example/x"),)))
         page = (await c.get("/")).text
@@ -152,7 +151,7 @@ async def test_live_webhook_banner_follows_settings(live_console: LiveConsole) -
 
 async def test_live_usage_from_router_reports(live_console: LiveConsole) -> None:
     live = live_console
-    async with httpx.AsyncClient(base_url=live.url) as c:
+    async with async_client(base_url=live.url) as c:
         assert "No usage reported yet" in text((await c.get("/usage")).text)
         now = time.time()
         await live.publish_usage(
@@ -174,7 +173,7 @@ async def test_live_source_unavailable_when_nats_is_gone(live_console: LiveConso
     console answers 503 with the reason instead of a traceback."""
     live = live_console
     await live.cp.nc.close()
-    async with httpx.AsyncClient(base_url=live.url) as c:
+    async with async_client(base_url=live.url) as c:
         r = await c.get("/")
     assert r.status_code == 503
     assert "could not read its state from NATS" in r.text

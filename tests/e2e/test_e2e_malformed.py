@@ -66,8 +66,9 @@ async def restore_key(kv: KeyValue, key: str, old: bytes | None, rev: int) -> No
 
 
 async def test_malformed_messages_are_dropped_and_the_cluster_keeps_serving(cluster: Cluster) -> None:
-    wait_model(cluster, "tiny-cpu")
-    wait_model(cluster, "qwen2.5-coder-7b")
+    # The cluster's helpers poll with blocking HTTP: in a thread, not on this test's loop.
+    await asyncio.to_thread(wait_model, cluster, "tiny-cpu")
+    await asyncio.to_thread(wait_model, cluster, "qwen2.5-coder-7b")
     s = Subjects(cluster.prefix)
     since = log_sizes(cluster)
     nc = await nats.connect(cluster.nats_url)
@@ -135,7 +136,7 @@ async def test_malformed_messages_are_dropped_and_the_cluster_keeps_serving(clus
 
         # Served while the garbage is in place: the routers kept their last good tables, gpu-b1 its engines.
         for model in ("tiny-cpu", "qwen2.5-coder-7b", "llama-3.1-8b"):
-            r = chat_once(cluster, model)
+            r = await asyncio.to_thread(chat_once, cluster, model)
             assert r.status_code == 200, f"{model}: {r.status_code} {r.text}"
         for (kv, key), (old, rev) in saved.items():
             await restore_key(kv, key, old, rev)
@@ -144,7 +145,7 @@ async def test_malformed_messages_are_dropped_and_the_cluster_keeps_serving(clus
         await nc.close()
 
     # Still serving after, every process of the run alive, no traceback in any log.
-    wait_model(cluster, "qwen2.5-coder-7b", timeout=30)
+    await asyncio.to_thread(wait_model, cluster, "qwen2.5-coder-7b", timeout=30)
     state = json.loads((cluster.data_dir / "up.json").read_text())
     dead = [c["name"] for c in state["children"] if not psutil.pid_exists(c["pid"])]
     assert not dead, cluster.diagnostics()

@@ -33,6 +33,7 @@ from llmgw_common.messages import Heartbeat, LoadReport, ReplicaLoad, RoutingEnd
 from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
 from tests.e2e.e2e_cluster import shown_on_failure
+from tests.http_clients import async_client
 from tests.kit.poll import eventually
 from tests.llama.llama_kit import (
     Service,
@@ -155,7 +156,7 @@ async def wait_endpoint(nc: NATS, prefix: str, services: list[Service], engine_l
 
 
 async def wait_http(url: str, timeout: float) -> None:
-    async with httpx.AsyncClient(timeout=2.0) as http:
+    async with async_client(timeout=2.0) as http:
 
         async def answers() -> bool:
             return (await http.get(url)).status_code == 200

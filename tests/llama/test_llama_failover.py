@@ -27,6 +27,7 @@ import psutil
 import pytest
 import yaml
 
+from tests.http_clients import async_client
 from tests.kit.poll import eventually_sync
 from tests.llama.llama_kit import (
     ENABLE_HINT,
@@ -130,7 +131,7 @@ async def _read(
     events: list[Any] = []
     pieces = 0
     async with (
-        httpx.AsyncClient(timeout=120) as http,
+        async_client(timeout=120) as http,
         http.stream("POST", url, json=body) as r,
     ):
         assert r.status_code == 200, (await r.aread())[:300]

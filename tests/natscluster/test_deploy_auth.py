@@ -8,6 +8,7 @@ a temporary store), before and after ``llmgw setup --nats-auth`` wrote the file.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import socket
 import subprocess
@@ -118,21 +119,21 @@ async def test_a_server_without_its_auth_file_refuses_to_start_and_with_it_refus
     log = tmp_path / "nats.log"
     proc = _nats_server(conf, log)
     try:
-        code = proc.wait(20)
+        code = await asyncio.to_thread(proc.wait, 20)
     except subprocess.TimeoutExpired:
         code = None
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            await asyncio.to_thread(proc.wait)
     assert code is not None and code != 0, f"started without its auth file:\n{log.read_text()}"
     assert f"open {tmp_path / 'auth.conf'}: no such file or directory" in log.read_text()
 
-    creds = setup_auth(tmp_path)
+    creds = await asyncio.to_thread(setup_auth, tmp_path)
     port = _client_port(conf)
     proc = _nats_server(conf, log)
     try:
-        _wait_listening(proc, port, log)
+        await asyncio.to_thread(_wait_listening, proc, port, log)
         url = f"nats://127.0.0.1:{port}"
 
         async def error_cb(_: Exception) -> None:
@@ -154,4 +155,4 @@ async def test_a_server_without_its_auth_file_refuses_to_start_and_with_it_refus
         await nc.close()
     finally:
         proc.terminate()
-        proc.wait(10)
+        await asyncio.to_thread(proc.wait, 10)

@@ -204,14 +204,14 @@ async def test_server_kill_keeps_serving_placement_and_ctl(run: Run) -> None:
     assert replicas is not None
     assert set(replicas.values()) == {3}, f"buckets and the events stream should be R3: {replicas}"
 
-    victim_name = nc_.meta_leader()
+    victim_name = await asyncio.to_thread(nc_.meta_leader)
     assert victim_name is not None, nc_.logs_tail()
     victim = nc_.index(victim_name)
     traffic = Traffic(topo.router_url(), key, clients=4).start()
     try:
         await traffic.run_for(2.0)
         t_kill, wall_kill = time.monotonic(), time.time()
-        nc_.kill(victim)
+        await asyncio.to_thread(nc_.kill, victim)
 
         def new_leader() -> str | None:
             leader = nc_.meta_leader()
@@ -311,7 +311,8 @@ async def test_no_secret_reaches_a_log(run: Run) -> None:
         ("slack", slack_path, "slack", []),
         ("json", json_path, "json", ["--webhook-secret", hook_secret]),
     ):
-        r = topo.cli(
+        r = await asyncio.to_thread(
+            topo.cli,
             f"setup-{name}",
             "setup", "--webhook", base_hook + path, "--webhook-format", fmt, *extra, "--no-input",
         )  # fmt: skip
@@ -319,11 +320,13 @@ async def test_no_secret_reaches_a_log(run: Run) -> None:
     # An event after the webhooks exist (their consumers start from when they were configured).
     catalog3 = topo.root / "catalog3.yaml"
     catalog3.write_text(CATALOG + ADDED + ADDED.replace("chat2", "nowhere2").replace("H100", "A100"))
-    r = topo.cli("ctl-catalog-apply-3", "ctl", "catalog", "apply", str(catalog3), timeout=20)
+    r = await asyncio.to_thread(
+        topo.cli, "ctl-catalog-apply-3", "ctl", "catalog", "apply", str(catalog3), timeout=20
+    )
     assert r.returncode == 0, r.stderr
-    extra_key = _keys_create(topo, "secrets")
-    revoked = _keys_create(topo, "revoked")
-    r = topo.cli("keys-revoke", "keys", "revoke", "revoked")
+    extra_key = await asyncio.to_thread(_keys_create, topo, "secrets")
+    revoked = await asyncio.to_thread(_keys_create, topo, "revoked")
+    r = await asyncio.to_thread(topo.cli, "keys-revoke", "keys", "revoke", "revoked")
     assert r.returncode == 0, r.stderr
     wrong = ["sk-" + secrets.token_urlsafe(24), extra_key[:-3] + "xyz", "not-a-key-" + secrets.token_hex(8)]
 
@@ -362,11 +365,11 @@ async def test_no_secret_reaches_a_log(run: Run) -> None:
         tolerate=BUS_ERRORS,
     )
 
-    topo.close()
-    found = scan(
-        topo.root, _secrets_of(run, topo, extra_key, revoked, wrong, hook_secret, slack_path, json_path)
+    await asyncio.to_thread(topo.close)
+    found = await asyncio.to_thread(
+        scan, topo.root, _secrets_of(run, topo, extra_key, revoked, wrong, hook_secret, slack_path, json_path)
     )
-    logs = service_logs(topo.root)
+    logs = await asyncio.to_thread(service_logs, topo.root)
     print(
         f"scanned {len(logs)} log files ({sum(p.stat().st_size for p in logs)} bytes): {[p.name for p in logs]}"
     )

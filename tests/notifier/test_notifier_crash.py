@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -60,7 +61,7 @@ async def test_sigkill_mid_delivery_loses_nothing_and_repeats_only_the_unconfirm
         settled = await bus.settled(consumer_name(prefix, target_id(fast.url)))
         assert settled.num_ack_pending == 0
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        await asyncio.to_thread(proc.wait, 10)
         stuck.hang_on = set()  # its next try is answered
         assert stuck.ids == [e.id for e in events[:4]]
 
@@ -84,10 +85,10 @@ async def test_sigkill_mid_delivery_loses_nothing_and_repeats_only_the_unconfirm
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(10)
+                await asyncio.to_thread(proc.wait, 10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait()
+                await asyncio.to_thread(proc.wait)
     ids = [e.id for e in events]
     # The stuck receiver: the first three once, the 4th again (never confirmed), then the rest in order.
     assert stuck.ids == ids[:4] + ids[3:] + [late.id], log.read_text()[-3000:]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import pytest
 
 from llmgw_common.codec import encode
@@ -21,6 +20,7 @@ from llmgw_common.settings import NotifierSettings
 from llmgw_notifier.delivery import consumer_name, post_until_taken
 from llmgw_notifier.formats import render
 from llmgw_notifier.targets import target_id
+from tests.http_clients import async_client
 from tests.kit.poll import eventually
 from tests.notifier.notifier_helpers import Bus, FakeTime, ev, fast_settings, running
 
@@ -69,7 +69,7 @@ async def test_a_url_the_client_refuses_is_retried_then_given_up_like_any_failur
     t = FakeTime()
     s = NotifierSettings(retry_for_s=30.0, retry_base_s=1.0, retry_max_s=4.0)
     msg = render([ev("node.lost", "a", 1)], Webhook(url=UNENCODABLE_URL))
-    async with httpx.AsyncClient() as client:
+    async with async_client() as client:
         out = await post_until_taken(
             client, UNENCODABLE_URL, msg, s, clock=t.clock, sleep=t.sleep, rng=lambda: 0.0
         )

@@ -23,6 +23,7 @@ from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
 from llmgw_notifier.delivery import NotifierStats
 from llmgw_notifier.outages import DOWN, RECOVERED
 from llmgw_notifier.probes import Prober, ProbeResult, probe_once
+from tests.http_clients import async_client
 from tests.kit.poll import eventually
 from tests.notifier.notifier_helpers import Bus, running
 
@@ -104,7 +105,7 @@ async def test_probe_once_classifies_answers(router: FakeRouter) -> None:
     free.bind(("127.0.0.1", 0))
     dead_port = free.getsockname()[1]
     free.close()
-    async with httpx.AsyncClient() as client:
+    async with async_client() as client:
         ok = await probe_once(client, router.url, KEY, "judge", 2.0)
         assert ok.ok and ok.conclusive
         assert router.requests[-1]["auth"] == f"Bearer {KEY}"
@@ -235,7 +236,7 @@ async def test_close_ends_a_probe_loop_that_swallowed_a_cancel(nc: NATS, prefix:
     from llmgw_notifier.delivery import NotifierStats
     from llmgw_notifier.probes import Prober
 
-    async with httpx.AsyncClient() as http:
+    async with async_client() as http:
         prober = Prober(
             js=nc.jetstream(),
             subjects=Subjects(prefix),
@@ -313,7 +314,7 @@ async def test_a_retired_probe_loop_that_swallowed_its_cancel_ends(
     """apply() cancels a loop whose spec changed or whose model is no longer watched once, without
     waiting (it is sync): a loop that swallowed that cancel went on probing and publishing events,
     untracked, next to its replacement."""
-    async with httpx.AsyncClient() as http:
+    async with async_client() as http:
         prober = _swallowing_prober(prefix, nc, http, router, then_hang=False)
         prober.apply({"m": WatchSpec(probe_every=0.05, budget=1.0)})
         old = prober.tasks["m"]
@@ -334,7 +335,7 @@ async def test_close_ends_a_retired_probe_loop_that_swallowed_its_cancel(
 ) -> None:
     """A retired loop that swallowed apply()'s cancel and is still publishing is no longer in
     ``tasks``: close() returned while it went on, publishing on a closing connection."""
-    async with httpx.AsyncClient() as http:
+    async with async_client() as http:
         prober = _swallowing_prober(prefix, nc, http, router, then_hang=True)
         prober.apply({"m": WatchSpec(probe_every=0.05, budget=1.0)})
         old = prober.tasks["m"]

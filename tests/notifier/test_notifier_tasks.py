@@ -19,6 +19,7 @@ from llmgw_common.subjects import Subjects
 from llmgw_notifier import service
 from llmgw_notifier.delivery import NotifierStats, TargetWorker
 from llmgw_notifier.targets import Targets
+from tests.http_clients import async_client
 from tests.kit.poll import eventually
 from tests.notifier.notifier_helpers import fast_settings
 
@@ -78,12 +79,10 @@ async def test_close_ends_a_delivery_worker_that_swallowed_a_cancel(
     cancelled the worker once then waited for it for ever."""
     import logging
 
-    import httpx
-
     from llmgw_common.subjects import Subjects
 
     kv = await bus.ensure_kv(nc.jetstream(), Subjects(prefix).bucket_desired)
-    async with httpx.AsyncClient() as http:
+    async with async_client() as http:
         targets = Targets(
             nc=nc,
             js=nc.jetstream(),

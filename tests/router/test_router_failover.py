@@ -13,7 +13,7 @@ import json
 import os
 import signal
 import subprocess
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -164,26 +164,75 @@ async def test_with_failover_off_the_streams_are_cut(
 Handler = Callable[[asyncio.StreamWriter, dict[str, Any]], Awaitable[None]]
 
 
-async def _faulty(handler: Handler) -> tuple[asyncio.Server, str, list[int]]:
-    """A raw HTTP server that reads one request and runs ``handler(writer, body)``; counts requests."""
-    seen: list[int] = []
+class Faulty:
+    """Raw HTTP servers that misbehave on purpose, all ended with the test.
 
-    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        try:
-            head = await r.readuntil(b"\r\n\r\n")
-            n = next(
-                int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length")
-            )
-            body = json.loads(await r.readexactly(n))
-            seen.append(1)
-            await handler(w, body)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            w.close()
+    A handler that should hang on awaits :meth:`stall` (not a long sleep): :meth:`close` ends it, and
+    every other handler still running, before the test's loop closes. A handler left to the loop's
+    close is cancelled there, and asyncio's stream server then logs "Exception in callback" for it.
+    """
 
-    srv = await asyncio.start_server(serve, "127.0.0.1", 0)
-    return srv, f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}", seen
+    def __init__(self) -> None:
+        self._ended = asyncio.Event()
+        self._servers: list[asyncio.Server] = []
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self, handler: Handler) -> tuple[str, list[int]]:
+        """A server that reads one request and runs ``handler(writer, body)``; its URL, and a count of
+        the requests it read."""
+        seen: list[int] = []
+
+        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            self._handlers.add(task)
+            self._writers.append(w)
+            try:
+                head = await r.readuntil(b"\r\n\r\n")
+                n = next(
+                    int(x.split(b":")[1])
+                    for x in head.split(b"\r\n")
+                    if x.lower().startswith(b"content-length")
+                )
+                body = json.loads(await r.readexactly(n))
+                seen.append(1)
+                await handler(w, body)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                pass
+            finally:
+                w.close()
+
+        srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+        self._servers.append(srv)
+        return f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}", seen
+
+    async def stall(self) -> None:
+        """Hold a handler (an engine that says nothing more) until the test ends."""
+        await self._ended.wait()
+
+    async def close(self) -> None:
+        self._ended.set()
+        for srv in self._servers:
+            srv.close()
+        # A handler may be blocked writing to a router that reads no more: the test is over, and
+        # nothing it would send matters now.
+        for w in self._writers:
+            w.transport.abort()
+        if self._handlers:
+            _, pending = await asyncio.wait(self._handlers, timeout=5.0)
+            assert not pending, f"fake engine handlers still running: {pending}"
+        for srv in self._servers:
+            await srv.wait_closed()
+
+
+@pytest.fixture
+async def faulty() -> AsyncIterator[Faulty]:
+    f = Faulty()
+    try:
+        yield f
+    finally:
+        await f.close()
 
 
 def _sim_stream(path: str, body: dict[str, Any]) -> bytes:
@@ -195,7 +244,7 @@ def _sim_stream(path: str, body: dict[str, Any]) -> bytes:
 
 
 async def test_answer_cut_short_is_retried_on_another_endpoint(
-    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile, faulty: Faulty
 ) -> None:
     async def half_a_body(w: asyncio.StreamWriter, body: dict[str, Any]) -> None:
         w.write(
@@ -203,7 +252,7 @@ async def test_answer_cut_short_is_retried_on_another_endpoint(
         )
         await w.drain()
 
-    srv, bad, seen = await _faulty(half_a_body)
+    bad, seen = await faulty.start(half_a_body)
     good = await engines("m1")
     r = await routers(static_file({"m1": [bad, good.url]}, auth=False))
     body = {"model": "m1", "messages": [{"role": "user", "content": "a b"}], "max_tokens": 3}
@@ -214,13 +263,17 @@ async def test_answer_cut_short_is_retried_on_another_endpoint(
                 assert (await resp.json())["choices"][0]["message"]["content"] == "a b a"
     assert seen, "the faulty endpoint was never chosen"
     assert r.ctx.metrics.retries_count("m1") >= 1
-    srv.close()
 
 
 @pytest.mark.parametrize("fault", ["closed-mid-event", "stalled"])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 async def test_stream_cut_or_stalled_is_continued(
-    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile, fault: str, path: str
+    engines: EngineFactory,
+    routers: RouterFactory,
+    static_file: StaticFile,
+    faulty: Faulty,
+    fault: str,
+    path: str,
 ) -> None:
     async def part_of_a_stream(w: asyncio.StreamWriter, body: dict[str, Any]) -> None:
         whole = _sim_stream(path, body)
@@ -229,9 +282,9 @@ async def test_stream_cut_or_stalled_is_continued(
         w.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
         await w.drain()
         if fault == "stalled":
-            await asyncio.sleep(30)
+            await faulty.stall()
 
-    srv, bad, seen = await _faulty(part_of_a_stream)
+    bad, seen = await faulty.start(part_of_a_stream)
     good = await engines("m1")
     r = await routers(static_file({"m1": [bad, good.url]}, auth=False), read_timeout_s=0.5)
     # The faulty endpoint is chosen first: the good one looks loaded.
@@ -244,11 +297,10 @@ async def test_stream_cut_or_stalled_is_continued(
     assert seen == [1]
     assert _check(path, body, status, events) == ""
     assert r.ctx.metrics.migrations_count("m1", "ok") == 1
-    srv.close()
 
 
 async def test_the_broken_endpoint_is_marked_failed_while_its_stream_is_continued(
-    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile, faulty: Faulty
 ) -> None:
     path = "/v1/chat/completions"
 
@@ -259,7 +311,7 @@ async def test_the_broken_endpoint_is_marked_failed_while_its_stream_is_continue
         w.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
         await w.drain()
 
-    srv, bad, _ = await _faulty(part_of_a_stream)
+    bad, _ = await faulty.start(part_of_a_stream)
     good = await engines("m1", ttft_ms=10, tokens_per_s=40)  # the continuation takes seconds
     r = await routers(static_file({"m1": [bad, good.url]}, auth=False))
     ep_bad = next(e for e in r.ctx.pool.by_key.values() if e.url == bad)
@@ -279,7 +331,6 @@ async def test_the_broken_endpoint_is_marked_failed_while_its_stream_is_continue
         status, events = await task
     assert _check(path, body, status, events) == ""
     assert ep_bad.breaker.failures == 1
-    srv.close()
 
 
 # ---------------------------------------------------------------- continuations that misbehave
@@ -292,7 +343,7 @@ def _chunked(data: bytes) -> bytes:
     return f"{len(data):x}\r\n".encode() + data + b"\r\n"
 
 
-async def _break_then(continuation: Handler) -> tuple[asyncio.Server, str, list[int]]:
+async def _break_then(faulty: Faulty, continuation: Handler) -> str:
     """An engine that breaks every original stream half way and answers a continuation with ``continuation``."""
 
     async def handler(w: asyncio.StreamWriter, body: dict[str, Any]) -> None:
@@ -304,20 +355,21 @@ async def _break_then(continuation: Handler) -> tuple[asyncio.Server, str, list[
         w.write(_chunked(whole[: len(whole) // 2 + 11]))  # ends inside an event
         await w.drain()
 
-    return await _faulty(handler)
+    url, _ = await faulty.start(handler)
+    return url
 
 
 async def test_a_continuation_that_sends_two_done_and_stays_open_ends_the_stream_once(
-    routers: RouterFactory, static_file: StaticFile
+    routers: RouterFactory, static_file: StaticFile, faulty: Faulty
 ) -> None:
     async def rest_twice_done_then_stall(w: asyncio.StreamWriter, body: dict[str, Any]) -> None:
         rest = _sim_stream(_PATH, body)
         w.write(_chunked(rest + b"data: [DONE]\n\n" + rest[: rest.index(b"\n\n") + 2]))
         await w.drain()
-        await asyncio.sleep(30)  # never closes: the stream already ended at its [DONE]
+        await faulty.stall()  # never closes: the stream already ended at its [DONE]
 
-    srv_a, a, _ = await _break_then(rest_twice_done_then_stall)
-    srv_b, b, _ = await _break_then(rest_twice_done_then_stall)
+    a = await _break_then(faulty, rest_twice_done_then_stall)
+    b = await _break_then(faulty, rest_twice_done_then_stall)
     r = await routers(static_file({"m1": [a, b]}, auth=False), read_timeout_s=20)
     _, body = _body(0)
     loop = asyncio.get_running_loop()
@@ -328,21 +380,19 @@ async def test_a_continuation_that_sends_two_done_and_stays_open_ends_the_stream
     # Ended at the continuation's [DONE], not when the read timeout gave up on the silent engine.
     assert loop.time() - t0 < 10
     assert r.ctx.metrics.migrations_count("m1", "ok") == 1
-    srv_a.close()
-    srv_b.close()
 
 
 async def test_a_continuation_without_event_separators_ends_the_stream_not_the_router(
-    routers: RouterFactory, static_file: StaticFile
+    routers: RouterFactory, static_file: StaticFile, faulty: Faulty
 ) -> None:
     async def megabytes_without_blank_lines(w: asyncio.StreamWriter, body: dict[str, Any]) -> None:
         for _ in range(64):
             w.write(_chunked(b"data: " + b"x" * 16 * 1024 + b"\n"))
             await w.drain()
-        await asyncio.sleep(30)
+        await faulty.stall()
 
-    srv_a, a, _ = await _break_then(megabytes_without_blank_lines)
-    srv_b, b, _ = await _break_then(megabytes_without_blank_lines)
+    a = await _break_then(faulty, megabytes_without_blank_lines)
+    b = await _break_then(faulty, megabytes_without_blank_lines)
     r = await routers(static_file({"m1": [a, b]}, auth=False), read_timeout_s=20)
     _, body = _body(0)
     async with aiohttp.ClientSession() as s:
@@ -356,5 +406,3 @@ async def test_a_continuation_without_event_separators_ends_the_stream_not_the_r
     async with aiohttp.ClientSession() as s:
         async with s.get(f"http://127.0.0.1:{r.port}/v1/models") as resp:
             assert resp.status == 200
-    srv_a.close()
-    srv_b.close()

@@ -207,6 +207,6 @@ async def test_killing_one_of_two_engines_fails_no_request_started_after_the_kil
         for p, _ in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+            await asyncio.to_thread(p.wait)
             if p.stdout:
                 p.stdout.close()

@@ -20,18 +20,44 @@ Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]
 BODY = b'{"model":"m","prompt":"x","max_tokens":3}'
 
 
-async def _raw_server(handler: Handler) -> tuple[asyncio.Server, str]:
-    async def wrapped(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+class RawServer:
+    """A server running ``handler`` for each connection, whose :meth:`close` waits for its handlers.
+
+    A handler still running when the scenario's loop closes is cancelled there, and asyncio's stream
+    server then logs "Exception in callback" for it; every handler here ends once the client is closed.
+    """
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.handlers: set[asyncio.Task[Any]] = set()
+
+    async def start(self) -> str:
+        self.srv = await asyncio.start_server(self._wrapped, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.srv.sockets[0].getsockname()[1]}"
+
+    async def _wrapped(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.handlers.add(task)
         try:
-            await handler(r, w)
+            await self.handler(r, w)
         finally:
             w.close()
             with contextlib.suppress(ConnectionError):
                 await w.wait_closed()
 
-    srv = await asyncio.start_server(wrapped, "127.0.0.1", 0)
-    port = srv.sockets[0].getsockname()[1]
-    return srv, f"http://127.0.0.1:{port}"
+    async def close(self) -> None:
+        """Close the server and wait for its handlers (close the client first: they end with it)."""
+        self.srv.close()
+        if self.handlers:
+            _, pending = await asyncio.wait(self.handlers, timeout=5.0)
+            assert not pending, f"raw server handlers still running: {pending}"
+        await self.srv.wait_closed()
+
+
+async def _raw_server(handler: Handler) -> tuple[RawServer, str]:
+    srv = RawServer(handler)
+    return srv, await srv.start()
 
 
 async def _read_request(r: asyncio.StreamReader) -> None:
@@ -83,8 +109,7 @@ async def scenario_server_closed_idle_connection() -> None:
             assert await r.read() == b"ok"
     finally:
         await c.close()
-        srv.close()
-        await srv.wait_closed()
+        await srv.close()
 
 
 async def scenario_length_by_close_garbage_timeout_refused() -> None:
@@ -125,16 +150,14 @@ async def scenario_length_by_close_garbage_timeout_refused() -> None:
         with pytest.raises(Disconnected):
             await r.read()
         srv_dead, dead = await _raw_server(until_close)
-        srv_dead.close()
-        await srv_dead.wait_closed()
+        await srv_dead.close()
         with pytest.raises(ConnectFailed) as cf:
             await c.post(dead, "/", b"{}")
         assert not cf.value.responded and "cannot connect" in str(cf.value)
     finally:
         await c.close()
         for s, _ in servers:
-            s.close()
-            await s.wait_closed()
+            await s.close()
 
 
 async def scenario_large_answer_with_flow_control() -> None:
@@ -161,8 +184,7 @@ async def scenario_large_answer_with_flow_control() -> None:
         assert bytes(got) == big and r.at_eof()
     finally:
         await c.close()
-        srv.close()
-        await srv.wait_closed()
+        await srv.close()
 
 
 class _ClosingEngine(asyncio.Protocol):
@@ -271,7 +293,7 @@ async def scenario_slow_first_byte_then_a_stall_and_an_abort() -> None:
             await r.readany()
     finally:
         await c.close()
-        srv.close()
+        await srv.close()
 
 
 async def scenario_abort_while_the_head_is_awaited() -> None:
@@ -292,7 +314,7 @@ async def scenario_abort_while_the_head_is_awaited() -> None:
         assert not held  # the attempt's handle is gone with it
     finally:
         await c.close()
-        srv.close()
+        await srv.close()
 
 
 Scenario = Callable[[], Coroutine[Any, Any, None]]
