@@ -325,8 +325,12 @@ async def test_a_wake_while_settling_is_waking_and_served_once_settled(
     agent = FakeAgent(bus_nc, prefix, "n1", gpus=1, memory_gb=None)
     beating = Beating([agent], 0.1)
     try:
-        await eventually(lambda: run.cp.leader, what="the control plane to lead")
-        reply = await wake(bus_nc, prefix, "a")
+        # The leader flag flips before the wake endpoint is subscribed: until it is, "no responders".
+        reply = await eventually(
+            lambda: wake(bus_nc, prefix, "a"),
+            tolerate=(nats.errors.NoRespondersError,),
+            what="the new leader's wake endpoint to answer",
+        )
         assert reply.state is WakeState.WAKING, reply
         await agent.send_inventory()
         beating.start()
