@@ -18,6 +18,7 @@ from llmgw_agent.supervisor import Supervisor
 from llmgw_common.messages import ShardState
 from llmgw_common.settings import AgentSettings
 from tests.agent.agent_helpers import Recorder, alive, assignment, free_port, script_spec
+from tests.kit.cancels import swallows_one_cancel
 
 Fixture = tuple[Supervisor, Recorder]
 
@@ -379,19 +380,11 @@ async def test_stop_ends_a_monitor_that_swallowed_a_cancel(sup: Fixture, reap_gr
     reap_groups.append(sh.pid)
     await rec.wait(sh.key, ShardState.READY)
 
-    async def monitor_that_swallows_one_cancel() -> None:
-        try:
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            pass  # what 3.11's wait_for does when its answer and the cancel arrive together
-        while True:
-            await asyncio.sleep(3600)
-
     real = sh.task
     assert real is not None
     real.cancel()
     await asyncio.gather(real, return_exceptions=True)
-    stubborn = sh.task = asyncio.create_task(monitor_that_swallows_one_cancel())
+    stubborn = sh.task = asyncio.create_task(swallows_one_cancel())
     await asyncio.sleep(0)
     stopping = asyncio.create_task(s.stop(sh.key))
     try:

@@ -18,6 +18,7 @@ from llmgw_common.messages import Inventory
 from llmgw_common.natsserver import NatsServer
 from llmgw_common.runtime import TaskDied, cancel_and_wait
 from llmgw_common.settings import AgentSettings
+from tests.kit.cancels import swallows_one_cancel
 from tests.kit.poll import eventually
 
 
@@ -76,15 +77,7 @@ async def test_stop_ends_a_loop_that_swallowed_a_cancel(
     stop = asyncio.Event()
     run = asyncio.create_task(agent.run(stop))
 
-    async def loop_that_swallows_one_cancel() -> None:
-        try:
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            pass  # what 3.11's wait_for does when its answer and the cancel arrive together
-        while True:
-            await asyncio.sleep(3600)
-
-    stubborn = asyncio.create_task(loop_that_swallows_one_cancel())
+    stubborn = asyncio.create_task(swallows_one_cancel())
     try:
 
         async def loops() -> None:

@@ -13,6 +13,7 @@ from llmgw_common.messages import Heartbeat
 from llmgw_common.natsserver import NatsServer
 from llmgw_common.settings import BusSettings
 from llmgw_common.subjects import Subjects
+from tests.kit.cancels import swallows_one_cancel
 from tests.kit.poll import eventually
 
 
@@ -204,15 +205,7 @@ async def test_stop_ends_a_loop_that_swallowed_a_cancel(nats_server: NatsServer,
         f = bus.KvFollower(kv, lambda k, v, r: None, resync_s=3600)
         await f.start()
 
-        async def loop_that_swallows_one_cancel() -> None:
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                pass  # what 3.11's wait_for does when its answer and the cancel arrive together
-            while True:
-                await asyncio.sleep(3600)
-
-        stubborn = asyncio.create_task(loop_that_swallows_one_cancel())
+        stubborn = asyncio.create_task(swallows_one_cancel())
         f._tasks.append(stubborn)
         await asyncio.sleep(0)
         stopping = asyncio.create_task(f.stop())

@@ -20,6 +20,7 @@ from llmgw_common.subjects import LEADER_KEY, Subjects
 from llmgw_controlplane.apply import ReplicaStore
 from llmgw_controlplane.leader import Lease, LeaseLost
 from tests.controlplane.cp_helpers import cp_settings, start_cp
+from tests.kit.cancels import swallows_one_cancel
 from tests.kit.poll import eventually
 
 
@@ -97,14 +98,8 @@ async def test_lease_lost_ends_a_takeover_that_swallowed_a_cancel(bus_nc: NATS, 
     # Another control plane holds the lease now: the first renewal under while_renewing() fails.
     await kv.put(LEADER_KEY, encode(LeaseRecord(holder="usurper", acquired_at=1.0, renewed_at=1.0)))
 
-    async def load_that_swallows_one_cancel() -> None:
-        try:
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            pass  # what 3.11's wait_for does when its answer and the cancel arrive together
-        await asyncio.sleep(3600)  # the rest of the load
-
-    renewing = asyncio.create_task(lease.while_renewing(load_that_swallows_one_cancel()))
+    # A state load whose KV read drops the first cancel.
+    renewing = asyncio.create_task(lease.while_renewing(swallows_one_cancel()))
     try:
         # Not wait_for: it would cancel while_renewing(), whose gather would swallow that cancel too.
         done, _ = await asyncio.wait({renewing}, timeout=5)

@@ -18,6 +18,7 @@ from llmgw_controlplane import reconcile_loop
 from llmgw_controlplane.reconciler import reconcile as real_reconcile
 from llmgw_controlplane.service import MAX_FAILED_PASSES
 from tests.controlplane.cp_helpers import cp_settings, ctl_answers, start_cp
+from tests.kit.cancels import swallows_one_cancel
 from tests.kit.poll import eventually
 
 
@@ -103,15 +104,7 @@ async def test_stop_ends_a_loop_that_swallowed_a_cancel(
     once then waited for them for ever, and never gave the lease up."""
     run = await start_cp(cp_settings(nats_server.url, prefix, lease_ttl_s=60.0), holder="a")
 
-    async def loop_that_swallows_one_cancel() -> None:
-        try:
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            pass  # what 3.11's wait_for does when its answer and the cancel arrive together
-        while True:
-            await asyncio.sleep(3600)
-
-    stubborn = asyncio.create_task(loop_that_swallows_one_cancel())
+    stubborn = asyncio.create_task(swallows_one_cancel())
     try:
         await eventually(lambda: run.cp.leader, what="the control plane to lead")
         run.cp._tasks.append(stubborn)

@@ -24,6 +24,7 @@ from llmgw_notifier.delivery import NotifierStats
 from llmgw_notifier.outages import DOWN, RECOVERED
 from llmgw_notifier.probes import Prober, ProbeResult, probe_once
 from tests.http_clients import async_client
+from tests.kit.cancels import swallows_one_cancel
 from tests.kit.poll import eventually
 from tests.notifier.notifier_helpers import Bus, running
 
@@ -246,15 +247,7 @@ async def test_close_ends_a_probe_loop_that_swallowed_a_cancel(nc: NATS, prefix:
             drops=DropLog(logging.getLogger("test")),
         )
 
-        async def loop_that_swallows_one_cancel() -> None:
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                pass  # what 3.11's wait_for does when its answer and the cancel arrive together
-            while True:
-                await asyncio.sleep(3600)
-
-        stubborn = asyncio.create_task(loop_that_swallows_one_cancel())
+        stubborn = asyncio.create_task(swallows_one_cancel())
         prober.tasks["m"] = stubborn
         await asyncio.sleep(0)
         closing = asyncio.create_task(prober.close())

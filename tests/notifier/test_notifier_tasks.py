@@ -20,6 +20,7 @@ from llmgw_notifier import service
 from llmgw_notifier.delivery import NotifierStats, TargetWorker
 from llmgw_notifier.targets import Targets
 from tests.http_clients import async_client
+from tests.kit.cancels import swallows_one_cancel
 from tests.kit.poll import eventually
 from tests.notifier.notifier_helpers import fast_settings
 
@@ -94,15 +95,7 @@ async def test_close_ends_a_delivery_worker_that_swallowed_a_cancel(
             drops=bus.DropLog(logging.getLogger("test")),
         )
 
-        async def loop_that_swallows_one_cancel() -> None:
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                pass  # what 3.11's wait_for does when its answer and the cancel arrive together
-            while True:
-                await asyncio.sleep(3600)
-
-        stubborn = asyncio.create_task(loop_that_swallows_one_cancel())
+        stubborn = asyncio.create_task(swallows_one_cancel())
         targets.workers["t"] = (None, stubborn)  # type: ignore[assignment]
         await asyncio.sleep(0)
         closing = asyncio.create_task(targets.close())

@@ -20,7 +20,6 @@ from llmgw_common.bus import sent
 from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.messages import (
     Assignment,
-    GpuInfo,
     Heartbeat,
     IdleReport,
     Inventory,
@@ -28,6 +27,7 @@ from llmgw_common.messages import (
     ShardState,
 )
 from llmgw_common.subjects import Subjects
+from tests.kit.agents import fake_gpus
 
 # (GPU class, cards per node) by node index modulo 10: 6 of 10 nodes H100, 3 A100, 1 L4.
 SHAPES = (
@@ -139,18 +139,7 @@ class Fleet:
             engines=("sim", "vllm", "llamacpp"),
             simulated=True,
             labels={"rack": f"r{i // 20:02d}"},
-            gpus=tuple(
-                GpuInfo(
-                    index=g,
-                    uuid=f"GPU-{name}-{g}",
-                    name=gpu_class,
-                    gpu_class=gpu_class,
-                    memory_mb=81559,
-                    healthy=g not in bad,
-                    reasons=(bad[g],) if g in bad else (),
-                )
-                for g in range(count)
-            ),
+            gpus=fake_gpus(name, count, gpu_class, bad),
         )
 
     async def start(self) -> None:
