@@ -13,6 +13,7 @@ import socket
 
 import pytest
 
+from llmgw_common.apikeys import hash_key
 from llmgw_router import web
 from llmgw_router.connections import ConnectionGuard
 from llmgw_router.http_connection import MAX_HEAD_BYTES
@@ -352,3 +353,31 @@ async def test_shutdown_returns_after_the_handlers_it_cancelled_have_ended(clien
         writer.close()
         if handler.task is not None:
             handler.task.cancel()
+
+
+async def test_a_chunked_bodys_trailers_are_not_request_headers(
+    engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
+) -> None:
+    """A key sent as a trailer after a chunked body is not a key: the request's headers are its head.
+
+    (Trailers come through the parser's header callback after the head; a proxy or WAF in front that
+    polices key headers never looks at them.)"""
+    key = "sk-trailer-" + "t" * 32
+    eng = await engines("m1")
+    r = await routers(static_file({"m1": [eng.url]}, keys=[{"name": "k", "hash": hash_key(key)}]))
+    body = _body()
+    chunked = f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n"
+    reader, writer = await _open(r.port)
+    try:
+        # Control: the same request with the key in the head is served.
+        writer.write(
+            HEAD + f"X-Api-Key: {key}\r\nTransfer-Encoding: chunked\r\n\r\n".encode() + chunked + b"\r\n"
+        )
+        assert (await read_response(reader)).status == 200
+        writer.write(
+            HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + chunked + f"X-Api-Key: {key}\r\n\r\n".encode()
+        )
+        refused = await read_response(reader)
+        assert refused.status == 401, refused
+    finally:
+        writer.close()

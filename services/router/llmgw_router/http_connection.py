@@ -62,6 +62,7 @@ class Connection(asyncio.Protocol):
         "_parsing",
         "_pipeline",
         "_synthetic",
+        "_trailing",
         "_task",
         "_url",
         "admitted",
@@ -106,6 +107,9 @@ class Connection(asyncio.Protocol):
         # Reading a body on past an Upgrade header: the synthetic head's callbacks are not a request.
         self._synthetic = False
         self._body_target: Request | None = None
+        # Past a head, the parser's header callback brings a chunked body's trailers: not headers (a
+        # key sent there would pass where a proxy in front never looks).
+        self._trailing = False
 
     @property
     def max_body_bytes(self) -> int:
@@ -202,6 +206,7 @@ class Connection(asyncio.Protocol):
             return
         self._url = b""
         self._headers = []
+        self._trailing = False
         self.idle_since = None
         if self.deadline is None:
             self.since = self.loop.time()
@@ -213,7 +218,7 @@ class Connection(asyncio.Protocol):
             self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self._synthetic:
+        if self._synthetic or self._trailing:
             return
         self._headers.append((name, value))
 
@@ -224,6 +229,7 @@ class Connection(asyncio.Protocol):
             return
         self.deadline = None
         self._head_bytes = 0
+        self._trailing = True
         p = self.parser
         raw = self._url
         q = raw.find(b"?")
