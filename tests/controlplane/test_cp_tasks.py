@@ -18,7 +18,7 @@ from llmgw_controlplane import reconcile_loop
 from llmgw_controlplane.reconciler import reconcile as real_reconcile
 from llmgw_controlplane.service import MAX_FAILED_PASSES
 from tests.controlplane.cp_helpers import cp_settings, ctl_answers, start_cp
-from tests.kit.cancels import swallows_one_cancel
+from tests.kit.cancels import swallows_one_cancel, task_stacks
 from tests.kit.poll import eventually
 
 
@@ -106,17 +106,18 @@ async def test_stop_ends_a_loop_that_swallowed_a_cancel(
 
     stubborn = asyncio.create_task(swallows_one_cancel())
     try:
-        await eventually(lambda: run.cp.leader, what="the control plane to lead")
+        # Leading and answering: the take-over has finished (the leader flag flips before it has).
+        await ctl_answers(bus_nc, prefix)
         run.cp._tasks.append(stubborn)
         await asyncio.sleep(0)
         run.stop_event.set()
         # Not wait_for: it would cancel run(), and a second cancel is what the fix does.
-        done, _ = await asyncio.wait({run.task}, timeout=10)
+        done, _ = await asyncio.wait({run.task}, timeout=30)
+        if run.task not in done:
+            print(task_stacks())  # shown with the failure, even one that pytest-timeout reports
         assert run.task in done and stubborn.done()
         assert await _lease(bus_nc, prefix) == (None, 0)
     finally:
-        stubborn.cancel()
-        if not run.task.done():
-            run.task.cancel()
-        await asyncio.gather(run.task, stubborn, return_exceptions=True)
+        # Not one cancel each: a failed check must not leave the test waiting on a swallowed one.
+        await cancel_and_wait([run.task, stubborn])
         await run.nc.close()

@@ -8,6 +8,7 @@ for ever; ``llmgw_common.runtime.cancel_and_wait`` is the cure, and these are ho
 from __future__ import annotations
 
 import asyncio
+import io
 
 
 async def swallows_one_cancel() -> None:
@@ -18,3 +19,12 @@ async def swallows_one_cancel() -> None:
         pass  # what wait_for does when its answer and the cancel arrive together
     while True:
         await asyncio.sleep(3600)
+
+
+def task_stacks() -> str:
+    """Every task of the running loop with where it waits: what a test prints when a stop hangs."""
+    out = io.StringIO()
+    for t in asyncio.all_tasks():
+        out.write(f"--- {t!r}\n")
+        t.print_stack(file=out)
+    return out.getvalue()
