@@ -16,6 +16,7 @@ from llmgw_agent.engines import LaunchSpec, launch_spec
 from llmgw_agent.metrics import VLLM_METRICS
 from llmgw_agent.supervisor import Supervisor
 from llmgw_common.messages import ShardState
+from llmgw_common.runtime import cancel_and_wait
 from llmgw_common.settings import AgentSettings
 from tests.agent.agent_helpers import Recorder, alive, assignment, free_port, script_spec
 from tests.kit.cancels import swallows_one_cancel
@@ -393,6 +394,5 @@ async def test_stop_ends_a_monitor_that_swallowed_a_cancel(sup: Fixture, reap_gr
         assert stopping in done and stubborn.done()
         assert not alive(sh.pid)
     finally:
-        stubborn.cancel()
-        stopping.cancel()
-        await asyncio.gather(stopping, stubborn, return_exceptions=True)
+        # Not one cancel each: the stand-in drops its first, and a failed check would then hang.
+        await cancel_and_wait([stopping, stubborn], again_s=0.05)

@@ -18,6 +18,7 @@ from llmgw_common.catalog import WatchSpec
 from llmgw_common.codec import encode
 from llmgw_common.messages import RoutingEndpoints, Webhook
 from llmgw_common.natsserver import NatsServer
+from llmgw_common.runtime import cancel_and_wait
 from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
 from llmgw_notifier.delivery import NotifierStats
@@ -256,9 +257,8 @@ async def test_close_ends_a_probe_loop_that_swallowed_a_cancel(nc: NATS, prefix:
             done, _ = await asyncio.wait({closing}, timeout=5)
             assert closing in done and stubborn.done()
         finally:
-            stubborn.cancel()
-            closing.cancel()
-            await asyncio.gather(closing, stubborn, return_exceptions=True)
+            # Not one cancel each: the stand-in drops its first, and a failed check would then hang.
+            await cancel_and_wait([closing, stubborn], again_s=0.05)
 
 
 class PublishSwallowsOneCancel(Prober):

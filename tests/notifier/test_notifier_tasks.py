@@ -14,7 +14,7 @@ from nats.aio.client import Client as NATS
 from llmgw_common import bus
 from llmgw_common.messages import Webhook
 from llmgw_common.natsserver import NatsServer
-from llmgw_common.runtime import TaskDied
+from llmgw_common.runtime import TaskDied, cancel_and_wait
 from llmgw_common.subjects import Subjects
 from llmgw_notifier import service
 from llmgw_notifier.delivery import NotifierStats, TargetWorker
@@ -104,9 +104,8 @@ async def test_close_ends_a_delivery_worker_that_swallowed_a_cancel(
             done, _ = await asyncio.wait({closing}, timeout=5)
             assert closing in done and stubborn.done()
         finally:
-            stubborn.cancel()
-            closing.cancel()
-            await asyncio.gather(closing, stubborn, return_exceptions=True)
+            # Not one cancel each: the stand-in drops its first, and a failed check would then hang.
+            await cancel_and_wait([closing, stubborn], again_s=0.05)
 
 
 class KeepaliveSwallowsOneCancel(TargetWorker):
