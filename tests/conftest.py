@@ -46,8 +46,10 @@ def artifacts_dir() -> Path:
     return d
 
 
-# Over this, one step of a test's event loop fails the test (tests/loopguard.py); 0 turns it off.
-LOOP_BLOCKED_LIMIT_S = float(os.environ.get("LLMGW_TEST_LOOP_BLOCKED_S", "2.0"))
+# Over this, one step of a test's event loop fails the test (tests/loopguard.py); 0 turns it off. The
+# worst blocking steps it was made for held the loop 6-20 s; a real llama.cpp test's last step took 2.1 s on a
+# loaded CI box, so 5 s.
+LOOP_BLOCKED_LIMIT_S = float(os.environ.get("LLMGW_TEST_LOOP_BLOCKED_S", "5.0"))
 
 
 @pytest.fixture(autouse=True)
