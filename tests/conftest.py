@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -28,8 +29,12 @@ def prefix(request: pytest.FixtureRequest) -> str:
     """A subject prefix unique to the test, so tests can share one server without crosstalk."""
     import re
 
+    # The test's name for reading logs, and a hash of its whole id: tests of the same name in two files
+    # (three are called test_stop_ends_a_loop_that_swallowed_a_cancel) would otherwise share buckets
+    # and a leader lease when one worker runs both.
     name = re.sub(r"[^A-Za-z0-9]", "", request.node.name)[-20:]
-    return f"t{os.getpid()}{name}".lower()
+    tag = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:8]
+    return f"t{os.getpid()}{name}{tag}".lower()
 
 
 @pytest.fixture
