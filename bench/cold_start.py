@@ -42,7 +42,7 @@ from chaos_bus import BusView  # noqa: E402
 from chaos_harness import AGGRESSIVE, ChaosCluster, mint_key  # noqa: E402
 
 from llmgw_common.codec import decode, encode  # noqa: E402
-from llmgw_common.messages import WakeReply, WakeRequest, WakeState  # noqa: E402
+from llmgw_common.router_messages import WakeReply, WakeRequest, WakeState  # noqa: E402
 from llmgw_common.subjects import Subjects  # noqa: E402
 
 CARD = "H100-80GB"

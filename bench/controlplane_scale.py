@@ -35,10 +35,11 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from llmgw_common.codec import DecodeError, decode, encode
-from llmgw_common.ctl import CtlClient, CtlUnavailable, DebugStatsReply
+from llmgw_common.ctl import DebugStatsReply
 from llmgw_common.messages import Assignment, GpuInfo, Heartbeat, Inventory, ShardReport, ShardState
-from llmgw_common.natsserver import NatsServer, ensure_on_path
 from llmgw_common.subjects import Subjects
+from llmgw_runtime.ctl_client import CtlClient, CtlUnavailable
+from llmgw_runtime.natsserver import NatsServer, ensure_on_path
 
 HEARTBEAT_S = 2.0
 GPUS = 8

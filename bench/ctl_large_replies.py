@@ -21,9 +21,9 @@ from typing import Any
 import nats
 
 from llmgw_common.codec import encode
-from llmgw_common.ctl import CtlClient, CtlUnavailable
-from llmgw_common.natsserver import NatsServer, ensure_on_path
 from llmgw_common.subjects import Subjects
+from llmgw_runtime.ctl_client import CtlClient, CtlUnavailable
+from llmgw_runtime.natsserver import NatsServer, ensure_on_path
 from llmgw_sim.synthetic import synthetic_inventories
 
 PREFIX = "bench"

@@ -13,9 +13,9 @@ from types import MappingProxyType
 
 from llmgw_common.catalog import Catalog, ModelProfile
 from llmgw_common.messages import ShardState
-from llmgw_controlplane.plan import Plan, ReconcileMemo
-from llmgw_controlplane.reconciler import reconcile
-from llmgw_controlplane.snapshot import GpuView, NodeView, ReplicaView, ShardView, Snapshot
+from llmgw_controlplane.scheduler.plan import Plan, ReconcileMemo
+from llmgw_controlplane.scheduler.reconciler import reconcile
+from llmgw_controlplane.scheduler.snapshot import GpuView, NodeView, ReplicaView, ShardView, Snapshot
 from llmgw_sim.synthetic import GPU_CLASS, synthetic_inventories
 
 

@@ -88,10 +88,14 @@ class _Transport(asyncio.Transport):
 
 
 async def run(conc: int, per_round: int, rounds: int) -> list[float]:
-    from llmgw_common.settings import RouterSettings
     from llmgw_router.http_connection import Connection
     from llmgw_router.service import Router
-    from llmgw_router.upstream import _Conn
+    from llmgw_router.settings import RouterSettings
+
+    try:
+        from llmgw_router.upstream_connection import UpstreamConnection
+    except ImportError:  # a revision from before upstream.py was split (--old)
+        from llmgw_router.upstream import _Conn as UpstreamConnection  # type: ignore[attr-defined,no-redef]
 
     loop = asyncio.get_running_loop()
     engine = "http://127.0.0.1:9"
@@ -108,7 +112,7 @@ async def run(conc: int, per_round: int, rounds: int) -> list[float]:
     key = up._target(engine)[0]
     ups = []
     for _ in range(conc):
-        c = _Conn(loop)
+        c = UpstreamConnection(loop)
         c.connection_made(_Transport(loop, lambda _data, c=c: c.data_received(ANSWER)))
         c.idle_since = time.monotonic()
         ups.append(c)

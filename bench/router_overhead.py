@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,10 @@ from pathlib import Path
 import aiohttp
 import psutil
 
+# The one free-port helper (tests/kit/ports.py), as bench/autoscale.py reaches the test kit.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.kit.ports import free_port
+
 KEY = "llmgw-bench-" + "x" * 32
 LOW_RPS = 100
 CLIENT_TIMEOUT_S = 30.0
@@ -45,13 +48,6 @@ NONSTREAM = json.dumps(
 STREAM = json.dumps(
     {"model": "bench", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 100, "stream": True}
 ).encode()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -355,7 +351,7 @@ async def main(quick: bool) -> int:
             f"keys: [{{name: bench, hash: {h}}}]\nmodels:\n  - {{name: bench, endpoints: [{eng_url}]}}\n"
             f"  - {{name: slow, endpoints: [{slow_url}]}}\n"
         )
-        port = _free_port()
+        port = free_port()
         router = start_router(static, port)
         procs.append(router)
         WATCHED.update(engine=(eng, eng_url), router=(router, f"http://127.0.0.1:{port}"))

@@ -9,7 +9,7 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
-from llmgw_common.natsserver import NatsServer, ensure_on_path
+from llmgw_runtime.natsserver import NatsServer, ensure_on_path
 from tests.loopguard import BlockedLoopGuard
 
 ensure_on_path()

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import sys
 import textwrap
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from nats.aio.msg import Msg
 
 from llmgw_agent.engines import LaunchSpec
 from llmgw_agent.metrics import VLLM_METRICS
+from llmgw_agent.settings import AgentSettings
 from llmgw_agent.supervisor import Shard
 from llmgw_common.codec import DecodeError, decode
 from llmgw_common.messages import (
@@ -31,7 +31,7 @@ from llmgw_common.messages import (
     ShardState,
     ShardStatus,
 )
-from llmgw_common.settings import AgentSettings
+from tests.kit.ports import free_port as free_port  # the agent tests take it from here
 
 # A stand-in engine whose behaviour the test chooses: health answers, exit, output, a grandchild.
 ENGINE_SCRIPT = textwrap.dedent(
@@ -82,12 +82,6 @@ ENGINE_SCRIPT = textwrap.dedent(
     signal.sigwait([signal.SIGTERM])
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def script_spec(script: Path, port: int, *flags: str) -> LaunchSpec:

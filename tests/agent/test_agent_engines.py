@@ -16,8 +16,8 @@ from llmgw_agent.metrics import (
     extract_load,
     parse_prometheus,
 )
+from llmgw_agent.settings import AgentSettings
 from llmgw_common.messages import ShardAssignment
-from llmgw_common.settings import AgentSettings
 
 
 def shard(**kw: Any) -> ShardAssignment:

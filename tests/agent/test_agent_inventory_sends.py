@@ -10,12 +10,12 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from llmgw_agent.service import serve
-from llmgw_common import bus
+from llmgw_agent.settings import AgentSettings
 from llmgw_common.codec import decode
 from llmgw_common.messages import Inventory
-from llmgw_common.natsserver import NatsServer
-from llmgw_common.settings import AgentSettings
 from llmgw_common.subjects import Subjects
+from llmgw_runtime import bus
+from llmgw_runtime.natsserver import NatsServer
 from tests.kit.poll import eventually
 
 pytestmark = pytest.mark.e2e

@@ -8,12 +8,13 @@ import os
 from pathlib import Path
 
 import httpx
+import pytest
 
 from llmgw_agent.engines import LaunchSpec, launch_spec
 from llmgw_agent.metrics import LLAMACPP_METRICS, extract_load, parse_prometheus
+from llmgw_agent.settings import AgentSettings
 from llmgw_common.catalog import load_catalog_file
 from llmgw_common.messages import ShardAssignment
-from llmgw_common.settings import AgentSettings
 from tests.agent.agent_helpers import free_port
 from tests.http_clients import async_client
 from tests.kit.poll import eventually
@@ -33,6 +34,7 @@ def test_sim_profile_in_llamacpp_style_gets_llamacpp_names() -> None:
     assert spec.metrics == LLAMACPP_METRICS
 
 
+@pytest.mark.slow
 async def test_real_sim_engine_in_llamacpp_style_scraped_by_the_agent_gives_load() -> None:
     profile = load_catalog_file(str(EXAMPLE)).get("tiny-cpu")
     assert profile is not None

@@ -14,12 +14,12 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from llmgw_agent.service import serve
-from llmgw_common.bus import ensure_kv
+from llmgw_agent.settings import AgentSettings
 from llmgw_common.codec import encode
 from llmgw_common.messages import Assignment, ShardAssignment, ShardState, ShardStatus
-from llmgw_common.natsserver import NatsServer
-from llmgw_common.settings import AgentSettings
 from llmgw_common.subjects import Subjects
+from llmgw_runtime.bus import ensure_kv
+from llmgw_runtime.natsserver import NatsServer
 from tests.agent.agent_helpers import KINDS, alive, fake_collect, free_port, kill_group, shard_of, watch_node
 from tests.kit.poll import eventually
 

@@ -14,10 +14,10 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from llmgw_agent.service import Agent
+from llmgw_agent.settings import AgentSettings
 from llmgw_common.messages import Inventory
-from llmgw_common.natsserver import NatsServer
-from llmgw_common.runtime import TaskDied, cancel_and_wait
-from llmgw_common.settings import AgentSettings
+from llmgw_runtime.natsserver import NatsServer
+from llmgw_runtime.runtime import TaskDied, cancel_and_wait
 from tests.kit.cancels import swallows_one_cancel
 from tests.kit.poll import eventually
 
@@ -27,6 +27,7 @@ def _collect(s: AgentSettings, boot_id: str, now: float) -> Inventory:
 
 
 @pytest.mark.parametrize("which", ["assign-watch", "assign-resync", "agent-tick"])
+@pytest.mark.slow
 async def test_a_loop_that_ends_ends_the_run(
     nats_server: NatsServer, nc: NATS, prefix: str, tmp_path: Path, which: str
 ) -> None:
@@ -65,6 +66,7 @@ async def test_a_loop_that_ends_ends_the_run(
         await asyncio.gather(run, return_exceptions=True)
 
 
+@pytest.mark.slow
 async def test_stop_ends_a_loop_that_swallowed_a_cancel(
     nats_server: NatsServer, nc: NATS, prefix: str, tmp_path: Path
 ) -> None:

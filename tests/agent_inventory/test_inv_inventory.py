@@ -14,12 +14,11 @@ import pytest
 
 from llmgw_agent.gpus import GpuProbe
 from llmgw_agent.inventory import collect_inventory, count_cpus, parse_meminfo_gb, read_memory_gb
+from llmgw_agent.settings import AgentSettings
 from llmgw_agent.storage import WeightsCache
 from llmgw_common.codec import decode, encode
-from llmgw_common.gpuspec import parse_sim_gpus
+from llmgw_common.gpuspec import parse_sim_gpus, sim_gpus
 from llmgw_common.messages import Inventory
-from llmgw_common.settings import AgentSettings
-from llmgw_sim.gpus import sim_gpus
 from tests.agent_inventory.fake_nvml import FakeNvml, load_machine
 from tests.agent_inventory.weights_files import safetensors_bytes, write
 

@@ -12,12 +12,14 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from llmgw_common import bus
 from llmgw_common.codec import decode
-from llmgw_common.ctl import CtlClient, CtlError, DebugStatsReply, LeaseRecord
+from llmgw_common.ctl import DebugStatsReply, LeaseRecord
 from llmgw_common.messages import ApiKeyRecord, Event, Heartbeat, ReplicaRecord, RoutingEndpoints, ShardState
-from llmgw_common.settings import BusSettings
 from llmgw_common.subjects import LEADER_KEY, ROUTING_ENDPOINTS, Subjects
+from llmgw_runtime import bus
+from llmgw_runtime.ctl_client import CtlClient, CtlError
+from llmgw_runtime.kv_follower import KvFollower
+from llmgw_runtime.settings import BusSettings
 from tests.kit.poll import eventually
 
 T = TypeVar("T")
@@ -150,13 +152,13 @@ class EndpointRevisions:
     def __init__(self, model: str) -> None:
         self.model = model
         self.seen: list[tuple[str, ...]] = []
-        self._follower: bus.KvFollower | None = None
+        self._follower: KvFollower | None = None
 
     @classmethod
     async def follow(cls, view: BusView, model: str) -> EndpointRevisions:
         out = cls(model)
         kv = await view.nc.jetstream().key_value(view.subjects.bucket_routing)
-        out._follower = bus.KvFollower(kv, out._on_change, key=ROUTING_ENDPOINTS, name="test-endpoints")
+        out._follower = KvFollower(kv, out._on_change, key=ROUTING_ENDPOINTS, name="test-endpoints")
         await out._follower.start()
         return out
 

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,10 +24,11 @@ from pathlib import Path
 import httpx
 import psutil
 
-from llmgw_common.natsserver import NatsServer, ensure_on_path
+from llmgw_runtime.natsserver import NatsServer, ensure_on_path
 from tests.chaos.chaos_bus import BUS_ERRORS
 from tests.http_clients import async_client
 from tests.kit.poll import eventually, eventually_sync
+from tests.kit.ports import free_port
 
 MARKER = "LLMGW_CHAOS_RUN"
 
@@ -54,12 +54,6 @@ models:
     startup_timeout_s: 30
     options: {startup_s: 0.3, ttft_ms: 15, tokens_per_s: 300, slots: 64}
 """
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -321,9 +315,9 @@ class ChaosCluster:
 
 def mint_key(cluster: ChaosCluster, name: str = "chaos") -> str:
     """An API key stored in the cluster's keys bucket (as ``llmgw keys create`` does)."""
-    from llmgw_common import bus
-    from llmgw_common.apikeys import create_key
-    from llmgw_common.settings import BusSettings
+    from llmgw_runtime import bus
+    from llmgw_runtime.apikeys import create_key
+    from llmgw_runtime.settings import BusSettings
 
     async def main() -> str:
         nc = await bus.connect(BusSettings(nats_urls=[cluster.nats_url], prefix=cluster.prefix), "chaos-key")
@@ -338,10 +332,10 @@ def mint_key(cluster: ChaosCluster, name: str = "chaos") -> str:
 
 def wait_endpoints(cluster: ChaosCluster, model: str, count: int, timeout: float = 60.0) -> list[str]:
     """Wait until the routing bucket lists ``count`` endpoints for ``model``; their nodes."""
-    from llmgw_common import bus
     from llmgw_common.messages import RoutingEndpoints
-    from llmgw_common.settings import BusSettings
     from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
+    from llmgw_runtime import bus
+    from llmgw_runtime.settings import BusSettings
 
     async def main() -> list[str]:
         nc = await bus.connect(BusSettings(nats_urls=[cluster.nats_url], prefix=cluster.prefix), "chaos-wait")

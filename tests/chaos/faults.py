@@ -15,7 +15,8 @@ from typing import Any
 
 def arm(fault: str, trigger: Path) -> None:
     if fault == "reconcile-raises":
-        from llmgw_controlplane import reconcile_loop, reconciler
+        from llmgw_controlplane import reconcile_loop
+        from llmgw_controlplane.scheduler import reconciler
 
         real = reconciler.reconcile
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from llmgw_common.ctl import DebugStatsReply
-from llmgw_common.runtime import cancel_and_wait
+from llmgw_runtime.runtime import cancel_and_wait
 from tests.chaos.chaos_bus import BUS_ERRORS, BusView, timed
 from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, Proc, boot
 from tests.chaos.chaos_traffic import Traffic, wait_serving

@@ -19,8 +19,9 @@ from nats.aio.msg import Msg
 
 from llmgw_common.codec import decode
 from llmgw_common.ctl import ReplicaInfo
-from llmgw_common.messages import Heartbeat, IdleReport
-from llmgw_common.runtime import cancel_and_wait
+from llmgw_common.messages import Heartbeat
+from llmgw_common.router_messages import IdleReport
+from llmgw_runtime.runtime import cancel_and_wait
 from tests.chaos.chaos_bus import BUS_ERRORS, BusView, timed
 from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, boot
 from tests.chaos.chaos_traffic import Traffic, wait_serving

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from llmgw_common.ctl import DebugStatsReply
-from llmgw_common.runtime import EXIT_TASK_DIED
+from llmgw_runtime.runtime import EXIT_TASK_DIED
 from tests.chaos.chaos_bus import BUS_ERRORS, BusView
 from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, Proc
 from tests.chaos.faults import launcher

@@ -13,8 +13,9 @@ import pytest
 import typer
 
 from llmgw_cli import main as cli_main
-from llmgw_common.ctl import CtlError, CtlUnavailable
 from llmgw_common.errors import Conflict, InvalidInput, LlmgwError, Unavailable
+from llmgw_runtime.ctl_client import CtlError, CtlUnavailable
+from llmgw_runtime.natsserver import NatsServer
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -22,6 +23,7 @@ def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_notifier_with_a_prefix_that_is_not_a_token_says_so_in_one_line_and_exits_2(tmp_path: Path) -> None:
     # The notifier checks the prefix when it builds its subjects, after the settings were accepted:
     # the refusal escaped the command as a traceback (exit 1).
@@ -33,6 +35,7 @@ def test_notifier_with_a_prefix_that_is_not_a_token_says_so_in_one_line_and_exit
     assert r.returncode == 2
 
 
+@pytest.mark.slow
 def test_keys_with_a_settings_file_that_is_not_yaml_is_bad_settings_exit_2(tmp_path: Path) -> None:
     (tmp_path / "bad.yaml").write_text("nats_urls: [\n")
     r = run_cli("keys", "list", "--config", str(tmp_path / "bad.yaml"), cwd=tmp_path)
@@ -93,3 +96,46 @@ def test_main_leaves_other_exceptions_alone(monkeypatch: pytest.MonkeyPatch) -> 
     # A bug keeps its traceback: only llmgw's reportable errors become one line.
     with pytest.raises(KeyError):
         _main_with(KeyError("bug"), monkeypatch)
+
+
+async def _no_stream(nc: object) -> None:
+    """A real 'no response from stream': a JetStream publish to a subject no stream takes."""
+    from nats.aio.client import Client as NATS
+
+    assert isinstance(nc, NATS)
+    await nc.jetstream().publish("llmgw-test.nostream.x", b"")
+
+
+@pytest.mark.slow
+def test_a_keys_operation_is_retried_while_jetstream_has_no_answer(
+    nats_server: NatsServer, prefix: str
+) -> None:
+    # A bucket made right before (a cluster just started, R3) answers only once its stream has a
+    # leader: `llmgw keys create` in the partition suite's setup died there with a traceback.
+    from llmgw_cli.keys_call import run_on_bus
+
+    calls: list[int] = []
+
+    async def op(nc: object, _prefix: str) -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            await _no_stream(nc)
+        return "made"
+
+    assert run_on_bus(None, [nats_server.url], prefix, op) == "made"
+    assert len(calls) == 3
+
+
+@pytest.mark.slow
+def test_jetstream_never_answering_is_unavailable_saying_nothing_was_written(
+    nats_server: NatsServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from llmgw_cli import keys_call
+
+    monkeypatch.setattr(keys_call, "JETSTREAM_RETRY_S", 1.0)
+
+    async def op(nc: object, _prefix: str) -> None:
+        await _no_stream(nc)
+
+    with pytest.raises(Unavailable, match=r"did not answer for bucket .*_keys .*nothing was written"):
+        keys_call.run_on_bus(None, [nats_server.url], prefix, op)

@@ -43,11 +43,33 @@ def test_service_imports_sees_lazy_and_dotted_imports() -> None:
     assert service_imports(src) == {"llmgw_router", "llmgw_agent"}
 
 
+# The reference of every setting (docs/configuration.md) is written from each service's settings class,
+# which lives beside that service's code: that module may import those, and nothing else of a service.
+READS_SETTINGS = "settings_doc"
+
+
+def settings_imports(source: str) -> set[str]:
+    """The modules of service packages a module's source imports from, at any depth."""
+    return {
+        node.module
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in SERVICES
+    }
+
+
 def test_cli_modules_import_a_service_only_to_start_it() -> None:
     root = Path(llmgw_cli.__file__).parent
     wrong = {
         p.stem: sorted(got)
         for p in sorted(root.glob("*.py"))
-        if (got := service_imports(p.read_text(encoding="utf-8")) - {STARTS.get(p.stem)})
+        if p.stem != READS_SETTINGS
+        and (got := service_imports(p.read_text(encoding="utf-8")) - {STARTS.get(p.stem)})
     }
     assert wrong == {}
+
+
+def test_the_settings_reference_reads_only_the_services_settings() -> None:
+    source = (Path(llmgw_cli.__file__).parent / f"{READS_SETTINGS}.py").read_text(encoding="utf-8")
+    got = settings_imports(source)
+    assert got == {f"{s}.settings" for s in SERVICES if s != "llmgw_sim"}
+    assert settings_imports("from llmgw_router.proxy import forward\n") == {"llmgw_router.proxy"}

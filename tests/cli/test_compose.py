@@ -55,7 +55,10 @@ def test_an_unknown_flag_would_be_caught() -> None:
 
 
 def test_compose_environment_names_are_real_settings() -> None:
-    from llmgw_common.settings import AgentSettings, ControlPlaneSettings, NotifierSettings, RouterSettings
+    from llmgw_agent.settings import AgentSettings
+    from llmgw_controlplane.settings import ControlPlaneSettings
+    from llmgw_notifier.settings import NotifierSettings
+    from llmgw_router.settings import RouterSettings
 
     known = set()
     for cls in (AgentSettings, ControlPlaneSettings, NotifierSettings, RouterSettings):

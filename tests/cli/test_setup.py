@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 from llmgw_cli.main import app
 from llmgw_common.codec import decode
 from llmgw_common.messages import ClusterSettings
-from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import DESIRED_SETTINGS, Subjects
+from llmgw_runtime.natsserver import NatsServer
 
 runner = CliRunner()
 
@@ -77,6 +77,7 @@ def test_setup_refuses_unknown_webhook_format() -> None:
     assert "neither slack nor json" in r.output
 
 
+@pytest.mark.slow
 def test_setup_names_the_unreachable_nats() -> None:
     r = runner.invoke(app, ["setup", "--no-input", "--nats", "nats://127.0.0.1:1", "--webhook", "http://x"])
     assert r.exit_code == 1

@@ -32,6 +32,7 @@ def _closed_port() -> int:
     ],
     ids=["controlplane", "router", "notifier", "agent"],
 )
+@pytest.mark.slow
 def test_sigterm_while_waiting_for_nats_stops_the_service(argv: list[str], tmp_path: Path) -> None:
     url = f"nats://127.0.0.1:{_closed_port()}"
     env = {**os.environ, "LLMGW_NATS_URLS": url}

@@ -88,6 +88,7 @@ def test_one_up_per_data_dir(tmp_path: Path) -> None:
     assert f"another `llmgw up` (pid 4242) is running with data directory {d}" in err
 
 
+@pytest.mark.slow
 def test_unreachable_nats(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

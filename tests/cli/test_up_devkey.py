@@ -8,10 +8,10 @@ from pathlib import Path
 from nats.aio.client import Client as NATS
 
 from llmgw_cli.devkey import DEV_KEY_NAME, ensure_dev_key
-from llmgw_common.apikeys import hash_key, list_keys, revoke_key
-from llmgw_common.bus import ensure_kv
 from llmgw_common.codec import encode
 from llmgw_common.subjects import Subjects
+from llmgw_runtime.apikeys import hash_key, list_keys, revoke_key
+from llmgw_runtime.bus import ensure_kv
 
 
 async def test_minted_once_then_reused(nc: NATS, prefix: str, tmp_path: Path) -> None:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from llmgw_agent.settings import AgentSettings
 from llmgw_cli.fleet import FleetError, load_fleet_file, parse_fleet, parse_gpu_spec
 from llmgw_common.catalog import load_catalog_file
-from llmgw_common.settings import AgentSettings
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -36,6 +36,7 @@ def run_up(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
         (["--ready-timeout", "0"], "error: --ready-timeout 0: must be more than 0 seconds"),
     ],
 )
+@pytest.mark.slow
 def test_a_bad_option_is_one_line_before_anything_starts(
     tmp_path: Path, args: list[str], expected: str
 ) -> None:
@@ -47,6 +48,7 @@ def test_a_bad_option_is_one_line_before_anything_starts(
     assert not (tmp_path / "d").exists()  # refused before the data directory, NATS or any child
 
 
+@pytest.mark.slow
 def test_a_data_dir_that_cannot_be_made_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     r = run_up(tmp_path, "--data-dir", str(tmp_path / "file" / "d"))

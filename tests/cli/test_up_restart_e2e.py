@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from llmgw_cli.devcluster import run_processes
-from llmgw_common import bus
-from llmgw_common.ctl import CtlClient, CtlError
-from llmgw_common.settings import BusSettings
+from llmgw_runtime import bus
+from llmgw_runtime.ctl_client import CtlClient, CtlError
+from llmgw_runtime.settings import BusSettings
 from tests.e2e.e2e_cluster import Cluster, start_up, stop_up, wait_model
 from tests.kit.poll import eventually, eventually_sync
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,7 +36,7 @@ from llmgw_cli.upkeep import supervise
 from llmgw_cli.upready import wait_ready_then_serve
 from llmgw_cli.upterm import StopFlag
 from llmgw_common.catalog import Catalog
-from llmgw_common.natsserver import NatsServer
+from llmgw_runtime.natsserver import NatsServer
 from tests.kit.poll import eventually_sync
 
 STANDIN = textwrap.dedent(
@@ -119,6 +120,7 @@ def start_ready(sup: Supervisor, rec: Path, spec: ChildSpec) -> None:
     eventually_sync(lambda: Path(f"{rec}.{spec.name}.ready").exists(), what=f"{spec.name} to say it is ready")
 
 
+@pytest.mark.slow
 def test_stop_runs_in_reverse_tiers_and_leaves_no_engine(sup: Supervisor, rec: Path) -> None:
     start_ready(sup, rec, ChildSpec("cp", "x", {}, tier=0))
     start_ready(sup, rec, ChildSpec("router", "x", {}, tier=1))
@@ -152,6 +154,7 @@ def test_a_process_that_is_no_descendant_is_found_by_the_run_marker(sup: Supervi
     eventually_sync(lambda: gone(engine), what="the swept engine to be gone")
 
 
+@pytest.mark.slow
 def test_a_child_that_ignores_sigterm_is_killed_after_its_grace(sup: Supervisor, rec: Path) -> None:
     start_ready(sup, rec, ChildSpec("stubborn", "x", {"BEHAVE": "stubborn"}, tier=0, grace_s=0.5))
     t0 = time.monotonic()
@@ -190,6 +193,7 @@ def test_a_child_dying_during_start_is_named_with_its_log(
     assert "cp exited" not in errout
 
 
+@pytest.mark.slow
 def test_no_first_completion_in_time_says_what_the_router_answered(
     sup: Supervisor, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -204,6 +208,7 @@ def test_no_first_completion_in_time_says_what_the_router_answered(
     assert "  m1: router not answering (ConnectError)" in errout
 
 
+@pytest.mark.slow
 def test_children_die_with_a_killed_up(tmp_path: Path, rec: Path) -> None:
     """SIGKILL of `llmgw up` itself still stops its children (PR_SET_PDEATHSIG)."""
     script = textwrap.dedent(
@@ -301,6 +306,7 @@ def test_sweep_spares_other_processes_naming_the_data_dir(sup: Supervisor, tmp_p
             p.wait()
 
 
+@pytest.mark.slow
 def test_dead_children_and_nats_are_restarted_with_backoff_and_announced(
     sup: Supervisor, rec: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -346,19 +352,15 @@ def test_dead_children_and_nats_are_restarted_with_backoff_and_announced(
     assert codes == [0]
     err = capsys.readouterr().err
     log = sup.children[1].log_path
-    # One line per death: the child, its exit code, the delay (doubling, capped) and the restart count.
-    assert (
-        f"llmgw up: router exited with code 3 after 0s; restarting it in 0.1s (restart 1); see {log}" in err
-    )
-    assert (
-        f"llmgw up: router exited with code 3 after 0s; restarting it in 0.2s (restart 2); see {log}" in err
-    )
-    assert (
-        f"llmgw up: router exited with code 3 after 0s; restarting it in 0.4s (restart 3); see {log}" in err
-    )
-    assert (
-        f"llmgw up: router exited with code 3 after 0s; restarting it in 0.4s (restart 4); see {log}" in err
-    )
+    # One line per death: the child, its exit code, how long it lived (a crash at start: 0 s, or 1 s
+    # on a loaded box, where the Python child takes that long to start), the delay (doubling, capped)
+    # and the restart count.
+    for n, delay in ((1, "0.1"), (2, "0.2"), (3, "0.4"), (4, "0.4")):
+        line = (
+            r"llmgw up: router exited with code 3 after [01]s; "
+            rf"restarting it in {delay}s \(restart {n}\); see {re.escape(str(log))}"
+        )
+        assert re.search(line, err), (line, err)
     assert "llmgw up: cp exited with code -9 (SIGKILL) after " in err
     assert "llmgw up: nats-server exited with code -9 (SIGKILL) after " in err
     assert f"llmgw up: cp restarted (pid {sup.children[0].pid})" in err

@@ -53,6 +53,7 @@ def _run_a_blocking_step(seconds: float, *, in_a_test: bool = True) -> None:
         loop.close()
 
 
+@pytest.mark.slow
 def test_the_loop_guard_catches_a_tests_step_over_its_limit_only() -> None:
     # The suite's autouse guard (tests/conftest.py) fails a test with what this one collects.
     with BlockedLoopGuard(0.15).watching() as guard:

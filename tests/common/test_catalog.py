@@ -137,6 +137,7 @@ _val = st.one_of(
         max_size=4,
     )
 )
+@pytest.mark.slow
 def test_any_structure_parses_or_raises_catalog_error(models: list[object]) -> None:
     try:
         parse_catalog({"models": models})

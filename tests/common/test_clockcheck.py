@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from llmgw_common.clockcheck import MAX_AHEAD_S, Doubts, distrust, distrust_all, order_time
+from llmgw_runtime.clockcheck import MAX_AHEAD_S, Doubts, distrust, distrust_all, order_time
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,6 @@ from llmgw_common.messages import (
     Endpoint,
     GpuInfo,
     Heartbeat,
-    IdleReport,
     Inventory,
     RoutingCatalog,
     RoutingEndpoints,
@@ -22,6 +21,7 @@ from llmgw_common.messages import (
     StorageReport,
     WeightsEntry,
 )
+from llmgw_common.router_messages import IdleReport
 
 
 def test_round_trip_keeps_every_field() -> None:
@@ -103,6 +103,7 @@ def test_none_is_not_zero_after_a_round_trip() -> None:
         (b"\x00" * (9 * 1024 * 1024), "exceeds"),
     ],
 )
+@pytest.mark.slow
 def test_bad_payloads_raise_the_one_error(payload: bytes, fragment: str) -> None:
     with pytest.raises(DecodeError) as e:
         decode(payload, Heartbeat)
@@ -131,6 +132,7 @@ _json = st.recursive(
 
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.sampled_from(["_v", "node", "boot_id", "seq", "sent_at", "shards", "x"]), _json))
+@pytest.mark.slow
 def test_any_map_decodes_or_raises_decode_error(d: dict[str, object]) -> None:
     try:
         hb = decode(msgpack.packb(d), Heartbeat)

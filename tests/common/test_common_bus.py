@@ -5,14 +5,17 @@ import logging
 from pathlib import Path
 
 import nats
+import nats.js.errors
 import pytest
+from nats.aio.msg import Msg
 
-from llmgw_common import bus
 from llmgw_common.codec import encode
 from llmgw_common.messages import Heartbeat
-from llmgw_common.natsserver import NatsServer
-from llmgw_common.settings import BusSettings
 from llmgw_common.subjects import Subjects
+from llmgw_runtime import bus
+from llmgw_runtime.kv_follower import KvFollower
+from llmgw_runtime.natsserver import NatsServer
+from llmgw_runtime.settings import BusSettings
 from tests.kit.cancels import swallows_one_cancel
 from tests.kit.poll import eventually
 
@@ -35,6 +38,7 @@ async def test_ensure_all_is_idempotent_and_binds(nats_server: NatsServer, prefi
                 f"{prefix}_replicas",
                 f"{prefix}_keys",
                 f"{prefix}_leader",
+                f"{prefix}_usage",
             }
         )
         info = await js.stream_info(subj.events_stream)
@@ -74,7 +78,7 @@ async def test_kv_follower_sees_puts_and_deletes(nats_server: NatsServer, prefix
         kv = await bus.ensure_kv(nc.jetstream(), f"{prefix}_f")
         await kv.put("a", b"1")
         seen: dict[str, bytes | None] = {}
-        f = bus.KvFollower(kv, lambda k, v, r: seen.__setitem__(k, v), resync_s=0.2)
+        f = KvFollower(kv, lambda k, v, r: seen.__setitem__(k, v), resync_s=0.2)
         await f.start()
         assert seen == {"a": b"1"}
         await kv.put("b", b"2")
@@ -91,6 +95,7 @@ async def test_kv_follower_sees_puts_and_deletes(nats_server: NatsServer, prefix
         await nc.close()
 
 
+@pytest.mark.slow
 async def test_connect_without_wait_fails_fast_when_no_server() -> None:
     s = BusSettings(nats_urls=["nats://127.0.0.1:1"])
     with pytest.raises((OSError, nats.errors.Error)):
@@ -104,7 +109,7 @@ async def test_single_key_follower_sees_a_delete_on_resync(nats_server: NatsServ
         kv = await bus.ensure_kv(nc.jetstream(), f"{prefix}_g")
         await kv.put("n1", b"1")
         seen: list[tuple[str, bytes | None]] = []
-        f = bus.KvFollower(kv, lambda k, v, r: seen.append((k, v)), key="n1", resync_s=3600)
+        f = KvFollower(kv, lambda k, v, r: seen.append((k, v)), key="n1", resync_s=3600)
         await f.start()
         await f.stop()  # no watcher: only resync() can see the delete
         await kv.delete("n1")
@@ -145,7 +150,7 @@ async def test_kv_follower_retries_a_value_whose_callback_raised_and_keeps_watch
             taken.append(v)
 
         # A resync an hour away: only the retry can deliver the value again, only the watch the update.
-        f = bus.KvFollower(kv, on_change, resync_s=3600, retry_s=0.1, name="flaky")
+        f = KvFollower(kv, on_change, resync_s=3600, retry_s=0.1, name="flaky")
         await f.start()
         await kv.put("a", b"1")
         await eventually(lambda: taken, timeout=5, every=0.01, what="the retry to deliver the refused value")
@@ -182,7 +187,7 @@ async def test_kv_follower_retries_a_delete_whose_callback_raised(
                 raise RuntimeError("busy")
             seen.append((k, v))
 
-        f = bus.KvFollower(kv, on_change, key="n1", resync_s=3600)
+        f = KvFollower(kv, on_change, key="n1", resync_s=3600)
         await f.start()
         await f.stop()  # resync() by hand: the delete is seen twice, the first time refused
         await kv.delete("n1")
@@ -194,6 +199,7 @@ async def test_kv_follower_retries_a_delete_whose_callback_raised(
         await nc.close()
 
 
+@pytest.mark.slow
 async def test_stop_ends_a_loop_that_swallowed_a_cancel(nats_server: NatsServer, prefix: str) -> None:
     """Python 3.11's asyncio.wait_for, inside nats-py's request and so inside resync()'s kv.get, returns
     the answer and drops a cancel that lands as the answer arrives (CPython gh-86296): the resync loop
@@ -202,7 +208,7 @@ async def test_stop_ends_a_loop_that_swallowed_a_cancel(nats_server: NatsServer,
     nc = await bus.connect(s, "t", wait=False)
     try:
         kv = await bus.ensure_kv(nc.jetstream(), f"{prefix}_s")
-        f = bus.KvFollower(kv, lambda k, v, r: None, resync_s=3600)
+        f = KvFollower(kv, lambda k, v, r: None, resync_s=3600)
         await f.start()
 
         stubborn = asyncio.create_task(swallows_one_cancel())
@@ -213,5 +219,45 @@ async def test_stop_ends_a_loop_that_swallowed_a_cancel(nats_server: NatsServer,
         done, _ = await asyncio.wait({stopping}, timeout=5)
         stubborn.cancel()  # (only needed when the assertion below fails)
         assert stopping in done and stubborn.done()
+    finally:
+        await nc.close()
+
+
+async def test_leader_reads_go_to_the_stream_leader_and_read_what_was_written(
+    nats_server: NatsServer, prefix: str
+) -> None:
+    """A control plane's reads (bus.leader_reads): every get a STREAM.MSG.GET, which only the stream's
+    leader answers, never a DIRECT.GET (any replica answers those, a lagging one too: after a heal a
+    takeover loaded a record deleted before it); keys from the leader's stream info."""
+    s = BusSettings(nats_urls=[nats_server.url], prefix=prefix)
+    nc = await bus.connect(s, "t", wait=False)
+    seen: list[str] = []
+    try:
+        plain = await bus.ensure_kv(nc.jetstream(), f"{prefix}_lr")
+        await plain.put("a", b"1")
+        await plain.put("b", b"2")
+        await plain.put("b", b"3")
+        await plain.put("gone", b"x")
+        await plain.delete("gone")
+
+        async def note(m: Msg) -> None:
+            seen.append(m.subject)
+
+        spy = await nc.subscribe("$JS.API.>", cb=note)
+        kv = bus.leader_reads(plain)
+        assert sorted(await kv.keys()) == ["a", "b", "gone"]  # a deleted key is listed...
+        assert sorted(await bus.kv_keys(plain)) == ["a", "b"]
+        assert (await kv.get("b")).value == b"3"
+        with pytest.raises(nats.js.errors.KeyNotFoundError):
+            await kv.get("gone")  # ...and read as absent
+        await nc.flush()
+        await spy.unsubscribe()
+        gets = [x for x in seen if ".GET." in x]
+        assert gets and all(".STREAM.MSG.GET." in x for x in gets), seen
+        # Writes are those of the bucket.
+        await kv.put("c", b"4")
+        assert (await plain.get("c")).value == b"4"
+        empty = bus.leader_reads(await bus.ensure_kv(nc.jetstream(), f"{prefix}_lr_empty"))
+        assert await bus.kv_keys(empty) == []
     finally:
         await nc.close()

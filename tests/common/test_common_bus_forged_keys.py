@@ -12,9 +12,10 @@ import asyncio
 
 from nats.aio.client import Client as NATS
 
-from llmgw_common import bus
-from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
+from llmgw_runtime import bus
+from llmgw_runtime.kv_follower import KvFollower
+from llmgw_runtime.natsserver import NatsServer
 from tests.kit.poll import eventually
 
 
@@ -32,7 +33,7 @@ async def test_a_forged_key_is_skipped_and_the_other_keys_are_followed(
     def on_change(key: str, value: bytes | None, rev: int) -> None:
         seen[key] = value
 
-    f = bus.KvFollower(kv, on_change, name="t", resync_s=0.2, retry_s=0.1)
+    f = KvFollower(kv, on_change, name="t", resync_s=0.2, retry_s=0.1)
     await asyncio.wait_for(f.start(), 10)
     try:
         assert seen == {"k1": b"one", "k2": b"two"}

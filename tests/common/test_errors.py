@@ -20,19 +20,22 @@ KINDS = (errors.InvalidInput, errors.Unavailable, errors.Conflict, errors.Refuse
 # Control flow, not failures to report (the module docstring of llmgw_common.errors says why).
 OUTSIDE = {
     "llmgw_controlplane.apply.Fenced",
+    "llmgw_controlplane.announcements.FencedAbove",
     "llmgw_controlplane.leader.LeaseLost",
     "llmgw_controlplane.leader.NotOurs",
-    "llmgw_common.runtime.TaskDied",
-    "llmgw_common.runtime.FailedPasses",
+    "llmgw_runtime.runtime.TaskDied",
+    "llmgw_runtime.runtime.FailedPasses",
     "llmgw_sim.engine.FaultExit",
     "llmgw_router.proxy._Retryable",
-    "llmgw_router.failover._Incomplete",
-    "llmgw_router.migration.Unframed",
+    "llmgw_router.migration._Incomplete",
+    "llmgw_router.relay.Unframed",
     "llmgw_router.admission._Expired",
+    "llmgw_router.admission._PushedOut",
+    "llmgw_router.http_reading._Stop",
     "llmgw_agent.weight_files._Truncated",
 }
 # Without a kind: their cases differ (a control plane's refusal, any reason `up` cannot go on).
-NO_KIND = {"llmgw_common.ctl.CtlError", "llmgw_cli.cmd_up.UpError"}
+NO_KIND = {"llmgw_runtime.ctl_client.CtlError", "llmgw_cli.cmd_up.UpError"}
 
 
 def exception_classes() -> list[type[BaseException]]:
@@ -79,17 +82,17 @@ def test_every_exception_class_has_a_kind_or_is_control_flow_on_purpose() -> Non
         ("llmgw_cli.fleet.FleetError", errors.InvalidInput, ValueError),
         ("llmgw_router.static.StaticConfigError", errors.InvalidInput, ValueError),
         ("llmgw_common.yamlsafe.YamlError", errors.InvalidInput, yaml.YAMLError),
-        ("llmgw_common.apikeys.KeyOpError", errors.InvalidInput, Exception),
+        ("llmgw_runtime.apikeys.KeyOpError", errors.InvalidInput, Exception),
         ("llmgw_controlplane.service.StartupError", errors.InvalidInput, RuntimeError),
         ("llmgw_controlplane.admin.AdminBindError", errors.InvalidInput, RuntimeError),
         ("llmgw_sim.openai_api.BadRequest", errors.InvalidInput, ValueError),
-        ("llmgw_common.ctl.CtlUnavailable", errors.Unavailable, Exception),
-        ("llmgw_common.natsserver.NatsServerError", errors.Unavailable, RuntimeError),
+        ("llmgw_runtime.ctl_client.CtlUnavailable", errors.Unavailable, Exception),
+        ("llmgw_runtime.natsserver.NatsServerError", errors.Unavailable, RuntimeError),
         ("llmgw_controlplane.admin.SourceUnavailable", errors.Unavailable, Exception),
-        ("llmgw_router.upstream.ConnectFailed", errors.Unavailable, Exception),
+        ("llmgw_router.upstream_connection.ConnectFailed", errors.Unavailable, Exception),
         ("llmgw_controlplane.desired.DesiredConflict", errors.Conflict, Exception),
         ("llmgw_router.admission.AdmissionRefused", errors.Refused, Exception),
-        ("llmgw_controlplane.ports.PortsExhausted", errors.Refused, RuntimeError),
+        ("llmgw_controlplane.scheduler.ports.PortsExhausted", errors.Refused, RuntimeError),
         ("llmgw_common.codec.DecodeError", errors.BadMessage, ValueError),
         ("llmgw_common.chunks.ChunkError", errors.BadMessage, ValueError),
     ],

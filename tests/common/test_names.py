@@ -109,7 +109,7 @@ def test_service_logs_show_control_characters_escaped() -> None:
     import sys
 
     code = (
-        "import logging; from llmgw_common.runtime import setup_logging; setup_logging('INFO', 'svc'); "
+        "import logging; from llmgw_runtime.runtime import setup_logging; setup_logging('INFO', 'svc'); "
         "logging.getLogger('llmgw.x').warning('node %s said\\nhi', 'evil\\x1b[2J\\u202e')"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True)

@@ -8,12 +8,13 @@ import logging
 
 import pytest
 
-from llmgw_common.runtime import (
+from llmgw_runtime.runtime import (
     EXIT_TASK_DIED,
     FailedPasses,
     PassGuard,
     TaskDied,
     cancel_and_wait,
+    raise_if_died,
     run_service,
     until_stopped,
 )
@@ -118,3 +119,20 @@ async def test_cancel_and_wait_cancelled_itself_still_ends_a_task_that_swallowed
         stubborn.cancel()
         stopping.cancel()
         await asyncio.gather(stubborn, stopping, return_exceptions=True)
+
+
+async def test_raise_if_died_names_an_ended_task_and_passes_over_running_ones() -> None:
+    forever = asyncio.create_task(asyncio.sleep(3600), name="forever")
+
+    async def raises() -> None:
+        raise OSError("disk")
+
+    dead = asyncio.create_task(raises(), name="probe-judge")
+    await asyncio.sleep(0)
+    raise_if_died([forever])  # running: nothing
+    with pytest.raises(TaskDied, match="task probe-judge raised OSError: disk"):
+        raise_if_died([forever, dead])
+    forever.cancel()
+    with pytest.raises(TaskDied, match="task forever was cancelled"):
+        await asyncio.sleep(0)
+        raise_if_died([forever])

@@ -4,8 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_common import settings_doc
-from llmgw_common.settings import AgentSettings, BusSettings, RouterSettings, load_settings
+from llmgw_agent.settings import AgentSettings
+from llmgw_cli import settings_doc
+from llmgw_router.settings import RouterSettings
+from llmgw_runtime.settings import BusSettings, load_settings
 
 
 def test_env_lists_are_comma_separated(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -40,7 +42,7 @@ def test_invalid_value_is_refused_with_its_name(monkeypatch: pytest.MonkeyPatch)
 def test_configuration_reference_is_current() -> None:
     doc = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
     assert doc.read_text() == settings_doc.render(), (
-        "docs/configuration.md is stale: python -m llmgw_common.settings_doc > docs/configuration.md"
+        "docs/configuration.md is stale: python -m llmgw_cli.settings_doc > docs/configuration.md"
     )
 
 

@@ -9,11 +9,12 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from llmgw_agent.settings import AgentSettings
 from llmgw_cli.fleet import FleetError, parse_fleet
 from llmgw_common.catalog import CatalogError, parse_catalog
-from llmgw_common.settings import AgentSettings, load_settings
 from llmgw_common.yamlsafe import MAX_BYTES, YamlError, load_yaml
 from llmgw_router.static import StaticConfigError, parse_static
+from llmgw_runtime.settings import load_settings
 
 
 def alias_bomb(levels: int = 9, fan: int = 10) -> str:

@@ -16,14 +16,15 @@ import httpx
 import nats.errors
 import pytest
 
-from llmgw_common import bus
-from llmgw_common.ctl import CtlClient, CtlUnavailable
-from llmgw_common.messages import Assignment, UsageReport
-from llmgw_common.settings import ControlPlaneSettings
+from llmgw_common.messages import Assignment
+from llmgw_common.router_messages import UsageReport
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane.admin import AdminServer, CtlApiSource, build_admin_app
 from llmgw_controlplane.console.usage import UsageBook
 from llmgw_controlplane.service import ControlPlane
+from llmgw_controlplane.settings import ControlPlaneSettings
+from llmgw_runtime import bus
+from llmgw_runtime.ctl_client import CtlClient, CtlUnavailable
 from tests.console.console_fleet import FixedSource
 from tests.console.console_live import (
     DEPS_REASON,

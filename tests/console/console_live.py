@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from nats.aio.client import Client as NATS
 
 from llmgw_common.codec import encode
-from llmgw_common.ctl import CtlClient
-from llmgw_common.messages import Inventory, StorageReport, UsageReport, WeightsEntry
+from llmgw_common.messages import Inventory, StorageReport, WeightsEntry
+from llmgw_common.router_messages import UsageReport
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane.service import ControlPlane
+from llmgw_runtime.ctl_client import CtlClient
 from tests.kit.agents import FakeAgent, fake_gpus
 
 DEPS_REASON = "install chromium and playwright: make console-deps"

@@ -8,6 +8,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from llmgw_controlplane.admin import PAGES, AdminServer, build_admin_app
 from tests.console.console_fleet import NODES, NOW, UNHEALTHY_REASON, FixedSource
 from tests.console.console_live import LIVE_UNHEALTHY, LiveConsole
@@ -29,6 +31,7 @@ async def _open(browser: Any, url: str) -> tuple[Any, list[str]]:
     return page, errors
 
 
+@pytest.mark.slow
 async def test_every_page_in_chromium_over_fixed_fleet(browser: Any, artifacts_dir: Path) -> None:
     app = build_admin_app(FixedSource(), clock=lambda: NOW)
     server = AdminServer(app, "127.0.0.1", 0, False, log)
@@ -67,6 +70,7 @@ async def test_every_page_in_chromium_over_fixed_fleet(browser: Any, artifacts_d
         assert (artifacts_dir / f"console-{key}.png").stat().st_size > 5000
 
 
+@pytest.mark.slow
 async def test_live_control_plane_in_chromium(
     browser: Any, live_console: LiveConsole, artifacts_dir: Path
 ) -> None:

@@ -24,9 +24,9 @@ from llmgw_common.messages import (
     ShardReport,
     ShardState,
 )
-from llmgw_common.settings import ControlPlaneSettings
 from llmgw_controlplane.admin import CtlApiSource, build_admin_app
 from llmgw_controlplane.service import ControlPlane
+from llmgw_controlplane.settings import ControlPlaneSettings
 from tests.console.console_fleet import NOW
 from tests.console.console_pages import get, rows, text
 from tests.kit.agents import fake_gpus

@@ -6,10 +6,13 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from llmgw_common import bus
+import pytest
+
 from llmgw_common.ctl import StatusReply
-from llmgw_common.messages import Assignment, ClusterSettings, UsageReport, Webhook
+from llmgw_common.messages import Assignment, ClusterSettings, Webhook
+from llmgw_common.router_messages import UsageReport
 from llmgw_common.subjects import Subjects
+from llmgw_runtime import bus
 from tests.console.console_live import LIVE_UNHEALTHY, LiveConsole
 from tests.console.console_pages import rows, text
 from tests.http_clients import async_client
@@ -63,6 +66,7 @@ def _expected_capacity(live: LiveConsole, used: dict[str, set[int]]) -> list[str
     return [f"{k} {v['used']} {v['free']} {v['unhealthy']} 0 {v['total']}" for k, v in sorted(cap.items())]
 
 
+@pytest.mark.slow
 async def test_live_console_shows_what_the_fleet_holds(live_console: LiveConsole) -> None:
     """The pages' numbers against the fleet the test built (inventories, catalog, assignments), not
     against the ctl replies: ctl and the console share the view code, so comparing them with each other
@@ -139,6 +143,7 @@ async def _compare_with_fleet(live: LiveConsole) -> bool:
     return True
 
 
+@pytest.mark.slow
 async def test_live_webhook_banner_follows_settings(live_console: LiveConsole) -> None:
     live = live_console
     async with async_client(base_url=live.url) as c:
@@ -149,6 +154,7 @@ async def test_live_webhook_banner_follows_settings(live_console: LiveConsole) -
     assert "webhook" not in text(page)
 
 
+@pytest.mark.slow
 async def test_live_usage_from_router_reports(live_console: LiveConsole) -> None:
     live = live_console
     async with async_client(base_url=live.url) as c:

@@ -42,6 +42,7 @@ def test_every_route_is_get_only() -> None:
 
 @pytest.mark.parametrize("path", [*PATHS, "/style.css", "/debug/stats"])
 @pytest.mark.parametrize("method", ["POST", "PUT", "PATCH", "DELETE"])
+@pytest.mark.slow
 async def test_writes_get_405(c: httpx.AsyncClient, path: str, method: str) -> None:
     r = await c.request(method, path, content=b"x")
     assert r.status_code == 405

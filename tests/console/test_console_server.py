@@ -14,11 +14,11 @@ from fastapi import FastAPI
 from llmgw_controlplane.admin import (
     AdminBindError,
     AdminServer,
-    _host_name,
     build_admin_app,
     is_loopback,
     serve_admin,
 )
+from llmgw_controlplane.admin.app import _host_name
 from tests.console.console_fleet import FixedSource
 from tests.http_clients import async_client
 

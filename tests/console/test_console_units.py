@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw_common.messages import UsageReport
+from llmgw_common.router_messages import UsageReport
 from llmgw_controlplane.console import format as fmt
 from llmgw_controlplane.console.usage import UsageBook, UsageRow
 
@@ -154,7 +154,7 @@ def test_usage_book_refuses_a_report_with_too_many_entries_and_says_so_once_a_mi
 ) -> None:
     import logging
 
-    from llmgw_common.clockcheck import Doubts
+    from llmgw_runtime.clockcheck import Doubts
 
     doubts = Doubts(logging.getLogger("llmgw.controlplane"), every_s=60.0)
     book = UsageBook(max_report_entries=3, doubts=doubts)

@@ -5,7 +5,7 @@ from collections.abc import AsyncIterator
 import pytest
 from nats.aio.client import Client as NATS
 
-from llmgw_common.natsserver import NatsServer
+from llmgw_runtime.natsserver import NatsServer
 
 
 @pytest.fixture

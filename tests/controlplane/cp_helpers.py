@@ -9,13 +9,14 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.js.errors import KeyWrongLastSequenceError
 
-from llmgw_common import bus
 from llmgw_common.catalog import parse_catalog
 from llmgw_common.codec import encode
-from llmgw_common.ctl import CtlClient, CtlUnavailable, StatusReply
-from llmgw_common.settings import ControlPlaneSettings
+from llmgw_common.ctl import StatusReply
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane.service import ControlPlane
+from llmgw_controlplane.settings import ControlPlaneSettings
+from llmgw_runtime import bus
+from llmgw_runtime.ctl_client import CtlClient, CtlUnavailable
 from tests.kit.poll import eventually
 
 CATALOG = """

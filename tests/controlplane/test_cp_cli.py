@@ -17,7 +17,7 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from llmgw_cli.main import app
-from llmgw_common.natsserver import NatsServer
+from llmgw_runtime.natsserver import NatsServer
 from tests.kit.agents import FakeAgent
 from tests.kit.poll import eventually_sync
 
@@ -125,6 +125,7 @@ def cp(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory, prefix
             proc.wait()
 
 
+@pytest.mark.slow
 def test_nodes_table_and_json(cp: CP) -> None:
     r = _ctl(cp, "nodes")
     assert r.exit_code == 0, r.output
@@ -144,6 +145,7 @@ def test_nodes_table_and_json(cp: CP) -> None:
     ) == (1, 6, 1)
 
 
+@pytest.mark.slow
 def test_replicas_idle_unknown_is_dash_and_negative(cp: CP) -> None:
     r = _ctl(cp, "replicas")
     assert r.exit_code == 0, r.output
@@ -158,6 +160,7 @@ def test_replicas_idle_unknown_is_dash_and_negative(cp: CP) -> None:
     assert r.exit_code == 0 and "no failed replica kept" in r.output, r.output
 
 
+@pytest.mark.slow
 def test_models_and_status_name_what_is_short(cp: CP) -> None:
     r = _ctl(cp, "models")
     assert r.exit_code == 0, r.output
@@ -170,6 +173,7 @@ def test_models_and_status_name_what_is_short(cp: CP) -> None:
     assert st["capacity"][0]["unhealthy"] == 1
 
 
+@pytest.mark.slow
 def test_explain_placement(cp: CP) -> None:
     r = _ctl(cp, "explain-placement", "huge")
     assert r.exit_code == 0, r.output
@@ -178,6 +182,7 @@ def test_explain_placement(cp: CP) -> None:
     assert r.exit_code == 1 and "not in the catalog" in r.stderr
 
 
+@pytest.mark.slow
 def test_catalog_show_diff_apply(cp: CP, tmp_path: Path) -> None:
     r = _ctl(cp, "catalog", "show")
     assert r.exit_code == 0 and "name: small" in r.output
@@ -199,6 +204,7 @@ def test_catalog_show_diff_apply(cp: CP, tmp_path: Path) -> None:
     assert r.exit_code == 1 and "cannot read" in r.stderr
 
 
+@pytest.mark.slow
 def test_cordon_uncordon_drain(cp: CP) -> None:
     r = _ctl(cp, "cordon", "cpu-1")
     assert r.exit_code == 0 and "cordoned" in r.output
@@ -226,16 +232,19 @@ def test_no_control_plane_exit_1_clear_message(nats_server: NatsServer) -> None:
         assert r.stdout == ""
 
 
+@pytest.mark.slow
 def test_unreachable_nats_exit_1() -> None:
     r = runner.invoke(app, ["ctl", "nodes", "--nats", "nats://127.0.0.1:1", "--timeout", "0.5"])
     assert r.exit_code == 1 and "cannot reach NATS" in r.stderr
 
 
+@pytest.mark.slow
 def test_bad_output_format(cp: CP) -> None:
     r = _ctl(cp, "nodes", "-o", "yaml")
     assert r.exit_code == 1 and "unknown output" in r.stderr
 
 
+@pytest.mark.slow
 def test_controlplane_refuses_an_invalid_catalog_file(nats_server: NatsServer, tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("models:\n  - name: x\n    engine: vllm\n  - name: y\n    engine: nope\n")

@@ -7,12 +7,12 @@ import time
 import pytest
 from nats.aio.client import Client as NATS
 
-from llmgw_common import bus
 from llmgw_common.catalog import Catalog
-from llmgw_common.ctl import CtlClient, CtlError, CtlUnavailable
 from llmgw_common.messages import Assignment, ClusterSettings, RoutingCatalog, ShardState, Webhook
-from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import ROUTING_CATALOG, Subjects
+from llmgw_runtime import bus
+from llmgw_runtime.ctl_client import CtlClient, CtlError, CtlUnavailable
+from llmgw_runtime.natsserver import NatsServer
 from tests.controlplane.cp_helpers import cp_settings, ctl_answers, start_cp
 from tests.kit.agents import Beating, FakeAgent
 from tests.kit.poll import eventually
@@ -118,6 +118,7 @@ async def test_valid_catalog_swaps_stores_pushes_and_reconciles(
         await run.stop()
 
 
+@pytest.mark.slow
 async def test_marks_status_settings_and_errors(nats_server: NatsServer, prefix: str, bus_nc: NATS) -> None:
     run = await start_cp(cp_settings(nats_server.url, prefix))
     c = CtlClient(bus_nc, prefix)
@@ -192,6 +193,7 @@ async def test_a_silent_control_plane_is_named_by_the_time_waited(bus_nc: NATS, 
         await sub.unsubscribe()
 
 
+@pytest.mark.slow
 async def test_restart_adopts_replicas_and_changes_no_assignment(
     nats_server: NatsServer, prefix: str, bus_nc: NATS
 ) -> None:

@@ -14,14 +14,14 @@ from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
-from llmgw_common import bus
 from llmgw_common.catalog import Catalog, parse_catalog
 from llmgw_common.codec import encode
-from llmgw_common.ctl import CtlClient
 from llmgw_common.messages import Marks
-from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import DESIRED_CATALOG, DESIRED_MARKS, Subjects
 from llmgw_controlplane.desired import Changed, DesiredConflict, DesiredStore, cordon
+from llmgw_runtime import bus
+from llmgw_runtime.ctl_client import CtlClient
+from llmgw_runtime.natsserver import NatsServer
 from tests.controlplane.cp_helpers import CTL_TIMEOUT_S, RunningCP, cp_settings, ctl_answers, start_cp
 from tests.kit.agents import Beating, FakeAgent
 from tests.kit.poll import eventually
@@ -62,6 +62,7 @@ async def _fleet(bus_nc: NATS, prefix: str, run: RunningCP) -> Beating:
     return beating
 
 
+@pytest.mark.slow
 async def test_concurrent_cordon_drain_and_catalog_apply_keep_every_mark(
     nats_server: NatsServer, prefix: str, bus_nc: NATS
 ) -> None:
@@ -163,6 +164,7 @@ async def test_a_mark_written_by_another_writer_survives_the_next_verb(
         await run.stop()
 
 
+@pytest.mark.slow
 async def test_standby_takes_over_with_every_mark(nats_server: NatsServer, prefix: str, bus_nc: NATS) -> None:
     """Two control planes: marks set through the first survive its death and marks set through the second."""
     s = cp_settings(nats_server.url, prefix)

@@ -9,10 +9,10 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from llmgw_common import bus
 from llmgw_common.messages import Assignment, RoutingEndpoints, ShardState
-from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
+from llmgw_runtime import bus
+from llmgw_runtime.natsserver import NatsServer
 from tests.controlplane.cp_helpers import RunningCP, cp_settings, start_cp
 from tests.kit.agents import Beating, FakeAgent
 from tests.kit.poll import eventually
@@ -34,6 +34,7 @@ async def _endpoints(nc: NATS, prefix: str) -> RoutingEndpoints | None:
     return ep
 
 
+@pytest.mark.slow
 async def test_fake_agents_get_assignments_then_endpoints(
     nats_server: NatsServer, prefix: str, bus_nc: NATS
 ) -> None:
@@ -85,6 +86,7 @@ async def test_fake_agents_get_assignments_then_endpoints(
         await run.stop()
 
 
+@pytest.mark.slow
 async def test_lost_node_replica_rebuilt_and_old_shard_dropped(
     nats_server: NatsServer, prefix: str, bus_nc: NATS
 ) -> None:

@@ -8,10 +8,10 @@ import logging
 import pytest
 from nats.aio.client import Client as NATS
 
-from llmgw_common import bus
 from llmgw_common.messages import Event
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane.events import EventPublisher
+from llmgw_runtime import bus
 
 
 def _events(n: int) -> list[Event]:
@@ -21,6 +21,7 @@ def _events(n: int) -> list[Event]:
     ]
 
 
+@pytest.mark.slow
 async def test_a_pass_of_1500_events_reaches_the_stream_whole(bus_nc: NATS, prefix: str) -> None:
     subj = Subjects(prefix)
     js = bus_nc.jetstream()
@@ -37,6 +38,7 @@ async def test_a_pass_of_1500_events_reaches_the_stream_whole(bus_nc: NATS, pref
     assert last.headers and last.headers["Nats-Msg-Id"] == "node.lost:n1499:1000"
 
 
+@pytest.mark.slow
 async def test_unreachable_stream_bounds_the_queue_with_one_line(
     bus_nc: NATS, prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:

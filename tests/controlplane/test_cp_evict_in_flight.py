@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from nats.aio.client import Client as NATS
 
 from llmgw_common.codec import encode
-from llmgw_common.messages import IdleReport, WakeState
-from llmgw_common.natsserver import NatsServer
+from llmgw_common.router_messages import IdleReport, WakeState
+from llmgw_runtime.natsserver import NatsServer
 from tests.controlplane.cp_helpers import cp_settings, start_cp
 from tests.controlplane.test_cp_wake import CATALOG, Router, endpoints, events, ready_all, replicas_of, wake
 from tests.kit.agents import Beating, FakeAgent
@@ -43,6 +44,7 @@ class StreamingRouter(Router):
             await asyncio.sleep(0.2)
 
 
+@pytest.mark.slow
 async def test_a_replica_serving_a_request_is_not_evicted_until_it_is_done(
     nats_server: NatsServer, prefix: str, bus_nc: NATS
 ) -> None:

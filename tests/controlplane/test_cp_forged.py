@@ -11,14 +11,15 @@ from nats.aio.msg import Msg
 
 from llmgw_common.codec import encode
 from llmgw_common.messages import Heartbeat, RoutingEndpoints, ShardState, ShardStatus
-from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
+from llmgw_runtime.natsserver import NatsServer
 from tests.controlplane.cp_helpers import cp_settings, start_cp
 from tests.controlplane.test_cp_e2e import _assignments, _endpoints
 from tests.kit.agents import Beating, FakeAgent
 from tests.kit.poll import eventually
 
 
+@pytest.mark.slow
 async def test_forged_heartbeats_change_nothing_and_genuine_ones_still_count(
     nats_server: NatsServer, prefix: str, bus_nc: NATS, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw_common.messages import IdleReport
-from llmgw_controlplane.events import EventDetector
-from llmgw_controlplane.idle import IdleKind, IdleMerger
-from llmgw_controlplane.snapshot import NodeState
-from llmgw_controlplane.state import Transition
+from llmgw_common.router_messages import IdleReport
+from llmgw_controlplane.scheduler.event_detection import EventDetector
+from llmgw_controlplane.scheduler.idle import IdleKind, IdleMerger
 
 DAY = 86400.0
 
@@ -81,18 +79,6 @@ def test_delayed_older_report_does_not_replace_a_newer_one() -> None:
     assert m.last_used("r1") == 99.0
 
 
-def test_node_lost_and_recovered_are_said_once_each() -> None:
-    d = EventDetector(placement_failing_after_s=60.0)
-    evs = d.nodes([Transition("n1", NodeState.READY, NodeState.UNREACHABLE)], 10.0)
-    assert evs == []
-    evs = d.nodes([Transition("n1", NodeState.UNREACHABLE, NodeState.LOST)], 40.0)
-    assert [(e.kind, e.subject) for e in evs] == [("node.lost", "n1")]
-    assert evs[0].id == "node.lost:n1:40000"
-    evs = d.nodes([Transition("n1", NodeState.LOST, NodeState.READY)], 50.0)
-    assert [(e.kind, e.subject) for e in evs] == [("node.recovered", "n1")]
-    assert d.nodes([Transition("n1", NodeState.READY, NodeState.UNREACHABLE)], 60.0) == []
-
-
 def test_watched_model_down_only_after_it_had_a_ready_replica_and_recovers() -> None:
     d = EventDetector(placement_failing_after_s=60.0)
     assert d.models({}, {"m": 0.0}, {"m": "no replica placed yet"}, 1.0) == []  # never up: not "down"
@@ -121,8 +107,8 @@ def test_placement_failing_after_threshold_once_and_again_after_it_clears() -> N
 
 
 def test_breaker_is_the_worst_the_routers_report() -> None:
-    from llmgw_common.messages import IdleReport
-    from llmgw_controlplane.idle import IdleMerger
+    from llmgw_common.router_messages import IdleReport
+    from llmgw_controlplane.scheduler.idle import IdleMerger
 
     m = IdleMerger(stale_s=10)
     assert m.breaker("r1") == "closed"  # nobody reports: closed, not unknown-as-open
@@ -200,7 +186,7 @@ def test_an_idle_report_naming_too_many_replicas_is_refused_and_said_once_a_minu
 ) -> None:
     import logging
 
-    from llmgw_common.clockcheck import Doubts
+    from llmgw_runtime.clockcheck import Doubts
 
     doubts = Doubts(logging.getLogger("llmgw.controlplane"), every_s=60.0)
     m = IdleMerger(stale_s=600.0, doubts=doubts, max_report_entries=3)

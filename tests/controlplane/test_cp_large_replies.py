@@ -17,12 +17,13 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from llmgw_common import chunks
-from llmgw_common.bus import sent as sent_
 from llmgw_common.codec import DecodeError, decode, encode
-from llmgw_common.ctl import CtlClient, CtlError, Empty, NodeInfo, NodesReply
-from llmgw_common.natsserver import NatsServer
-from llmgw_common.settings import ControlPlaneSettings
+from llmgw_common.ctl import Empty, NodeInfo, NodesReply
 from llmgw_common.subjects import Subjects
+from llmgw_controlplane.settings import ControlPlaneSettings
+from llmgw_runtime.bus import sent as sent_
+from llmgw_runtime.ctl_client import CtlClient, CtlError
+from llmgw_runtime.natsserver import NatsServer
 from llmgw_sim.synthetic import synthetic_inventories
 from tests.controlplane.cp_helpers import cp_settings, ctl_answers, start_cp
 from tests.kit.poll import eventually
@@ -65,6 +66,7 @@ async def _cli(url: str, prefix: str, *args: str) -> str:
     return out.decode()
 
 
+@pytest.mark.slow
 async def test_ctl_answers_beyond_max_payload_whole(
     small_nats: NatsServer, small_nc: NATS, prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -140,6 +142,7 @@ def test_split_fits_each_part_and_joins_back() -> None:
         ([("1/2", b"a")], "stopped after 1 of 2 parts"),
     ],
 )
+@pytest.mark.slow
 async def test_client_refuses_a_broken_chunk_sequence(
     bus_nc: NATS, prefix: str, sent: list[tuple[str, bytes]], why: str
 ) -> None:

@@ -9,15 +9,16 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
-from llmgw_common import bus
 from llmgw_common.catalog import Catalog, parse_catalog
 from llmgw_common.codec import decode, encode
-from llmgw_common.ctl import CtlClient, CtlUnavailable, LeaseRecord
+from llmgw_common.ctl import LeaseRecord
 from llmgw_common.messages import Assignment, ReplicaRecord, ReplicaSpec, ShardAssignment, ShardPlacement
-from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import LEADER_KEY, Subjects
 from llmgw_controlplane.apply import AssignmentWriter, Fenced, ReplicaStore, desired_assignments, pin_specs
 from llmgw_controlplane.leader import Lease
+from llmgw_runtime import bus
+from llmgw_runtime.ctl_client import CtlClient, CtlUnavailable
+from llmgw_runtime.natsserver import NatsServer
 from tests.controlplane.cp_helpers import cp_settings, start_cp
 from tests.kit.agents import Beating, FakeAgent
 from tests.kit.poll import eventually
@@ -186,6 +187,7 @@ async def test_deposed_leader_writes_nothing(nats_server: NatsServer, prefix: st
         await run.stop()
 
 
+@pytest.mark.slow
 async def test_standby_takes_over_adopts_and_places_nothing_twice(
     nats_server: NatsServer, prefix: str, bus_nc: NATS, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -13,11 +13,11 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
-from llmgw_common import bus
 from llmgw_common.codec import encode
 from llmgw_common.ctl import LeaseRecord
 from llmgw_common.subjects import LEADER_KEY, Subjects
 from llmgw_controlplane.leader import Lease
+from llmgw_runtime import bus
 from tests.kit.poll import eventually
 
 
@@ -132,6 +132,7 @@ async def test_lease_release_spares_successor(bus_nc: NATS, prefix: str) -> None
     assert rec is not None and rec.holder == "b" and rev == b.fence
 
 
+@pytest.mark.slow
 async def test_lease_lapsed_key_is_named_as_such(
     bus_nc: NATS, prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -12,18 +12,19 @@ import asyncio
 import pytest
 from nats.aio.client import Client as NATS
 
-from llmgw_common import bus
 from llmgw_common.codec import encode
 from llmgw_common.ctl import LeaseRecord
-from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import LEADER_KEY, Subjects
 from llmgw_controlplane.apply import ReplicaStore
 from llmgw_controlplane.leader import Lease, LeaseLost
+from llmgw_runtime import bus
+from llmgw_runtime.natsserver import NatsServer
 from tests.controlplane.cp_helpers import cp_settings, start_cp
 from tests.kit.cancels import swallows_one_cancel
 from tests.kit.poll import eventually
 
 
+@pytest.mark.slow
 async def test_takeover_slower_than_the_ttl_keeps_the_lease(
     nats_server: NatsServer, prefix: str, bus_nc: NATS, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -88,6 +89,7 @@ async def test_lease_lost_during_a_takeover_abandons_it(
         await run.stop()
 
 
+@pytest.mark.slow
 async def test_lease_lost_ends_a_takeover_that_swallowed_a_cancel(bus_nc: NATS, prefix: str) -> None:
     """Python 3.11's asyncio.wait_for, in nats-py's request and so in every KV read of a takeover's load,
     drops a cancel that lands as its answer arrives (CPython gh-86296): a while_renewing() that cancelled

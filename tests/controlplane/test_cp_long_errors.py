@@ -11,7 +11,7 @@ from __future__ import annotations
 from nats.aio.client import Client as NATS
 
 from llmgw_common.messages import ShardAssignment, ShardState
-from llmgw_common.natsserver import NatsServer
+from llmgw_runtime.natsserver import NatsServer
 from tests.controlplane.cp_helpers import cp_settings, start_cp
 from tests.controlplane.test_cp_e2e import _assignments, _endpoints
 from tests.kit.agents import Beating, FakeAgent

@@ -11,14 +11,15 @@ import dataclasses
 import time
 from collections.abc import Iterable
 
+import pytest
 from nats.aio.client import Client as NATS
 
 from llmgw_common.codec import encode
-from llmgw_common.ctl import CtlClient
 from llmgw_common.messages import LoadReport, ReplicaLoad, ShardState, ShardStatus
-from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane.state import ClusterState
+from llmgw_runtime.ctl_client import CtlClient
+from llmgw_runtime.natsserver import NatsServer
 from tests.controlplane.cp_helpers import cp_settings, start_cp
 from tests.controlplane.test_cp_e2e import _assignments
 from tests.kit.agents import Beating, FakeAgent
@@ -104,6 +105,7 @@ def _has_shard(state: ClusterState, node: str, rid: str) -> bool:
     return (rid, 0) in state.nodes[node].shards
 
 
+@pytest.mark.slow
 async def test_invented_replica_ids_in_a_nodes_reports_leave_nothing_behind(
     nats_server: NatsServer, prefix: str, bus_nc: NATS
 ) -> None:

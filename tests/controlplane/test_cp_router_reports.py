@@ -12,9 +12,9 @@ import time
 from nats.aio.client import Client as NATS
 
 from llmgw_common.codec import encode
-from llmgw_common.messages import IdleReport, UsageReport
-from llmgw_common.natsserver import NatsServer
+from llmgw_common.router_messages import IdleReport, UsageReport
 from llmgw_common.subjects import Subjects
+from llmgw_runtime.natsserver import NatsServer
 from tests.controlplane.cp_helpers import cp_settings, start_cp
 from tests.kit.poll import eventually
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from llmgw_common.catalog import parse_catalog
+from llmgw_common.ctl import ReplicaPhase
 from llmgw_common.messages import (
     GpuInfo,
     Heartbeat,
@@ -14,10 +15,18 @@ from llmgw_common.messages import (
     ShardState,
     ShardStatus,
 )
-from llmgw_controlplane.reconciler import ReplicaState, reconcile, replica_status
-from llmgw_controlplane.routing import routing_content
-from llmgw_controlplane.snapshot import NodeState
-from llmgw_controlplane.state import ClusterState, node_health, replica_phase
+from llmgw_controlplane.nodes import node_health
+from llmgw_controlplane.scheduler.phase import replica_phase
+from llmgw_controlplane.scheduler.reconciler import reconcile
+from llmgw_controlplane.scheduler.routing import routing_content
+from llmgw_controlplane.scheduler.snapshot import NodeState
+from llmgw_controlplane.state import ClusterState
+
+
+def _phase(st: ClusterState, now: float) -> ReplicaPhase:
+    """r1's phase at ``now``, judged with its model's startup timeout from the catalog."""
+    snap = st.snapshot(now)
+    return replica_phase(snap, snap.replicas[0])
 
 
 def _state() -> ClusterState:
@@ -52,6 +61,21 @@ def test_health_thresholds_are_exclusive_and_ordered() -> None:
     assert node_health(100.0, 106.1, 2.0, 3, 30.0) is NodeState.UNREACHABLE
     assert node_health(100.0, 130.0, 2.0, 3, 30.0) is NodeState.UNREACHABLE
     assert node_health(100.0, 130.1, 2.0, 3, 30.0) is NodeState.LOST
+
+
+def test_the_snapshot_and_the_transitions_judge_a_node_by_the_one_health_function() -> None:
+    """At each threshold the snapshot's node state, ``judge()``'s and :func:`node_health` agree; a node
+    without an inventory is unreachable in the snapshot only (it takes no new replicas), not silent."""
+    st = _state()
+    st.on_heartbeat(_hb(sent_at=0.0), now=100.0)
+    st.on_inventory(_inv(), now=100.0)
+    st.on_heartbeat(_hb(node="bare", sent_at=0.0), now=100.0)
+    for now in (106.0, 106.1, 130.0, 130.1):
+        want = node_health(100.0, now, 2.0, 3, 30.0)
+        st.judge(now)
+        assert (st.snapshot(now).nodes["n1"].state, st.nodes["n1"].health) == (want, want), now
+        bare = NodeState.UNREACHABLE if want is NodeState.READY else want
+        assert (st.snapshot(now).nodes["bare"].state, st.nodes["bare"].health) == (bare, want), now
 
 
 def test_transitions_ready_unreachable_lost_and_back_by_own_clock() -> None:
@@ -146,8 +170,7 @@ def test_status_keeps_error_and_log_tail_and_fails_the_replica() -> None:
             ),
         )
     )
-    view = st.snapshot(2.0).replicas[0]
-    assert replica_phase(view) == "starting"
+    assert _phase(st, 2.0) is ReplicaPhase.STARTING
     for node, shard in (("a", 0), ("b", 1)):
         st.on_status(
             ShardStatus(
@@ -162,7 +185,7 @@ def test_status_keeps_error_and_log_tail_and_fails_the_replica() -> None:
             ),
             2.0,
         )
-    assert replica_phase(st.snapshot(2.0).replicas[0]) == "ready"
+    assert _phase(st, 2.0) is ReplicaPhase.READY
     assert st.on_status(
         ShardStatus(
             node="b",
@@ -177,8 +200,7 @@ def test_status_keeps_error_and_log_tail_and_fails_the_replica() -> None:
         ),
         3.0,
     )
-    view = st.snapshot(3.0).replicas[0]
-    assert replica_phase(view) == "failed"
+    assert _phase(st, 3.0) is ReplicaPhase.FAILED
     detail = st.detail("b", ("r1", 1))
     assert detail is not None and detail.error == "CUDA out of memory"
     assert detail.log_tail == ("loading", "OOM")
@@ -211,7 +233,7 @@ def test_adopted_replicas_get_the_startup_timeout_from_when_we_could_observe() -
 
 
 def test_control_plane_outage_is_not_the_nodes_silence() -> None:
-    from llmgw_controlplane.snapshot import NodeState
+    from llmgw_controlplane.scheduler.snapshot import NodeState
     from llmgw_controlplane.state import ClusterState
 
     st = ClusterState(heartbeat_interval_s=1.0, unreachable_after_missed=3, node_lost_s=10.0)
@@ -256,7 +278,7 @@ def test_agent_restart_keeps_its_readopted_replicas_past_the_startup_timeout() -
     ready = _ready_replica(st, timeout_s=600.0)
     t = 700.0  # the replica has been up for 700 s, longer than its startup timeout
     st.on_heartbeat(_hb(boot="b1", seq=2, sent_at=t, shards=(ready,)), t)
-    assert replica_status(st.snapshot(t).replicas[0], t, 600.0).state is ReplicaState.READY
+    assert _phase(st, t) is ReplicaPhase.READY
     # The agent restarts: its new boot's inventory, then its re-adopted engine starting, then ready.
     st.on_inventory(_inv(boot="b2"), t + 1)
     steps = [
@@ -271,7 +293,7 @@ def test_agent_restart_keeps_its_readopted_replicas_past_the_startup_timeout() -
             st.on_heartbeat(msg, now)
         plan = reconcile(st.snapshot(now))
         assert plan.stop == () and plan.place == (), (now, plan.stop)
-    assert replica_status(st.snapshot(t + 3.0).replicas[0], t + 3.0, 600.0).state is ReplicaState.READY
+    assert _phase(st, t + 3.0) is ReplicaPhase.READY
     assert st.replicas["r1"].created == 0.0  # the record is unchanged
 
 
@@ -305,7 +327,7 @@ def test_another_nodes_restart_does_not_postpone_a_replicas_startup_timeout() ->
         st.on_inventory(_inv(node="n2", boot=f"x{seq + 1}"), t + 0.5)  # a restart, proven
         st.on_heartbeat(_hb(seq=2 + seq, sent_at=t), t)  # n1 alive, r1 still not ready
     st.on_heartbeat(_hb(seq=10, sent_at=601.0), 601.0)
-    assert replica_status(st.snapshot(601.0).replicas[0], 601.0, 600.0).state is ReplicaState.FAILED
+    assert _phase(st, 601.0) is ReplicaPhase.FAILED
 
 
 def test_a_readopted_replica_that_never_reports_ready_again_still_fails_in_time() -> None:
@@ -314,9 +336,9 @@ def test_a_readopted_replica_that_never_reports_ready_again_still_fails_in_time(
     st.on_inventory(_inv(boot="b2"), 700.0)
     st.on_heartbeat(_hb(boot="b2", seq=1, sent_at=700.5), 700.5)  # its first: the engine is not ready
     # Counted from the restart: not before 600 s after it, but then.
-    assert replica_status(st.snapshot(1299.0).replicas[0], 1299.0, 600.0).state is ReplicaState.STARTING
+    assert _phase(st, 1299.0) is ReplicaPhase.STARTING
     st.on_heartbeat(_hb(boot="b2", seq=2, sent_at=1299.0), 1299.0)  # keeps the node alive
-    assert replica_status(st.snapshot(1301.0).replicas[0], 1301.0, 600.0).state is ReplicaState.FAILED
+    assert _phase(st, 1301.0) is ReplicaPhase.FAILED
 
 
 def test_a_heartbeat_claiming_a_new_boot_is_not_believed_until_that_boots_inventory() -> None:

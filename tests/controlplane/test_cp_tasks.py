@@ -9,14 +9,15 @@ from typing import Any
 import pytest
 from nats.aio.client import Client as NATS
 
-from llmgw_common import bus
-from llmgw_common.ctl import CtlClient, LeaseRecord
-from llmgw_common.natsserver import NatsServer
-from llmgw_common.runtime import FailedPasses, TaskDied, cancel_and_wait
+from llmgw_common.ctl import LeaseRecord
 from llmgw_common.subjects import LEADER_KEY, Subjects
 from llmgw_controlplane import reconcile_loop
-from llmgw_controlplane.reconciler import reconcile as real_reconcile
+from llmgw_controlplane.scheduler.reconciler import reconcile as real_reconcile
 from llmgw_controlplane.service import MAX_FAILED_PASSES
+from llmgw_runtime import bus
+from llmgw_runtime.ctl_client import CtlClient
+from llmgw_runtime.natsserver import NatsServer
+from llmgw_runtime.runtime import FailedPasses, TaskDied, cancel_and_wait
 from tests.controlplane.cp_helpers import cp_settings, ctl_answers, start_cp
 from tests.kit.cancels import swallows_one_cancel, task_stacks
 from tests.kit.poll import eventually
@@ -27,6 +28,7 @@ async def _lease(nc: NATS, prefix: str) -> tuple[LeaseRecord | None, int]:
     return await bus.kv_get(kv, LEADER_KEY, LeaseRecord)
 
 
+@pytest.mark.slow
 async def test_one_failing_pass_is_counted_and_reconciling_goes_on(
     nats_server: NatsServer, prefix: str, bus_nc: NATS, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -51,6 +53,7 @@ async def test_one_failing_pass_is_counted_and_reconciling_goes_on(
         await run.stop()
 
 
+@pytest.mark.slow
 async def test_passes_that_keep_failing_end_the_run_and_release_the_lease(
     nats_server: NatsServer, prefix: str, bus_nc: NATS, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -96,6 +99,7 @@ async def test_a_loop_that_ends_ends_the_run_and_releases_the_lease(
         await run.nc.close()
 
 
+@pytest.mark.slow
 async def test_stop_ends_a_loop_that_swallowed_a_cancel(
     nats_server: NatsServer, prefix: str, bus_nc: NATS
 ) -> None:

@@ -19,7 +19,7 @@ from llmgw_common.messages import (
     ShardPlacement,
 )
 from llmgw_controlplane import views
-from llmgw_controlplane.idle import IdleMerger
+from llmgw_controlplane.scheduler.idle import IdleMerger
 from llmgw_controlplane.state import ClusterState
 
 T0 = 1000.0

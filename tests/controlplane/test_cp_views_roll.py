@@ -15,7 +15,7 @@ from llmgw_common.messages import (
     ShardState,
 )
 from llmgw_controlplane import views
-from llmgw_controlplane.idle import IdleMerger
+from llmgw_controlplane.scheduler.idle import IdleMerger
 from llmgw_controlplane.state import ClusterState
 
 OLD = parse_catalog("models: [{name: m, engine: sim, replicas: 2, options: {tokens_per_s: 100}}]")

@@ -7,24 +7,18 @@ import asyncio
 import time
 
 import nats.js.errors
+import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from llmgw_common import bus
 from llmgw_common.codec import decode, encode
-from llmgw_common.ctl import CtlClient
-from llmgw_common.messages import (
-    Event,
-    IdleReport,
-    RoutingEndpoints,
-    ShardState,
-    WakeReply,
-    WakeRequest,
-    WakeState,
-)
-from llmgw_common.natsserver import NatsServer
+from llmgw_common.messages import Event, RoutingEndpoints, ShardState
+from llmgw_common.router_messages import IdleReport, WakeReply, WakeRequest, WakeState
 from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
 from llmgw_controlplane.service import ControlPlane
+from llmgw_runtime import bus
+from llmgw_runtime.ctl_client import CtlClient
+from llmgw_runtime.natsserver import NatsServer
 from tests.controlplane.cp_helpers import RunningCP, cp_settings, start_cp
 from tests.kit.agents import Beating, FakeAgent
 from tests.kit.poll import eventually
@@ -234,6 +228,7 @@ async def test_unknown_idle_scales_nothing_down(nats_server: NatsServer, prefix:
         await run.stop()
 
 
+@pytest.mark.slow
 async def test_known_idle_scales_a_watched_model_to_zero_and_cold_is_not_down(
     nats_server: NatsServer, prefix: str, bus_nc: NATS
 ) -> None:
@@ -317,6 +312,7 @@ async def test_a_wake_evicts_the_idle_model_when_there_is_no_room(
         await run.stop()
 
 
+@pytest.mark.slow
 async def test_a_wake_while_settling_is_waking_and_served_once_settled(
     nats_server: NatsServer, prefix: str, bus_nc: NATS
 ) -> None:

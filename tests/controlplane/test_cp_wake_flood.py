@@ -11,14 +11,15 @@ import asyncio
 import logging
 import time
 
+import pytest
 from nats.aio.client import Client as NATS
 
-from llmgw_common import bus
 from llmgw_common.codec import decode, encode
-from llmgw_common.messages import WakeReply, WakeRequest, WakeState
-from llmgw_common.natsserver import NatsServer
+from llmgw_common.router_messages import WakeReply, WakeRequest, WakeState
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane.wakes import MEMO_MAX, WakeResponder
+from llmgw_runtime import bus
+from llmgw_runtime.natsserver import NatsServer
 from tests.kit.poll import eventually
 
 
@@ -78,6 +79,7 @@ async def test_a_flood_of_wakes_for_one_model_computes_one_answer(
         await responder.stop()
 
 
+@pytest.mark.slow
 async def test_wakes_for_invented_models_do_not_grow_memory(
     nats_server: NatsServer, prefix: str, bus_nc: NATS
 ) -> None:

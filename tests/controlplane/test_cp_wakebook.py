@@ -4,7 +4,7 @@ wake (longer while unserved), and the cold start is measured from the first wake
 from __future__ import annotations
 
 from llmgw_common.catalog import parse_catalog
-from llmgw_controlplane.wakes import PENDING_WAKE_S, WakeBook
+from llmgw_controlplane.scheduler.wake_decisions import PENDING_WAKE_S, WakeBook
 
 CAT = parse_catalog("models:\n  - {name: a, engine: sim, min_replicas: 0, idle_after: 60s}")
 

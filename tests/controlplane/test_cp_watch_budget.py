@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from llmgw_common.catalog import parse_catalog
 from llmgw_common.messages import ShardState
-from llmgw_controlplane.events import EventDetector, watch_inputs
-from llmgw_controlplane.snapshot import NodeState, NodeView, ReplicaView, ShardView, Snapshot
+from llmgw_controlplane.scheduler.event_detection import EventDetector, watch_inputs
+from llmgw_controlplane.scheduler.snapshot import NodeState, NodeView, ReplicaView, ShardView, Snapshot
 
 WHY = {"m": "no ready replica: 1 failed on n1 (exit -9)"}
 

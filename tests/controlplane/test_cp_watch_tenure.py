@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from nats.aio.client import Client as NATS
 
-from llmgw_common import bus
 from llmgw_common.catalog import parse_catalog
 from llmgw_common.codec import encode
 from llmgw_common.messages import ShardState
-from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane.service import ControlPlane
+from llmgw_runtime import bus
+from llmgw_runtime.natsserver import NatsServer
 from tests.controlplane.cp_helpers import cp_settings
 from tests.kit.agents import FakeAgent
 from tests.kit.poll import eventually
@@ -35,6 +36,7 @@ class Clock:
         return self.t
 
 
+@pytest.mark.slow
 async def test_leading_again_does_not_judge_an_outage_from_an_earlier_tenure(
     nats_server: NatsServer, prefix: str, bus_nc: NATS
 ) -> None:

@@ -7,8 +7,8 @@ import time
 import pytest
 from nats.aio.client import Client as NATS
 
-from llmgw_common.ctl import CtlClient, CtlError
-from llmgw_common.natsserver import NatsServer
+from llmgw_runtime.ctl_client import CtlClient, CtlError
+from llmgw_runtime.natsserver import NatsServer
 from tests.controlplane.cp_helpers import cp_settings, ctl_answers, start_cp
 
 # The report's 1.2 KB catalog: nine levels of ten aliases in a model's options (10^9 nodes expanded).
@@ -17,6 +17,7 @@ BOMB = "models:\n  - name: tiny\n    engine: sim\n    options:\n      a0: &a0 [l
 )
 
 
+@pytest.mark.slow
 async def test_alias_bomb_refused_fast_and_old_catalog_kept(
     nats_server: NatsServer, prefix: str, bus_nc: NATS
 ) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from llmgw_common.natsserver import NatsServer
+from llmgw_runtime.natsserver import NatsServer
 from tests.e2e.e2e_cluster import chat_once, start_up, stop_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("e2e")]

@@ -79,3 +79,32 @@ def test_unknown_model_is_404_and_bad_key_401(cluster: Cluster) -> None:
     bad = openai.OpenAI(base_url=cluster.base_url, api_key="llmgw-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model=CPU_MODEL, messages=[{"role": "user", "content": "x"}])
+
+
+def test_responses_api_through_up(cluster: Cluster, client: openai.OpenAI) -> None:
+    """The issue's first 404: `client.responses.create` through `llmgw up`, plain, streamed and with
+    previous_response_id (the model has two replicas: the follow-up must reach the one storing it)."""
+    wait_model(cluster, GPU_MODEL)
+    first = client.responses.create(model=GPU_MODEL, input="Say hello", max_output_tokens=8)
+    assert first.output_text and first.status in ("completed", "incomplete")
+    for _ in range(4):
+        nxt = client.responses.create(
+            model=GPU_MODEL, input="and again", previous_response_id=first.id, max_output_tokens=4
+        )
+        assert nxt.previous_response_id == first.id and nxt.output_text
+    kinds = [ev.type for ev in client.responses.create(model=GPU_MODEL, input="x", stream=True)]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed", kinds
+    assert client.responses.retrieve(first.id).id == first.id
+
+
+def test_anthropic_messages_through_up(cluster: Cluster) -> None:
+    anthropic = pytest.importorskip("anthropic")
+    wait_model(cluster, GPU_MODEL)
+    client = anthropic.Anthropic(base_url=cluster.router_url, api_key=cluster.key, max_retries=0, timeout=30)
+    msg = client.messages.create(model=GPU_MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    assert msg.content and msg.usage.output_tokens > 0
+    with client.messages.stream(
+        model=GPU_MODEL, max_tokens=6, messages=[{"role": "user", "content": "hi"}]
+    ) as stream:
+        text = "".join(stream.text_stream)
+    assert text

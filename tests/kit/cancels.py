@@ -2,7 +2,7 @@
 
 ``asyncio.wait_for``, inside nats-py's request, flush and JetStream calls, drops a cancel that lands
 as its answer arrives: the task goes on. A stop that cancels once and then awaits such a task waits
-for ever; ``llmgw_common.runtime.cancel_and_wait`` is the cure, and these are how tests show it.
+for ever; ``llmgw_runtime.runtime.cancel_and_wait`` is the cure, and these are how tests show it.
 """
 
 from __future__ import annotations

@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.kit.ports import free_port as free_port  # its importers (the vLLM kits) take it from here
 
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 ENABLE_HINT = "run `make llama` (builds llama-server once, cached in ~/.cache/llmgw) to enable it"
@@ -51,12 +52,6 @@ def find_gguf() -> tuple[Path | None, str]:
     if not path.is_file():
         return None, f"no GGUF at {path}"
     return path, ""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -27,11 +27,11 @@ from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 
-from llmgw_common import bus
 from llmgw_common.codec import decode
 from llmgw_common.messages import Heartbeat, LoadReport, ReplicaLoad, RoutingEndpoints
-from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
+from llmgw_runtime import bus
+from llmgw_runtime.natsserver import NatsServer
 from tests.e2e.e2e_cluster import shown_on_failure
 from tests.http_clients import async_client
 from tests.kit.poll import eventually

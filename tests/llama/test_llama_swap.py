@@ -27,11 +27,12 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.js.errors import BucketNotFoundError
 
-from llmgw_common import bus
 from llmgw_common.codec import decode, encode
-from llmgw_common.messages import Event, RoutingEndpoints, WakeReply, WakeRequest, WakeState
-from llmgw_common.natsserver import NatsServer
+from llmgw_common.messages import Event, RoutingEndpoints
+from llmgw_common.router_messages import WakeReply, WakeRequest, WakeState
 from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
+from llmgw_runtime import bus
+from llmgw_runtime.natsserver import NatsServer
 from tests.e2e.e2e_cluster import shown_on_failure
 from tests.kit.poll import eventually
 from tests.llama.llama_kit import (

@@ -28,10 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from llmgw_common.natsauth import Role, all_roles, authorization_config
-from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
-from tests.chaos.chaos_harness import ChaosCluster, Proc, free_port
+from llmgw_runtime.natsserver import NatsServer
+from tests.chaos.chaos_harness import ChaosCluster, Proc
 from tests.kit.poll import eventually_sync
+from tests.kit.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy" / "nats"

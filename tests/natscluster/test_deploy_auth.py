@@ -20,11 +20,11 @@ import nats.errors
 import pytest
 import yaml
 
-from llmgw_common import bus
-from llmgw_common.natsserver import find_nats_server
-from llmgw_common.settings import BusSettings
-from tests.chaos.chaos_harness import free_port
+from llmgw_runtime import bus
+from llmgw_runtime.natsserver import find_nats_server
+from llmgw_runtime.settings import BusSettings
 from tests.kit.poll import eventually_sync
+from tests.kit.ports import free_port
 from tests.natscluster.natscluster_harness import DEPLOY, derive_config
 
 SERVERS = ("nats-1.conf", "nats-2.conf", "nats-3.conf")
@@ -54,6 +54,7 @@ def check_config(conf: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize("name", SERVERS)
+@pytest.mark.slow
 def test_shipped_config_needs_the_generated_auth_file(tmp_path: Path, name: str) -> None:
     conf = tmp_path / name
     shutil.copy(DEPLOY / name, conf)
@@ -112,6 +113,7 @@ def _wait_listening(proc: subprocess.Popen[bytes], port: int, log: Path, timeout
         raise AssertionError(f"{e}\n{log.read_text()}") from None
 
 
+@pytest.mark.slow
 async def test_a_server_without_its_auth_file_refuses_to_start_and_with_it_refuses_strangers(
     tmp_path: Path,
 ) -> None:

@@ -28,9 +28,9 @@ import nats.js.errors
 import pytest
 from nats.aio.client import Client as NATS
 
-from llmgw_common import bus
-from llmgw_common.settings import BusSettings
 from llmgw_common.subjects import Subjects
+from llmgw_runtime import bus
+from llmgw_runtime.settings import BusSettings
 from tests.chaos.chaos_bus import BUS_ERRORS, timed
 from tests.chaos.chaos_harness import AGGRESSIVE
 from tests.chaos.chaos_traffic import Traffic, wait_serving

@@ -9,9 +9,10 @@ from typing import Any
 from nats.js.errors import NoKeysError
 from nats.js.kv import KeyValue
 
-from llmgw_common import bus
-from llmgw_common.natsserver import NatsServer
-from llmgw_common.settings import BusSettings
+from llmgw_runtime import bus
+from llmgw_runtime.kv_follower import KvFollower
+from llmgw_runtime.natsserver import NatsServer
+from llmgw_runtime.settings import BusSettings
 
 
 class ShortListing(KeyValue):
@@ -34,7 +35,7 @@ async def test_short_listing_deletes_only_what_a_read_cannot_find(
         await kv.put("a", b"1")
         await kv.put("b", b"2")
         seen: list[tuple[str, bytes | None]] = []
-        f = bus.KvFollower(kv, lambda k, v, r: seen.append((k, v)), resync_s=3600)
+        f = KvFollower(kv, lambda k, v, r: seen.append((k, v)), resync_s=3600)
         await f.resync()
         assert sorted(seen) == [("a", b"1"), ("b", b"2")]
         seen.clear()

@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import nats
 import pytest
 
-from llmgw_common.bus import ensure_all
-from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
+from llmgw_runtime.bus import ensure_all
+from llmgw_runtime.natsserver import NatsServer
 from tests.notifier.notifier_helpers import Bus, Receiver
 
 

@@ -20,11 +20,11 @@ from nats.js.kv import KeyValue
 from llmgw_common.catalog import Catalog, ModelProfile, WatchSpec
 from llmgw_common.codec import decode, encode
 from llmgw_common.messages import ClusterSettings, Event, RoutingCatalog, Webhook
-from llmgw_common.natsserver import NatsServer
-from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import DESIRED_SETTINGS, ROUTING_CATALOG, Subjects
-from llmgw_notifier.delivery import NotifierStats
 from llmgw_notifier.service import serve
+from llmgw_notifier.settings import NotifierSettings
+from llmgw_notifier.stats import NotifierStats
+from llmgw_runtime.natsserver import NatsServer
 from tests.kit.poll import eventually
 
 

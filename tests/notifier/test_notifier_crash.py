@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from llmgw_common.messages import Webhook
-from llmgw_common.natsserver import NatsServer
 from llmgw_notifier.delivery import consumer_name
 from llmgw_notifier.targets import target_id
+from llmgw_runtime.natsserver import NatsServer
 from tests.kit.poll import eventually
 from tests.notifier.notifier_helpers import Bus, ev
 

@@ -9,14 +9,15 @@ import nats.js.errors
 import pytest
 
 from llmgw_common.messages import Webhook
-from llmgw_common.natsserver import NatsServer
 from llmgw_notifier.delivery import consumer_name
 from llmgw_notifier.formats import verify
 from llmgw_notifier.targets import target_id
+from llmgw_runtime.natsserver import NatsServer
 from tests.kit.poll import eventually
 from tests.notifier.notifier_helpers import Bus, ev, fast_settings, running
 
 
+@pytest.mark.slow
 async def test_slack_and_signed_json_payloads(
     nats_server: NatsServer, prefix: str, bus: Bus, receivers: Any
 ) -> None:
@@ -53,6 +54,7 @@ async def test_slack_and_signed_json_payloads(
     assert plain.requests[0].json["id"] == lost.id
 
 
+@pytest.mark.slow
 async def test_receiver_500_then_recovering_gets_every_event_once_in_order(
     nats_server: NatsServer, prefix: str, bus: Bus, receivers: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -76,6 +78,7 @@ async def test_receiver_500_then_recovering_gets_every_event_once_in_order(
     assert "did not take" in caplog.text and rx.url not in caplog.text  # logged, without its URL
 
 
+@pytest.mark.slow
 async def test_storm_is_one_message(nats_server: NatsServer, prefix: str, bus: Bus, receivers: Any) -> None:
     rx, slack = await receivers(), await receivers()
     await bus.set_webhooks(Webhook(url=rx.url), Webhook(url=slack.url, format="slack"))
@@ -104,6 +107,7 @@ async def test_storm_is_one_message(nats_server: NatsServer, prefix: str, bus: B
     assert info.num_ack_pending == 0 and info.ack_floor is not None and info.ack_floor.stream_seq == 41
 
 
+@pytest.mark.slow
 async def test_new_webhook_takes_effect_without_restart_and_removed_one_stops(
     nats_server: NatsServer, prefix: str, bus: Bus, receivers: Any
 ) -> None:
@@ -134,6 +138,7 @@ async def test_new_webhook_takes_effect_without_restart_and_removed_one_stops(
     assert b.ids == [third.id, fourth.id]  # the first two were before it was added / filtered out
 
 
+@pytest.mark.slow
 async def test_gives_up_after_retry_for_and_moves_on(
     nats_server: NatsServer, prefix: str, bus: Bus, receivers: Any
 ) -> None:
@@ -176,6 +181,7 @@ async def test_undecodable_event_is_dropped_and_the_next_delivered(
         assert stats.undecodable_events == 1
 
 
+@pytest.mark.slow
 async def test_undecodable_settings_keep_the_known_targets(
     nats_server: NatsServer, prefix: str, bus: Bus, receivers: Any
 ) -> None:
@@ -195,6 +201,7 @@ async def test_undecodable_settings_keep_the_known_targets(
         assert name in await bus.consumer_names()
 
 
+@pytest.mark.slow
 async def test_no_settings_key_means_no_targets_and_stale_consumers_go(
     nats_server: NatsServer, prefix: str, bus: Bus, receivers: Any
 ) -> None:

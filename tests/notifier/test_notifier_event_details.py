@@ -25,13 +25,13 @@ from llmgw_common.event_details import (
     parse_details,
 )
 from llmgw_common.messages import Event, Webhook
-from llmgw_controlplane import autoscale
-from llmgw_controlplane import events as cp_events
-from llmgw_controlplane.events import EventDetector
+from llmgw_controlplane.scheduler import autoscale
+from llmgw_controlplane.scheduler import event_detection as cp_events
+from llmgw_controlplane.scheduler.event_detection import EventDetector
 from llmgw_notifier import formats
 from llmgw_notifier.outages import DOWN, RECOVERED, fold
 from llmgw_notifier.outages import KINDS as MERGED_KINDS
-from llmgw_notifier.probes import ProbeState, Transition, probe_event
+from llmgw_notifier.probe_state import ProbeState, Transition, probe_event
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -45,6 +45,7 @@ def test_every_kind_the_control_plane_and_the_notifier_emit_has_a_model() -> Non
         assert cls.KIND == kind
 
 
+@pytest.mark.slow
 def test_no_service_builds_an_event_but_from_a_details_model() -> None:
     """Producers go through ``event_details.event``; a hand-written ``Event(...)`` would carry an
     untyped map (and a kind no model covers)."""

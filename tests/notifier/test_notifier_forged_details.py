@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from llmgw_common.messages import Event, Webhook
-from llmgw_common.natsserver import NatsServer
+from llmgw_runtime.natsserver import NatsServer
 from tests.kit.poll import eventually
 from tests.notifier.notifier_helpers import Bus, ev, fast_settings, running
 
@@ -39,6 +39,7 @@ def _forged(kind: str, **details: Any) -> Event:
     ],
     ids=["failures-many", "since-yesterday", "since-1e300", "source-5", "evicted-nodes-str"],
 )
+@pytest.mark.slow
 async def test_an_event_with_wrong_typed_details_is_dropped_with_one_line_and_the_next_delivered(
     nats_server: NatsServer,
     prefix: str,

@@ -15,8 +15,8 @@ import pytest
 
 from llmgw_common.codec import encode
 from llmgw_common.messages import Event, Webhook
-from llmgw_common.natsserver import NatsServer
 from llmgw_notifier.formats import EVENT_ID_HEADER, EVENT_KIND_HEADER, render
+from llmgw_runtime.natsserver import NatsServer
 from tests.kit.poll import eventually
 from tests.notifier.notifier_helpers import Bus, ev, fast_settings, running
 
@@ -30,6 +30,7 @@ def _forged(field: str) -> Event:
 
 
 @pytest.mark.parametrize("field", ["id", "kind"])
+@pytest.mark.slow
 async def test_an_event_with_non_ascii_header_text_is_delivered_and_so_is_the_next(
     nats_server: NatsServer, prefix: str, bus: Bus, receivers: Any, field: str
 ) -> None:

@@ -6,16 +6,17 @@ import time
 from typing import Any
 
 import nats
+import pytest
 
-from llmgw_common.bus import ensure_all
 from llmgw_common.catalog import WatchSpec
 from llmgw_common.codec import encode
 from llmgw_common.messages import Endpoint, Event, RoutingEndpoints, Webhook
-from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
 from llmgw_notifier.delivery import consumer_name
 from llmgw_notifier.outages import DOWN, RECOVERED, OutageLedger
 from llmgw_notifier.targets import target_id
+from llmgw_runtime.bus import ensure_all
+from llmgw_runtime.natsserver import NatsServer
 from tests.kit.poll import eventually
 from tests.notifier.notifier_helpers import Bus, fast_settings, running
 from tests.notifier.test_notifier_probes import FakeRouter, probe_settings
@@ -36,6 +37,7 @@ def pr(kind: str, model: str, t: float, episode: float) -> Event:
     )
 
 
+@pytest.mark.slow
 async def test_two_sources_one_outage_live_and_after_a_restart(
     nats_server: NatsServer, prefix: str, bus: Bus, receivers: Any
 ) -> None:
@@ -103,6 +105,7 @@ async def test_ledger_forgets_old_verdicts_and_survives_a_lost_bus(
     assert await ledger.verdict(5, timeout=2.0) is None  # the bus is gone: unmerged, not stuck
 
 
+@pytest.mark.slow
 async def test_probe_failures_count_only_once_the_model_was_up(
     nats_server: NatsServer, prefix: str, bus: Bus
 ) -> None:

@@ -15,11 +15,12 @@ import pytest
 
 from llmgw_common.codec import encode
 from llmgw_common.messages import Event, Webhook
-from llmgw_common.natsserver import NatsServer
-from llmgw_common.settings import NotifierSettings
-from llmgw_notifier.delivery import consumer_name, post_until_taken
+from llmgw_notifier.delivery import consumer_name
 from llmgw_notifier.formats import render
+from llmgw_notifier.posting import post_until_taken
+from llmgw_notifier.settings import NotifierSettings
 from llmgw_notifier.targets import target_id
+from llmgw_runtime.natsserver import NatsServer
 from tests.http_clients import async_client
 from tests.kit.poll import eventually
 from tests.notifier.notifier_helpers import Bus, FakeTime, ev, fast_settings, running
@@ -39,6 +40,7 @@ UNENCODABLE_URL = "http://xn--/hook"
         (1e20, 0.5),
     ],
 )
+@pytest.mark.slow
 async def test_an_unrenderable_event_is_terminated_and_the_next_delivered(
     nats_server: NatsServer, prefix: str, bus: Bus, receivers: Any, when: float, window: float
 ) -> None:
@@ -78,6 +80,7 @@ async def test_a_url_the_client_refuses_is_retried_then_given_up_like_any_failur
     assert sum(t.sleeps) == pytest.approx(30.0) and out.attempts == len(t.sleeps) + 1
 
 
+@pytest.mark.slow
 async def test_a_target_whose_url_the_client_refuses_gives_up_each_event_and_lives_on(
     nats_server: NatsServer, prefix: str, bus: Bus
 ) -> None:

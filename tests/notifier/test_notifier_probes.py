@@ -13,17 +13,19 @@ import pytest
 from aiohttp import web
 from nats.aio.client import Client as NATS
 
-from llmgw_common.bus import DropLog
 from llmgw_common.catalog import WatchSpec
 from llmgw_common.codec import encode
 from llmgw_common.messages import RoutingEndpoints, Webhook
-from llmgw_common.natsserver import NatsServer
-from llmgw_common.runtime import cancel_and_wait
-from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
-from llmgw_notifier.delivery import NotifierStats
 from llmgw_notifier.outages import DOWN, RECOVERED
-from llmgw_notifier.probes import Prober, ProbeResult, probe_once
+from llmgw_notifier.probe_request import ProbeResult, probe_once
+from llmgw_notifier.probes import Prober
+from llmgw_notifier.settings import NotifierSettings
+from llmgw_notifier.stats import NotifierStats
+from llmgw_router.errors import error_body
+from llmgw_runtime.bus import DropLog
+from llmgw_runtime.natsserver import NatsServer
+from llmgw_runtime.runtime import cancel_and_wait
 from tests.http_clients import async_client
 from tests.kit.cancels import swallows_one_cancel
 from tests.kit.poll import eventually
@@ -33,7 +35,8 @@ KEY = "sk-probe-test"
 
 
 class FakeRouter:
-    """``/v1/chat/completions`` answering per ``mode``: ok, fail (500), hang, slow, unauth (401)."""
+    """``/v1/chat/completions`` answering per ``mode``: ok, fail (503), hang, slow, unauth (401),
+    not_allowed (the real router's 404 for a model the key may not use, its own bytes)."""
 
     def __init__(self) -> None:
         self.mode = "ok"
@@ -62,6 +65,12 @@ class FakeRouter:
             return web.json_response({"error": {"message": "no ready replica"}}, status=503)
         if mode == "unauth":
             return web.json_response({"error": {"message": "invalid key"}}, status=401)
+        if mode == "not_allowed":
+            # What llmgw_router.app answers when allows_model(key, model) is false.
+            msg = f"The model '{body['model']}' does not exist or your API key may not use it"
+            return web.Response(
+                body=error_body(404, msg, param="model"), status=404, content_type="application/json"
+            )
         model = body["model"]
         self.answered[model] = self.answered.get(model, 0) + 1
         return web.json_response({"choices": [{"message": {"role": "assistant", "content": "p"}}]})
@@ -127,6 +136,7 @@ async def test_probe_once_classifies_answers(router: FakeRouter) -> None:
         assert not r.ok and r.conclusive and r.error is not None and "unreachable" in r.error
 
 
+@pytest.mark.slow
 async def test_failing_probes_give_one_model_down_and_one_recovered_across_a_restart(
     nats_server: NatsServer, prefix: str, bus: Bus, router: FakeRouter, receivers: Any
 ) -> None:
@@ -165,6 +175,7 @@ async def test_failing_probes_give_one_model_down_and_one_recovered_across_a_res
     assert all(r["auth"] == f"Bearer {KEY}" for r in router.requests)
 
 
+@pytest.mark.slow
 async def test_slow_within_budget_and_refused_key_produce_nothing(
     nats_server: NatsServer, prefix: str, bus: Bus, router: FakeRouter, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -203,6 +214,45 @@ async def test_slow_within_budget_and_refused_key_produce_nothing(
     assert await bus.events((DOWN, RECOVERED)) == []
 
 
+# ---------------------------------------------------------------- probes refused for their key (issue 25)
+
+
+async def test_probe_once_tells_a_key_refusal_from_a_down_model(router: FakeRouter) -> None:
+    async with async_client() as client:
+        router.mode = "unauth"
+        r = await probe_once(client, router.url, None, "judge", 2.0)
+        assert not r.conclusive and r.error is not None and "no probe key is set" in r.error
+        assert router.requests[-1]["auth"] is None
+        router.mode = "not_allowed"
+        r = await probe_once(client, router.url, KEY, "judge", 2.0)
+        assert not r.ok and not r.conclusive
+        assert r.error is not None and "not allowed for judge" in r.error and "404" in r.error
+
+
+@pytest.mark.slow
+async def test_a_watched_model_the_probe_key_may_not_use_is_never_down(
+    nats_server: NatsServer, prefix: str, bus: Bus, router: FakeRouter, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The router answers 404 model_not_found for a model the key may not use (so that a key cannot map
+    the catalog): a probe key restricted to other models made a healthy watched model down."""
+    caplog.set_level(logging.INFO, logger="llmgw.notifier.probes")
+    # One failure would be enough to declare it down, once it answered.
+    spec = WatchSpec(probe_every=0.2, budget=1.0, failures=1)
+    await bus.set_watched({"judge": spec})
+    async with running(probe_settings(nats_server, prefix, router)):
+        await eventually(lambda: router.answered.get("judge", 0) >= 1, what="a probe of judge answered")
+        router.mode = "not_allowed"
+        n = router.count("judge")
+        await eventually(lambda: router.count("judge") >= n + 4, what="probes of judge refused for the key")
+        assert await bus.events((DOWN, RECOVERED)) == []
+        said = [r for r in caplog.records if "not allowed for judge" in r.getMessage()]
+        assert len(said) == 1 and said[0].levelno == logging.ERROR, "the operator is told once, at ERROR"
+        router.mode = "ok"
+        n = router.answered["judge"]
+        await eventually(lambda: router.answered["judge"] >= n + 1, what="judge answering again")
+    assert await bus.events((DOWN, RECOVERED)) == []
+
+
 # ---------------------------------------------------------------- cold models (issue 13)
 # A watched model scaled to zero (``watch: {allow_scale_to_zero: true}``) is not probed while cold: a
 # probe would wake it, and keep it in use so that it never scales down again.
@@ -213,6 +263,7 @@ async def _routing(bus: Bus, version: int, cold: tuple[str, ...]) -> None:
     await bus.buckets[bus.subjects.bucket_routing].put(ROUTING_ENDPOINTS, encode(ep))
 
 
+@pytest.mark.slow
 async def test_a_cold_watched_model_is_not_probed_until_it_is_warm_again(
     nats_server: NatsServer, prefix: str, bus: Bus, router: FakeRouter, receivers: Any
 ) -> None:
@@ -229,14 +280,15 @@ async def test_a_cold_watched_model_is_not_probed_until_it_is_warm_again(
         )
 
 
+@pytest.mark.slow
 async def test_close_ends_a_probe_loop_that_swallowed_a_cancel(nc: NATS, prefix: str) -> None:
     """Python 3.11's asyncio.wait_for, in nats-py's request and so in a probe event's js.publish, drops
     a cancel that lands as its ack arrives (CPython gh-86296): a close() that cancelled each loop once
     then waited for it for ever, and the notifier never stopped."""
-    from llmgw_common.bus import DropLog
     from llmgw_common.subjects import Subjects
-    from llmgw_notifier.delivery import NotifierStats
     from llmgw_notifier.probes import Prober
+    from llmgw_notifier.stats import NotifierStats
+    from llmgw_runtime.bus import DropLog
 
     async with async_client() as http:
         prober = Prober(

@@ -11,14 +11,16 @@ import httpx
 import pytest
 from nats.aio.client import Client as NATS
 
-from llmgw_common import bus
 from llmgw_common.messages import Webhook
-from llmgw_common.natsserver import NatsServer
-from llmgw_common.runtime import TaskDied, cancel_and_wait
 from llmgw_common.subjects import Subjects
 from llmgw_notifier import service
-from llmgw_notifier.delivery import NotifierStats, TargetWorker
+from llmgw_notifier.delivery import TargetWorker
+from llmgw_notifier.stats import NotifierStats
 from llmgw_notifier.targets import Targets
+from llmgw_runtime import bus
+from llmgw_runtime.kv_follower import KvFollower
+from llmgw_runtime.natsserver import NatsServer
+from llmgw_runtime.runtime import TaskDied, cancel_and_wait
 from tests.http_clients import async_client
 from tests.kit.cancels import swallows_one_cancel
 from tests.kit.poll import eventually
@@ -54,7 +56,7 @@ async def test_a_failing_housekeeping_pass_is_counted_and_the_next_runs(
 async def test_a_follower_loop_that_ends_ends_the_notifier(
     nats_server: NatsServer, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    class DeafFollower(bus.KvFollower):
+    class DeafFollower(KvFollower):
         async def _resync_loop(self) -> None:
             if self.name == "catalog":
                 return  # as a loop that ends by a bug would
@@ -72,6 +74,7 @@ async def test_a_follower_loop_that_ends_ends_the_notifier(
             await asyncio.wait_for(task, 15)
 
 
+@pytest.mark.slow
 async def test_close_ends_a_delivery_worker_that_swallowed_a_cancel(
     nats_server: NatsServer, prefix: str, nc: NATS
 ) -> None:
@@ -130,6 +133,7 @@ class KeepaliveSwallowsOneCancel(TargetWorker):
             await asyncio.sleep(3600)
 
 
+@pytest.mark.slow
 async def test_a_cancelled_delivery_worker_ends_a_keepalive_that_swallowed_a_cancel(
     nats_server: NatsServer, prefix: str, nc: NATS
 ) -> None:

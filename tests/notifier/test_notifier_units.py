@@ -13,13 +13,15 @@ from hypothesis import strategies as st
 from llmgw_common.backoff import jittered_delay
 from llmgw_common.catalog import WatchSpec
 from llmgw_common.messages import Event, Webhook
-from llmgw_common.settings import NotifierSettings
 from llmgw_common.urls import shown_url
-from llmgw_notifier.delivery import StartGate, post_until_taken, retry_after_s, wants
+from llmgw_notifier.delivery import wants
 from llmgw_notifier.formats import group_id, render, sign, slack_text, verify
 from llmgw_notifier.grouping import Held, plan_groups
 from llmgw_notifier.outages import DOWN, RECOVERED, Outage, Verdict, fold
-from llmgw_notifier.probes import ProbeState, event_id, observe, probe_event
+from llmgw_notifier.posting import post_until_taken, retry_after_s
+from llmgw_notifier.probe_state import ProbeState, event_id, observe, probe_event
+from llmgw_notifier.settings import NotifierSettings
+from llmgw_notifier.start_gate import StartGate
 from tests.notifier.notifier_helpers import FakeTime
 
 

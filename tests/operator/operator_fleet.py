@@ -16,17 +16,11 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from llmgw_common.bus import sent
 from llmgw_common.codec import DecodeError, decode, encode
-from llmgw_common.messages import (
-    Assignment,
-    Heartbeat,
-    IdleReport,
-    Inventory,
-    ShardReport,
-    ShardState,
-)
+from llmgw_common.messages import Assignment, Heartbeat, Inventory, ShardReport, ShardState
+from llmgw_common.router_messages import IdleReport
 from llmgw_common.subjects import Subjects
+from llmgw_runtime.bus import sent
 from tests.kit.agents import fake_gpus
 
 # (GPU class, cards per node) by node index modulo 10: 6 of 10 nodes H100, 3 A100, 1 L4.

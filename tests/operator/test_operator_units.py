@@ -9,8 +9,8 @@ import pytest
 from llmgw_cli.ctl_status import _wrap_ids, render_status, usage_bar
 from llmgw_common.catalog import Catalog, ModelProfile
 from llmgw_common.ctl import ClassCapacity, StatusReply, UnplaceableInfo
-from llmgw_controlplane.reconciler import reconcile
-from llmgw_controlplane.snapshot import GpuView, NodeState, NodeView, Snapshot
+from llmgw_controlplane.scheduler.reconciler import reconcile
+from llmgw_controlplane.scheduler.snapshot import GpuView, NodeState, NodeView, Snapshot
 
 pytestmark = pytest.mark.xdist_group("operator")
 

@@ -9,8 +9,15 @@ from typing import Any
 
 from llmgw_common.catalog import Catalog, ModelProfile
 from llmgw_common.messages import ShardState, WeightsEntry
-from llmgw_controlplane.plan import Plan
-from llmgw_controlplane.snapshot import GpuView, NodeState, NodeView, ReplicaView, ShardView, Snapshot
+from llmgw_controlplane.scheduler.plan import Plan
+from llmgw_controlplane.scheduler.snapshot import (
+    GpuView,
+    NodeState,
+    NodeView,
+    ReplicaView,
+    ShardView,
+    Snapshot,
+)
 
 H100 = "H100-80GB"
 A100 = "A100-80GB"

@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw_common.catalog import ModelProfile
-from llmgw_controlplane.eviction import plan_eviction
-from llmgw_controlplane.idle import UNKNOWN, IdleKind, IdleKnowledge
-from llmgw_controlplane.placement import Placement, place
-from llmgw_controlplane.scaling import IdleLookup
-from llmgw_controlplane.snapshot import ReplicaView
+from llmgw_controlplane.scheduler.eviction import plan_eviction
+from llmgw_controlplane.scheduler.idle import UNKNOWN, IdleKind, IdleKnowledge
+from llmgw_controlplane.scheduler.placement import Placement, place
+from llmgw_controlplane.scheduler.scaling import IdleLookup
+from llmgw_controlplane.scheduler.snapshot import ReplicaView
 from tests.placement.placement_kit import H100, node, profile, replica, snap
 
 NOW = 100_000.0
@@ -188,7 +188,7 @@ def test_never_evicts_unknown_watched_young_or_below_floor_and_picks_the_longest
 
 
 def test_room_that_frees_later_is_waited_for_room_that_never_frees_is_not() -> None:
-    from llmgw_controlplane.eviction import room_ever
+    from llmgw_controlplane.scheduler.eviction import room_ever
 
     young = snap(
         [node("n1", 1)], [on("b-0", "b", "n1", 0, created=NOW - 1)], [WANTED, gpu_model("b")], now=NOW

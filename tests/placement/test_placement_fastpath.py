@@ -9,12 +9,20 @@ from __future__ import annotations
 import random
 from types import MappingProxyType
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmgw_common.catalog import ModelProfile
-from llmgw_controlplane.placement import Fleet, Placement, explain_in, place_in
-from llmgw_controlplane.snapshot import GpuView, NodeState, NodeView, ReplicaView, ShardView, Snapshot
+from llmgw_controlplane.scheduler.placement import Fleet, Placement, explain_in, place_in
+from llmgw_controlplane.scheduler.snapshot import (
+    GpuView,
+    NodeState,
+    NodeView,
+    ReplicaView,
+    ShardView,
+    Snapshot,
+)
 from tests.placement.placement_kit import A100, H100, local, profile, shared
 
 
@@ -71,6 +79,7 @@ def _profiles(rnd: random.Random) -> list[ModelProfile]:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1))
+@pytest.mark.slow
 def test_fast_path_matches_full_ranking_through_a_pass(seed: int) -> None:
     snap = _fleet(seed)
     fleet = Fleet(snap)

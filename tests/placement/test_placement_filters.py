@@ -5,23 +5,14 @@ from __future__ import annotations
 import pytest
 
 from llmgw_common.catalog import ModelProfile
-from llmgw_controlplane.placement import (
-    STAGE_CLASS,
-    STAGE_CORDON,
-    STAGE_DRAIN,
-    STAGE_ENGINE,
-    STAGE_EXCLUDED,
-    STAGE_FABRIC,
-    STAGE_GPUS,
-    STAGE_MEMORY,
-    STAGE_SELECTOR,
-    STAGE_STATE,
+from llmgw_controlplane.scheduler.placement import (
     Placement,
+    Stage,
     Unplaceable,
     explain,
     place,
 )
-from llmgw_controlplane.snapshot import NodeView
+from llmgw_controlplane.scheduler.snapshot import NodeView
 from tests.placement.placement_kit import A100, H100, NodeState, gpus, node, profile, replica, snap
 
 REFUSALS: list[tuple[str, NodeView, ModelProfile, str, int]] = [
@@ -30,60 +21,60 @@ REFUSALS: list[tuple[str, NodeView, ModelProfile, str, int]] = [
         node("n1", state=NodeState.UNREACHABLE),
         profile(),
         "is unreachable (missed heartbeats)",
-        STAGE_STATE,
+        Stage.STATE,
     ),
     (
         "lost",
         node("n1", state=NodeState.LOST),
         profile(),
         "is lost (silent past the lost timeout)",
-        STAGE_STATE,
+        Stage.STATE,
     ),
-    ("cordoned", node("n1", cordoned=True), profile(), "is cordoned", STAGE_CORDON),
-    ("draining", node("n1", draining=True), profile(), "is draining", STAGE_DRAIN),
+    ("cordoned", node("n1", cordoned=True), profile(), "is cordoned", Stage.CORDON),
+    ("draining", node("n1", draining=True), profile(), "is draining", Stage.DRAIN),
     (
         "engine",
         node("n1", engines=frozenset({"sim", "llamacpp"})),
         profile(),
         "does not offer engine vllm (offers llamacpp, sim)",
-        STAGE_ENGINE,
+        Stage.ENGINE,
     ),
     (
         "label missing",
         node("n1"),
         profile(node_selector={"role": "coding"}),
         "lacks label role=coding",
-        STAGE_SELECTOR,
+        Stage.SELECTOR,
     ),
     (
         "label differs",
         node("n1", labels={"role": "chat"}),
         profile(node_selector={"role": "coding"}),
         "has label role=chat, needs role=coding",
-        STAGE_SELECTOR,
+        Stage.SELECTOR,
     ),
     (
         "memory",
         node("n1", memory_gb=8.0),
         profile(min_memory_gb=24),
         "has 8 GB of memory, needs 24",
-        STAGE_MEMORY,
+        Stage.MEMORY,
     ),
-    ("wrong class", node("n1", cls=A100), profile(), "has no H100-80GB GPUs (has A100-80GB)", STAGE_CLASS),
-    ("no gpus", node("n1", n_gpus=0), profile(), "has no GPUs, needs H100-80GB", STAGE_CLASS),
+    ("wrong class", node("n1", cls=A100), profile(), "has no H100-80GB GPUs (has A100-80GB)", Stage.CLASS),
+    ("no gpus", node("n1", n_gpus=0), profile(), "has no GPUs, needs H100-80GB", Stage.CLASS),
     (
         "too few gpus, one unhealthy",
         node("n1", gpus=gpus(4, unhealthy={3: "XID 79"})),
         profile(gpus_per_node=4),
         "has 3 free H100-80GB, needs 4; GPU 3 unhealthy: XID 79",
-        STAGE_GPUS,
+        Stage.GPUS,
     ),
     (
         "cpu-only sim on no fabric for 2 nodes",
         node("n1", n_gpus=0),
         profile(engine="sim", nodes=2),
         "has no fabric; a 2-node replica needs whole nodes in one fabric",
-        STAGE_FABRIC,
+        Stage.FABRIC,
     ),
 ]
 
@@ -92,11 +83,13 @@ REFUSALS: list[tuple[str, NodeView, ModelProfile, str, int]] = [
     ("nv", "prof", "reason", "stage"), [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS]
 )
 def test_each_filter_refuses_with_its_reason(
-    nv: NodeView, prof: ModelProfile, reason: str, stage: int
+    nv: NodeView, prof: ModelProfile, reason: str, stage: Stage
 ) -> None:
     res = place(prof, snap([nv]))
     assert isinstance(res, Unplaceable)
     assert [(r.node, r.reason, r.stage) for r in res.reasons] == [("n1", reason, stage)]
+    # The stage is named, not a bare number: explain and summaries can say which filter refused.
+    assert type(res.reasons[0].stage) is Stage
     # ARCHITECTURE #9: the one-line summary names what was short, never "no candidates".
     assert f"n1 {reason}" in res.summary
     assert res.summary.startswith(("no node can hold model m:", "no fabric has 2 whole nodes for model m:"))
@@ -132,7 +125,7 @@ def test_excluded_node() -> None:
     assert isinstance(res, Unplaceable)
     assert (res.reasons[0].reason, res.reasons[0].stage) == (
         "is excluded from this placement",
-        STAGE_EXCLUDED,
+        Stage.EXCLUDED,
     )
 
 

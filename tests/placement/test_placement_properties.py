@@ -5,13 +5,21 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmgw_common.catalog import ModelProfile
-from llmgw_controlplane.placement import Placement, Unplaceable, explain, place
-from llmgw_controlplane.reconciler import reconcile
-from llmgw_controlplane.snapshot import GpuView, NodeState, NodeView, ReplicaView, ShardView, Snapshot
+from llmgw_controlplane.scheduler.placement import Placement, Unplaceable, explain, place
+from llmgw_controlplane.scheduler.reconciler import reconcile
+from llmgw_controlplane.scheduler.snapshot import (
+    GpuView,
+    NodeState,
+    NodeView,
+    ReplicaView,
+    ShardView,
+    Snapshot,
+)
 from tests.placement.placement_kit import A100, H100, profile, snap
 
 CLASSES = (H100, A100)
@@ -112,6 +120,7 @@ def _oracle_single(prof: ModelProfile, s: Snapshot, extra: dict[str, set[int]]) 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(fleet=fleets(), prof=profiles(), extra_seed=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 7))))
+@pytest.mark.slow
 def test_place_is_sound_complete_and_deterministic(
     fleet: tuple[list[NodeView], list[ReplicaView]], prof: ModelProfile, extra_seed: list[tuple[int, int]]
 ) -> None:
@@ -147,6 +156,7 @@ def test_place_is_sound_complete_and_deterministic(
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(fleet=fleets(), p0=profiles("m0"), p1=profiles("m1"), p2=profiles("m2"))
+@pytest.mark.slow
 def test_reconcile_never_double_books_gpus_or_ports(
     fleet: tuple[list[NodeView], list[ReplicaView]], p0: ModelProfile, p1: ModelProfile, p2: ModelProfile
 ) -> None:

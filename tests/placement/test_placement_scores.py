@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from llmgw_common.catalog import ModelProfile
-from llmgw_controlplane.placement import Placement, explain, place
-from llmgw_controlplane.snapshot import NodeView, ReplicaView
+from llmgw_controlplane.scheduler.placement import Placement, explain, place
+from llmgw_controlplane.scheduler.snapshot import NodeView, ReplicaView
 from tests.placement.placement_kit import A100, local, node, profile, replica, shared, snap
 
 CASES: list[tuple[str, list[NodeView], list[ReplicaView], ModelProfile, tuple[str, ...]]] = [

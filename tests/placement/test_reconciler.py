@@ -8,13 +8,11 @@ import pytest
 
 from llmgw_common.backoff import backoff_delay
 from llmgw_common.catalog import Catalog
-from llmgw_controlplane.ports import PortsExhausted, allocate_port, ports_by_address
-from llmgw_controlplane.reconciler import (
-    ReplicaState,
-    default_replica_id,
-    reconcile,
-    replica_status,
-)
+from llmgw_common.ctl import ReplicaPhase
+from llmgw_controlplane.scheduler.phase import ReplicaStatus, replica_status
+from llmgw_controlplane.scheduler.ports import PortsExhausted, allocate_port, ports_by_address
+from llmgw_controlplane.scheduler.reconciler import default_replica_id, reconcile
+from llmgw_controlplane.scheduler.snapshot import ReplicaView
 from tests.placement.placement_kit import (
     NodeState,
     ShardState,
@@ -205,19 +203,23 @@ def test_startup_timeout_fails_the_replica() -> None:
 
 def test_replica_ready_only_when_all_shards_are_and_every_error_is_kept() -> None:
     r = replica("r", "m", [("a", (0,)), ("b", (0,))])
-    assert replica_status(r, 0.0).state is ReplicaState.READY
+
+    def status(v: ReplicaView) -> ReplicaStatus:
+        return replica_status(snap([node("a"), node("b")], [v], models=[profile()], now=0.0), v)
+
+    assert status(r).phase is ReplicaPhase.READY
     half = replace(r, shards=(r.shards[0], replace(r.shards[1], state=ShardState.STARTING)))
-    assert replica_status(half, 0.0).state is ReplicaState.STARTING
+    assert status(half).phase is ReplicaPhase.STARTING
     unknown = replace(r, shards=(r.shards[0], replace(r.shards[1], state=None)))
-    assert replica_status(unknown, 0.0).state is ReplicaState.STARTING
+    assert status(unknown).phase is ReplicaPhase.STARTING
     both = replace(
         r, shards=tuple(replace(s, state=ShardState.FAILED, error=f"e{s.shard}") for s in r.shards)
     )
-    st = replica_status(both, 0.0)
-    assert st.state is ReplicaState.FAILED
+    st = status(both)
+    assert st.phase is ReplicaPhase.FAILED
     assert st.errors == ("shard 0 on a: e0", "shard 1 on b: e1")
     stopped = replace(r, shards=(r.shards[0], replace(r.shards[1], state=ShardState.STOPPED)))
-    assert replica_status(stopped, 0.0).state is ReplicaState.STOPPING
+    assert status(stopped).phase is ReplicaPhase.STOPPING
 
 
 def test_stopped_shard_stops_the_replica_without_backoff() -> None:

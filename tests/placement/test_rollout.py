@@ -7,8 +7,8 @@ from dataclasses import replace
 
 from llmgw_common.catalog import Catalog, ModelProfile
 from llmgw_common.messages import ReplicaSpec
-from llmgw_controlplane.reconciler import reconcile
-from llmgw_controlplane.snapshot import Snapshot
+from llmgw_controlplane.scheduler.reconciler import reconcile
+from llmgw_controlplane.scheduler.snapshot import Snapshot
 from tests.placement.placement_kit import ShardState, apply, node, profile, replica, set_state, snap
 
 OLD = profile(replicas=3, args=("--max-model-len", "4096"))

@@ -12,9 +12,9 @@ from dataclasses import replace
 import pytest
 
 from llmgw_common.messages import ReplicaSpec
-from llmgw_controlplane.reconciler import reconcile
-from llmgw_controlplane.routing import routing_content
-from llmgw_controlplane.snapshot import NodeView, ReplicaView
+from llmgw_controlplane.scheduler.reconciler import reconcile
+from llmgw_controlplane.scheduler.routing import routing_content
+from llmgw_controlplane.scheduler.snapshot import NodeView, ReplicaView
 from tests.placement.placement_kit import (
     NodeState,
     ShardState,
@@ -167,15 +167,16 @@ def test_a_roll_never_routes_one_replica_short() -> None:
 
 
 def test_coming_names_what_is_on_its_way_and_cold_only_what_has_nothing_coming() -> None:
-    from llmgw_controlplane.routing import coming_content
+    from llmgw_controlplane.scheduler.routing import coming_content
 
     models = [profile(m, engine="sim") for m in ("starting", "waking", "cold", "serving", "idle")]
     s = snap(
         [node("n1"), node("n2", state=NodeState.LOST)],
         [
-            replica("s-0", "starting", [("n1", ())], state=ShardState.STARTING),
-            replica("s-1", "starting", [("n1", ())], state=None),
-            replica("lost-0", "idle", [("n2", ())], state=ShardState.STARTING),
+            # Placed 10 s ago: within their startup timeout (past it they are failed, not coming).
+            replica("s-0", "starting", [("n1", ())], state=ShardState.STARTING, created=990.0),
+            replica("s-1", "starting", [("n1", ())], state=None, created=990.0),
+            replica("lost-0", "idle", [("n2", ())], state=ShardState.STARTING, created=990.0),
             replica("ok-0", "serving", [("n1", ())], port=9000),
         ],
         models,

@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw_common.catalog import ModelProfile
-from llmgw_controlplane.idle import UNKNOWN, IdleKind, IdleKnowledge
-from llmgw_controlplane.reconciler import reconcile
-from llmgw_controlplane.scaling import IdleLookup, ScaleMemo, decide
-from llmgw_controlplane.snapshot import ReplicaView
+from llmgw_controlplane.scheduler.idle import UNKNOWN, IdleKind, IdleKnowledge
+from llmgw_controlplane.scheduler.reconciler import reconcile
+from llmgw_controlplane.scheduler.scaling import IdleLookup, ScaleMemo, decide
+from llmgw_controlplane.scheduler.snapshot import ReplicaView
 from tests.placement.placement_kit import node, profile, replica, snap
 
 NOW = 10_000.0
@@ -136,6 +136,7 @@ def test_the_reconciler_places_up_to_a_woken_target() -> None:
     kinds=st.lists(st.booleans(), min_size=4, max_size=4),
     target=st.one_of(st.none(), st.integers(0, 8)),
 )
+@pytest.mark.slow
 def test_never_below_floor_never_above_replicas_never_stops_unknown(
     n: int, floor: int, extra: int, idle: list[float | None], kinds: list[bool], target: int | None
 ) -> None:

@@ -8,10 +8,11 @@ from typing import Any
 import pytest
 import yaml
 
-from llmgw_common.settings import RouterSettings
 from llmgw_router.service import Router
-from llmgw_sim import engine as sim_engine
+from llmgw_router.settings import RouterSettings
+from llmgw_sim import serving as sim_engine
 from llmgw_sim.options import SimOptions
+from tests.kit.ports import free_port
 from tests.router.router_helpers import EngineFactory, PortFactory, RouterFactory, StaticFile
 
 
@@ -65,15 +66,6 @@ def _static_file(models: dict[str, list[str]], **extra: Any) -> dict[str, Any]:
 def static_file() -> StaticFile:
     """Build a static-mode file: ``static_file({"m": [url, ...]}, keys=[...], auth=False)``."""
     return _static_file
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from llmgw_router.breaker import Breaker, BreakerState
 from llmgw_router.service import Router
-from llmgw_sim import engine as sim_engine
+from llmgw_sim import serving as sim_engine
 from llmgw_sim.options import SimOptions
 from tests.kit.poll import eventually
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -94,6 +95,7 @@ _events = st.lists(
     load_factor=st.floats(1.0, 3.0, allow_nan=False),
     events=_events,
 )
+@pytest.mark.slow
 def test_no_replica_takes_more_than_its_bounded_share(
     n: int, load_factor: float, events: list[tuple[str, int]]
 ) -> None:

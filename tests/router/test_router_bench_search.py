@@ -53,6 +53,7 @@ async def _stalling_server(first: int, n: int) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}/v1/chat/completions"
 
 
+@pytest.mark.slow
 async def test_a_stalled_closed_loop_does_not_cap_the_max_rate_search(bench: ModuleType) -> None:
     # Every one of the 64 workers stalls once, early: the closed loop then lasts seconds + the client
     # timeout and its estimate says a few requests/s, whatever the server can do.

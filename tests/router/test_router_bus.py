@@ -16,21 +16,14 @@ import pytest
 from nats.aio.client import Client as NATS
 from typer.testing import CliRunner
 
-from llmgw_common import bus
-from llmgw_common.apikeys import create_key, hash_key, list_keys, revoke_key
 from llmgw_common.catalog import Catalog, ModelProfile
 from llmgw_common.codec import decode, encode
-from llmgw_common.messages import (
-    Endpoint,
-    IdleReport,
-    LoadReport,
-    ReplicaLoad,
-    RoutingCatalog,
-    RoutingEndpoints,
-    UsageReport,
-)
-from llmgw_common.natsserver import NatsServer
+from llmgw_common.messages import Endpoint, LoadReport, ReplicaLoad, RoutingCatalog, RoutingEndpoints
+from llmgw_common.router_messages import IdleReport, UsageReport
 from llmgw_common.subjects import Subjects
+from llmgw_runtime import bus
+from llmgw_runtime.apikeys import create_key, hash_key, list_keys, revoke_key
+from llmgw_runtime.natsserver import NatsServer
 from tests.kit.poll import eventually
 from tests.router.router_helpers import EngineFactory, PortFactory, RouterFactory
 
@@ -121,6 +114,7 @@ async def _is(coro: Awaitable[int], value: int) -> bool:
     return await coro == value
 
 
+@pytest.mark.slow
 async def test_idle_usage_and_load(
     nats_server: NatsServer,
     prefix: str,
@@ -221,6 +215,7 @@ def _cli(*args: str) -> tuple[int, str, str]:
     return res.exit_code, res.stdout, res.stderr
 
 
+@pytest.mark.slow
 def test_keys_cli_create_list_revoke(nats_server: NatsServer, prefix: str) -> None:
     common = ["--nats", nats_server.url, "--prefix", prefix]
     code, out, err = _cli("keys", "create", "--name", "ci", "--models", "m1,m2", "--expires", "30d", *common)
@@ -245,6 +240,7 @@ def test_keys_cli_create_list_revoke(nats_server: NatsServer, prefix: str) -> No
     assert code == 2 and "--expires" in err
 
 
+@pytest.mark.slow
 def test_keys_cli_exits_1_when_nats_is_unreachable() -> None:
     code, _, err = _cli("keys", "list", "--nats", "nats://127.0.0.1:1")
     assert code == 1 and "cannot reach NATS at nats://127.0.0.1:1" in err
@@ -260,6 +256,7 @@ async def test_create_key_record_round_trips(nats_server: NatsServer, prefix: st
     assert decode(raw.value, type(rec)) == rec
 
 
+@pytest.mark.slow
 async def test_a_replica_streaming_right_now_is_reported_used_now_not_when_the_stream_began(
     nats_server: NatsServer, prefix: str, nc: NATS, engines: EngineFactory, routers: RouterFactory
 ) -> None:

@@ -10,13 +10,15 @@ from pathlib import Path
 
 import aiohttp
 import openai
+import pytest
 import yaml
 from typer.testing import CliRunner
 
-from llmgw_common.apikeys import generate_key, hash_key
+from llmgw_runtime.apikeys import generate_key, hash_key
 from tests.router.router_helpers import EngineFactory, PortFactory, wait_serving
 
 
+@pytest.mark.slow
 async def test_router_process_in_static_mode(
     engines: EngineFactory, tmp_path: Path, port: PortFactory
 ) -> None:

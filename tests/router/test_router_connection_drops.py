@@ -48,6 +48,7 @@ async def _non_reader(port: int, data: bytes) -> asyncio.StreamWriter:
     return writer
 
 
+@pytest.mark.slow
 async def test_a_connection_past_its_header_deadline_with_unread_bytes_is_released(
     engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
@@ -120,6 +121,7 @@ def _chunked(body: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("framing", ["content-length", "chunked"])
+@pytest.mark.slow
 async def test_an_upgrade_header_aiohttp_does_not_act_on_leaves_the_header_deadline_in_force(
     engines: EngineFactory, routers: RouterFactory, static_file: StaticFile, framing: str
 ) -> None:

@@ -14,6 +14,7 @@ import time
 
 import aiohttp
 import psutil
+import pytest
 
 from llmgw_router.connections import cap_for_fd_limit
 from tests.kit.poll import eventually
@@ -49,6 +50,7 @@ async def _served(port: int) -> int:
             return resp.status
 
 
+@pytest.mark.slow
 async def test_half_a_request_line_or_half_the_headers_is_closed_after_the_header_timeout(
     engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
@@ -83,6 +85,7 @@ async def test_half_a_request_line_or_half_the_headers_is_closed_after_the_heade
     assert await _served(r.port) == 200
 
 
+@pytest.mark.slow
 async def test_a_body_slower_than_the_body_timeout_gets_408_and_is_closed(
     engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
@@ -119,6 +122,7 @@ async def test_a_body_slower_than_the_body_timeout_gets_408_and_is_closed(
     assert await _served(r.port) == 200
 
 
+@pytest.mark.slow
 async def test_an_idle_keep_alive_connection_is_closed_after_the_idle_timeout(
     engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
@@ -219,6 +223,7 @@ def test_the_cap_fits_the_descriptor_limit() -> None:
     assert cap_for_fd_limit(50, 10) == 1
 
 
+@pytest.mark.slow
 async def test_a_client_that_stops_reading_its_stream_is_closed_after_the_write_timeout(
     engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:

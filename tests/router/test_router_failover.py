@@ -21,6 +21,7 @@ import pytest
 
 from llmgw_router.service import Router
 from llmgw_sim import openai_api as oai
+from llmgw_sim.openai_bodies import ChunkWriter
 from llmgw_sim.options import SimOptions
 from tests.kit.poll import eventually
 from tests.router.router_helpers import (
@@ -238,7 +239,7 @@ async def faulty() -> AsyncIterator[Faulty]:
 def _sim_stream(path: str, body: dict[str, Any]) -> bytes:
     read = oai.read_chat if path.endswith("chat/completions") else oai.read_completion
     g = read(body, 16)
-    w = oai.ChunkWriter("chatcmpl-faulty", 7, g, path.endswith("chat/completions"))
+    w = ChunkWriter("chatcmpl-faulty", 7, g, path.endswith("chat/completions"))
     tokens = oai.completion_tokens(g)
     return (w.first() + "".join(map(w.token, tokens)) + w.end(len(tokens))).encode()
 

@@ -84,6 +84,7 @@ async def test_engine_503_is_retried_elsewhere(
         assert dead.breaker.state is BreakerState.OPEN
 
 
+@pytest.mark.slow
 async def test_breaker_half_open_probe_closes_it(
     engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:

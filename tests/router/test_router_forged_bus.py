@@ -8,13 +8,15 @@ from __future__ import annotations
 import asyncio
 
 import nats
+import pytest
 
-from llmgw_common import bus
-from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
+from llmgw_runtime import bus
+from llmgw_runtime.natsserver import NatsServer
 from tests.router.router_helpers import EngineFactory, RouterFactory
 
 
+@pytest.mark.slow
 async def test_a_router_starts_and_serves_with_a_forged_key_in_its_keys_bucket(
     nats_server: NatsServer, prefix: str, engines: EngineFactory, routers: RouterFactory
 ) -> None:

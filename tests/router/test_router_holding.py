@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import re
 import signal
@@ -21,21 +22,15 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from llmgw_common import bus
 from llmgw_common.catalog import Catalog, ModelProfile
 from llmgw_common.codec import decode, encode
-from llmgw_common.messages import (
-    Endpoint,
-    RoutingCatalog,
-    RoutingEndpoints,
-    WakeReply,
-    WakeRequest,
-    WakeState,
-)
-from llmgw_common.natsserver import NatsServer
+from llmgw_common.messages import Endpoint, RoutingCatalog, RoutingEndpoints
+from llmgw_common.router_messages import WakeReply, WakeRequest, WakeState
 from llmgw_common.subjects import Subjects
 from llmgw_router.admission import AdmissionRefused, Gate
 from llmgw_router.service import Router
+from llmgw_runtime import bus
+from llmgw_runtime.natsserver import NatsServer
 from tests.kit.poll import eventually
 from tests.router.router_helpers import EngineFactory, RouterFactory, start_engine_process
 
@@ -154,6 +149,7 @@ def engine_process() -> Iterator[list[subprocess.Popen[bytes]]]:
             p.stdout.close()
 
 
+@pytest.mark.slow
 async def test_burst_for_a_cold_model_makes_one_wake_in_flight_and_all_are_answered(
     nats_server: NatsServer,
     prefix: str,
@@ -206,6 +202,7 @@ async def test_refused_wake_answers_503_with_the_control_planes_reason(
     assert _held(r) == 0
 
 
+@pytest.mark.slow
 async def test_no_control_plane_answer_gives_503_after_the_wake_timeout(
     nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory
 ) -> None:
@@ -221,6 +218,7 @@ async def test_no_control_plane_answer_gives_503_after_the_wake_timeout(
     assert time.monotonic() - t0 >= 1.0
 
 
+@pytest.mark.slow
 async def test_a_control_plane_that_never_answers_is_asked_again_until_the_wake_timeout(
     nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory
 ) -> None:
@@ -244,6 +242,7 @@ async def test_a_control_plane_that_never_answers_is_asked_again_until_the_wake_
     assert all(b - a >= 0.45 for a, b in itertools.pairwise(asked))
 
 
+@pytest.mark.slow
 async def test_held_past_queue_timeout_gets_503_naming_what_was_coming(
     nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory
 ) -> None:
@@ -328,6 +327,7 @@ async def test_held_requests_are_bounded_by_max_queue_and_a_client_that_leaves_f
     await eventually(lambda: _held(r) == 0, timeout=10.0, what="no request to be held")
 
 
+@pytest.mark.slow
 async def test_a_held_stream_gets_sse_comments_before_its_first_token(
     nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory, engines: EngineFactory
 ) -> None:
@@ -374,9 +374,11 @@ async def test_a_held_stream_whose_client_leaves_after_the_first_comment_frees_i
     )
 
 
-async def test_a_held_stream_refused_after_it_started_ends_with_an_sse_error_event(
-    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory
-) -> None:
+async def _refused_cold_stream(
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory, path: str, body: dict[str, Any]
+) -> tuple[Router, list[bytes]]:
+    """A stream held for a cold model whose wake the control plane refuses after the stream began:
+    the router, and the SSE events the client received."""
     routing = Routing(nc, prefix)
     await routing.catalog()
     await routing.endpoints(cold=("m1",))
@@ -387,14 +389,35 @@ async def test_a_held_stream_refused_after_it_started_ends_with_an_sse_error_eve
     )
     await _wait_synced(r, 1)
     async with aiohttp.ClientSession() as s:
-        url = f"http://127.0.0.1:{r.port}/v1/chat/completions"
-        async with s.post(url, json={**CHAT, "stream": True}) as resp:
+        async with s.post(f"http://127.0.0.1:{r.port}{path}", json=body) as resp:
             assert resp.status == 200
-            body = await asyncio.wait_for(resp.content.read(), 10.0)
-    events = [e for e in body.split(b"\n\n") if e]
+            raw = await asyncio.wait_for(resp.content.read(), 10.0)
+    events = [e for e in raw.split(b"\n\n") if e]
     assert events[0] == b": waking model m1"
+    return r, events
+
+
+@pytest.mark.slow
+async def test_a_held_stream_refused_after_it_started_ends_with_an_sse_error_event(
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory
+) -> None:
+    path, body = "/v1/chat/completions", {**CHAT, "stream": True}
+    r, events = await _refused_cold_stream(nats_server, prefix, nc, routers, path, body)
     assert events[-1].startswith(b'data: {"error": ') and b"no node has 80 GB free" in events[-1]
     assert r.ctx.metrics.requests_count("m1", 503) == 1
+
+
+@pytest.mark.slow
+async def test_a_held_anthropic_stream_refused_after_it_started_ends_with_anthropics_error_event(
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory
+) -> None:
+    body = {"model": "m1", "max_tokens": 3, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    _, events = await _refused_cold_stream(nats_server, prefix, nc, routers, "/v1/messages", body)
+    name, _, data = events[-1].partition(b"\n")
+    assert name == b"event: error" and b"[DONE]" not in events[-1], events
+    err = json.loads(data.removeprefix(b"data: "))
+    assert err["type"] == "error" and err["error"]["type"] == "overloaded_error"
+    assert "no node has 80 GB free" in err["error"]["message"]
 
 
 async def test_held_requests_take_places_in_the_admission_queue() -> None:

@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from llmgw_common.apikeys import hash_key
+from llmgw_runtime.apikeys import hash_key
 from tests.router.router_helpers import EngineFactory, RouterFactory, StaticFile, raw_exchange
 
 # Fixed, not generate_key(): it is part of a test id, which must be the same in every xdist worker.
@@ -41,6 +41,7 @@ def _no_traceback_and_at_most_one_line(caplog: pytest.LogCaptureFixture) -> None
     # The key is random per process: an id holding it would differ between xdist workers.
     ids=["bearer-invalid-bytes", "bearer-truncated-sequence", "x-api-key-prefixed"],
 )
+@pytest.mark.slow
 async def test_non_utf8_api_key_is_401_without_a_traceback(
     engines: EngineFactory,
     routers: RouterFactory,

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from llmgw_common.apikeys import hash_key
 from llmgw_common.messages import ApiKeyRecord
 from llmgw_router import keys as keys_mod
 from llmgw_router.auth import bearer_key, request_key
+from llmgw_router.http_request import Request
 from llmgw_router.keys import KeyTable
-from llmgw_router.web import Request
+from llmgw_runtime.apikeys import hash_key
 
 
 def _rec(key: str, **kw: Any) -> ApiKeyRecord:
@@ -123,8 +123,8 @@ def _as_before(pairs: list[tuple[bytes, bytes]]) -> tuple[bytes, bool]:
 
 @pytest.mark.parametrize("pairs", ENGINE_HEADERS)
 def test_relayed_header_lines_are_those_the_header_dict_gave(pairs: list[tuple[bytes, bytes]]) -> None:
+    from llmgw_router.http_response import RelayedResponse, relay_lines
     from llmgw_router.proxy import _DROP_RAW
-    from llmgw_router.web import RelayedResponse, relay_lines
 
     lines, ctype, _ = relay_lines(pairs, _DROP_RAW)
     has_type = ctype is not None
@@ -148,13 +148,14 @@ ANSWER_HEADERS = [
 def test_an_answers_framing_from_the_relay_pass_is_what_the_two_lookups_gave(
     pairs: list[tuple[bytes, bytes]],
 ) -> None:
+    from llmgw_router.http_response import relay_lines
     from llmgw_router.proxy import _DROP_RAW
-    from llmgw_router.upstream import Response, UpstreamClient, _Conn
-    from llmgw_router.web import relay_lines
+    from llmgw_router.upstream import UpstreamClient, UpstreamResponse
+    from llmgw_router.upstream_connection import UpstreamConnection
 
-    conn = _Conn(None)  # type: ignore[arg-type]  # never reads: only its head is looked at
+    conn = UpstreamConnection(None)  # type: ignore[arg-type]  # never reads: only its head is looked at
     conn.headers = pairs
-    up = Response(UpstreamClient(1.0, 1.0), ("h", 1, False), conn, 1.0, 1.0)
+    up = UpstreamResponse(UpstreamClient(1.0, 1.0), ("h", 1, False), conn, 1.0, 1.0)
     _, ctype, clen = relay_lines(pairs, _DROP_RAW)
     assert ctype == up.header(b"content-type")
     assert (int(clen) if clen is not None and clen.isdigit() else None) == up.content_length

@@ -13,11 +13,12 @@ import socket
 
 import pytest
 
-from llmgw_common.apikeys import hash_key
-from llmgw_router import web
 from llmgw_router.connections import ConnectionGuard
 from llmgw_router.http_connection import MAX_HEAD_BYTES
+from llmgw_router.http_request import Request
+from llmgw_router.http_response import Response, StreamResponse
 from llmgw_router.http_server import HttpServer
+from llmgw_runtime.apikeys import hash_key
 from tests.kit.poll import eventually
 from tests.router.router_helpers import (
     EngineFactory,
@@ -157,6 +158,7 @@ async def test_expect_100_continue_gets_continue_before_the_body_is_sent(
     writer.close()
 
 
+@pytest.mark.slow
 async def test_a_slow_reader_of_a_long_stream_holds_bounded_memory(
     engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
@@ -204,6 +206,7 @@ async def test_a_slow_reader_of_a_long_stream_holds_bounded_memory(
     await eventually(lambda: r.ctx.in_flight == 0, timeout=5.0, what="no request to be in flight")
 
 
+@pytest.mark.slow
 async def test_stop_lets_a_stream_in_flight_finish_and_refuses_new_connections(
     engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:
@@ -263,11 +266,11 @@ async def test_http_1_0_gets_no_chunked_framing_and_the_connection_closes(
 async def test_an_answer_that_fails_to_send_closes_the_connection(caplog: pytest.LogCaptureFixture) -> None:
     # A connection whose handler task ended without finishing its answer would otherwise keep its
     # client (and any request queued behind) waiting for ever: it is closed, with one ERROR line.
-    class Broken(web.Response):
+    class Broken(Response):
         async def write_eof(self, data: bytes = b"") -> None:
             raise RuntimeError("cannot send")
 
-    async def handler(_: web.Request) -> web.StreamResponse:
+    async def handler(_: Request) -> StreamResponse:
         return Broken(text="never sent")
 
     srv = HttpServer(handler, ConnectionGuard(10, 10.0, 10.0), 1024, 60.0)
@@ -295,7 +298,7 @@ class SwallowsCancels:
         self.started = asyncio.Event()
         self.swallowed = asyncio.Event()
 
-    async def __call__(self, request: web.Request) -> web.StreamResponse:
+    async def __call__(self, request: Request) -> StreamResponse:
         self.task = asyncio.current_task()
         self.started.set()
         for _ in range(self.swallows):
@@ -303,7 +306,7 @@ class SwallowsCancels:
                 await asyncio.sleep(3600)
         self.swallowed.set()
         await asyncio.sleep(3600)  # the engine, generating for a client that has gone
-        return web.Response(text="never sent")
+        return Response(text="never sent")
 
 
 async def test_a_handler_that_swallowed_its_clients_hang_up_is_cancelled_until_it_ends() -> None:
@@ -328,6 +331,7 @@ async def test_a_handler_that_swallowed_its_clients_hang_up_is_cancelled_until_i
 
 
 @pytest.mark.parametrize("client", ["connected", "gone"])
+@pytest.mark.slow
 async def test_shutdown_returns_after_the_handlers_it_cancelled_have_ended(client: str) -> None:
     # shutdown cancelled its connections' handlers once and never waited for them: one still running
     # after that (here: swallowing every cancel that lands at once, shutdown's, the hang-up's and its

@@ -52,7 +52,7 @@ async def test_a_waiter_cancelled_as_it_is_woken_passes_the_slot_to_the_next() -
 
 
 async def _random_gate_schedule(seed: int) -> None:
-    """Requests shaped like app.py's handler (try_enter, enter, leave in finally around a body that may
+    """Requests shaped like proxy_handler.py's handler (try_enter, enter, leave in finally around a body that may
     raise), cancelled at random moments (queued, just woken, holding), some gates with short queue
     timeouts. After every step: no lost wake-up; at the end: every slot returned, nobody queued."""
     rng = random.Random(seed)
@@ -102,11 +102,13 @@ async def _random_gate_schedule(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(12))
+@pytest.mark.slow
 async def test_gate_random_cancels_timeouts_and_errors_lose_no_slot_and_no_wake_up(seed: int) -> None:
     await _random_gate_schedule(seed)
 
 
 @pytest.mark.parametrize("seed", range(12))
+@pytest.mark.slow
 def test_gate_random_schedule_on_uvloop(seed: int) -> None:
     # The router runs on uvloop; its futures and call_soon ordering differ from asyncio's.
     uvloop.run(_random_gate_schedule(seed))
@@ -135,6 +137,7 @@ _OPS = st.lists(st.tuples(st.integers(0, 3), st.floats(0, 5)), max_size=60)
         (2, 4.172397165401972),
     ]
 )
+@pytest.mark.slow
 def test_breaker_never_locks_once_nothing_is_in_flight(ops: list[tuple[int, float]]) -> None:
     # Every permission forward() takes ends in exactly one of success/failure/abandon (its finally).
     # Whatever the order, once nothing is in flight and the longest cool-down has passed, a request is
@@ -184,6 +187,7 @@ async def test_every_endpoint_excluded_answers_at_once(
     assert r.ctx.in_flight == 0 and r.ctx.gates["m1"].active == 0
 
 
+@pytest.mark.slow
 async def test_a_long_stream_as_half_open_probe_does_not_hold_the_endpoint_shut(
     engines: EngineFactory, routers: RouterFactory, static_file: StaticFile
 ) -> None:

@@ -14,8 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw_router.migration import DONE, Close, Continue, Kind, Refuse, Relay, Sent, plan, request_blocker
+from llmgw_router.continuation import DONE, Close, Continue, Kind, Refuse, Sent, plan, request_blocker
+from llmgw_router.relay import Relay
 from llmgw_sim import openai_api as oai
+from llmgw_sim.openai_bodies import ChunkWriter
 
 PATHS: dict[Kind, str] = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
 
@@ -37,7 +39,7 @@ def _render(kind: Kind, req: dict[str, Any], rid: str, created: int) -> bytes:
     """The engine's whole stream for ``req``, as the simulator sends it."""
     read = oai.read_chat if kind == "chat" else oai.read_completion
     g = read(req, 16)
-    w = oai.ChunkWriter(rid, created, g, kind == "chat")
+    w = ChunkWriter(rid, created, g, kind == "chat")
     tokens = oai.completion_tokens(g)
     return (w.first() + "".join(map(w.token, tokens)) + w.end(len(tokens))).encode()
 
@@ -190,6 +192,7 @@ def test_sent_record_reads_role_text_finish() -> None:
     usage=st.booleans(),
     data=st.data(),
 )
+@pytest.mark.slow
 def test_any_cut_point_splices_to_the_uninterrupted_stream(
     kind: Kind, words: list[str], max_tokens: int | None, usage: bool, data: st.DataObject
 ) -> None:
@@ -240,6 +243,7 @@ def _full_fold(blob: bytes) -> Sent:
     start=st.integers(0, 10_000),
     length=st.integers(1, 10_000),
 )
+@pytest.mark.slow
 def test_fast_fold_reads_what_a_full_parse_reads(
     kind: Kind, words: list[str], n: int, usage: bool, start: int, length: int
 ) -> None:
@@ -259,7 +263,7 @@ def test_fast_fold_reads_what_a_full_parse_reads(
 
 
 def test_fast_fold_is_taken_for_text_events_and_not_for_others() -> None:
-    from llmgw_router.migration import _plain
+    from llmgw_router.relay import _plain
 
     whole = _render("chat", _request("chat", "a b", 5, False), "id-1", 1)
     body = whole[whole.index(b"\n\n") + 2 :]
@@ -302,6 +306,7 @@ def test_bytes_that_are_not_blank_line_separated_events_pass_through() -> None:
     usage=st.booleans(),
     data=st.data(),
 )
+@pytest.mark.slow
 def test_a_continuation_that_breaks_too_is_continued_again(
     kind: Kind, words: list[str], max_tokens: int, usage: bool, data: st.DataObject
 ) -> None:

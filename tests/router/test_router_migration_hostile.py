@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from llmgw_router.migration import DONE, HOLD_BYTES, MAX_TEXT_CHARS, Continue, Refuse, Relay, Unframed, plan
+from llmgw_router.continuation import DONE, MAX_TEXT_CHARS, Continue, Refuse, plan
+from llmgw_router.relay import HOLD_BYTES, Relay, Unframed
 
 
 def _event(obj: dict[str, object]) -> bytes:
@@ -56,6 +57,7 @@ def test_a_continuation_that_sends_two_done_reaches_the_client_with_one() -> Non
     assert "".join(r.sent.text) == "a b c"
 
 
+@pytest.mark.slow
 def test_the_record_of_a_long_answer_is_compacted_not_one_string_per_token() -> None:
     r = Relay()
     for _ in range(50):
@@ -77,6 +79,7 @@ def test_an_answer_longer_than_the_record_keeps_is_not_continued_and_not_kept() 
     assert isinstance(step, Refuse) and "longer than" in step.reason
 
 
+@pytest.mark.slow
 def test_the_record_of_a_long_continuation_is_compacted_too() -> None:
     r = _spliced()
     for _ in range(50_000):

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import aiohttp
 import nats
+import pytest
 
-from llmgw_common import bus
 from llmgw_common.codec import encode
 from llmgw_common.messages import Endpoint, RoutingEndpoints
-from llmgw_common.natsserver import NatsServer
 from llmgw_common.subjects import Subjects
+from llmgw_runtime import bus
+from llmgw_runtime.natsserver import NatsServer
 from tests.kit.poll import eventually
 from tests.router.router_helpers import EngineFactory, RouterFactory
 
@@ -40,6 +41,7 @@ async def _put_endpoints(url: str, prefix: str, eps: list[Endpoint], version: in
         await nc.close()
 
 
+@pytest.mark.slow
 async def test_the_router_runs_and_serves_through_a_nats_outage(
     tmp_path: Path, engines: EngineFactory, routers: RouterFactory
 ) -> None:

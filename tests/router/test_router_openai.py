@@ -11,8 +11,8 @@ import aiohttp
 import openai
 import pytest
 
-from llmgw_common.apikeys import generate_key, hash_key
 from llmgw_router.service import Router
+from llmgw_runtime.apikeys import generate_key, hash_key
 from tests.kit.poll import eventually
 from tests.router.router_helpers import EngineFactory, PortFactory, RouterFactory, StaticFile
 
@@ -136,10 +136,17 @@ async def test_error_cases(setup: Setup) -> None:
             assert resp.status == 400
         async with s.get(f"{base}/nothing-here") as resp:
             assert resp.status == 404 and "error" in await resp.json()
-        # A known path with another method: 405 in the same shape.
-        for method, path in (("GET", "/chat/completions"), ("DELETE", "/embeddings"), ("POST", "/models")):
+        # A known path with another method: 405 in the same shape, with the methods it has (RFC 9110).
+        for method, path, allow in (
+            ("GET", "/chat/completions", "POST"),
+            ("DELETE", "/embeddings", "POST"),
+            ("POST", "/models", "GET, HEAD"),
+            ("PUT", "/models/m1", "GET, HEAD"),
+            ("DELETE", "/responses/resp_x", "GET"),
+            ("GET", "/responses/resp_x/cancel", "POST"),
+        ):
             async with s.request(method, f"{base}{path}") as resp:
-                assert resp.status == 405
+                assert resp.status == 405 and resp.headers.get("Allow") == allow, (path, resp.headers)
                 assert (await resp.json())["error"]["code"] == "method_not_allowed"
     # The key is checked before the path is: without one, an unknown path or method is 401 too.
     async with aiohttp.ClientSession() as s:

@@ -8,14 +8,14 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from llmgw_common import bus
 from llmgw_common.codec import decode
-from llmgw_common.messages import IdleReport
-from llmgw_common.natsserver import NatsServer
-from llmgw_common.runtime import TaskDied, cancel_and_wait
-from llmgw_common.settings import RouterSettings
+from llmgw_common.router_messages import IdleReport
 from llmgw_common.subjects import Subjects
 from llmgw_router.service import Router
+from llmgw_router.settings import RouterSettings
+from llmgw_runtime import bus
+from llmgw_runtime.natsserver import NatsServer
+from llmgw_runtime.runtime import TaskDied, cancel_and_wait
 from tests.kit.poll import eventually
 
 
@@ -64,6 +64,7 @@ async def test_a_failing_tick_is_counted_and_the_ticks_go_on(
 
 
 @pytest.mark.parametrize("which", ["router-tick", "router-routing-resync"])
+@pytest.mark.slow
 async def test_a_loop_that_ends_ends_the_run(nats_server: NatsServer, prefix: str, which: str) -> None:
     r = await _bus_router(nats_server.url, prefix)
     try:

@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw_common.apikeys import generate_key, hash_key
 from llmgw_common.messages import ApiKeyRecord, Endpoint, LoadReport, ReplicaLoad, RoutingEndpoints
 from llmgw_router import landing
 from llmgw_router.admission import AdmissionRefused, Gate
@@ -22,6 +21,7 @@ from llmgw_router.keys import KeyTable, allows_model
 from llmgw_router.metrics import RouterMetrics
 from llmgw_router.scheduling import choose, load_score
 from llmgw_router.usage import UsageTable, find_usage
+from llmgw_runtime.apikeys import generate_key, hash_key
 from tests.router.router_helpers import breaker_state
 
 # ---------------------------------------------------------------- scheduling

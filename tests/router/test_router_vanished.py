@@ -2,7 +2,8 @@
 
 Its engine's TCP connections stay open and nothing flows: without more, a stream on it would hang for
 ``read_timeout_s``. Two ways out, both through mid-stream failover: the routing table withdrawing the
-endpoint (the control plane declared its node lost) aborts the streams in flight to it, and a stream
+endpoint (the control plane declared its node lost) aborts the streams in flight to it once silent
+for ``withdrawn_silence_s`` (one still flowing finishes), and a stream
 silent for ``stream_stall_s`` after its first byte is taken as broken. SIGSTOP freezes a real sim
 engine process: its sockets stay open, nothing is read or written.
 """
@@ -21,8 +22,8 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from llmgw_common.messages import Endpoint
-from llmgw_common.natsserver import NatsServer
 from llmgw_router.service import Router
+from llmgw_runtime.natsserver import NatsServer
 from llmgw_sim.options import SimOptions
 from tests.kit.poll import eventually
 from tests.router.router_helpers import (
@@ -118,6 +119,27 @@ async def test_withdrawn_endpoint_aborts_its_frozen_stream(
         timeout=5.0,
         what="no request to be in flight at the router or any endpoint",
     )
+
+
+async def test_a_withdrawn_endpoint_still_streaming_finishes_its_stream(
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory, sims: EngineProcs
+) -> None:
+    """Every endpoint withdrawn while a stream flows (partition case 4b: both replicas' nodes on a
+    nats-server cut from the others, their engines answering still): the stream finishes where it is.
+    Aborted at once, it broke with no replica left to continue it."""
+    r = await _bus_router(routers, nats_server, prefix, nc, sims)
+    assert r.ctx.limits.withdrawn_silence_s == 2.0
+    url = f"http://127.0.0.1:{r.port}/v1/chat/completions"
+    body = _chat()
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.create_task(_stream(s, url, body))
+        await _serving(r, sims)
+        await _publish_routing(nc, prefix, {"m1": []}, version=2)
+        await eventually(lambda: not r.ctx.pool.by_key, timeout=10.0, what="every endpoint withdrawn")
+        status, events = await asyncio.wait_for(task, DEADLINE_S)
+    assert _check("/v1/chat/completions", body, status, events) == ""
+    assert r.ctx.metrics.migrations_count("m1", "ok") == 0
+    assert r.ctx.metrics.migrations_count("m1", "failed") == 0
 
 
 async def test_a_draining_flag_aborts_nothing(

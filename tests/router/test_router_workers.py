@@ -16,13 +16,14 @@ from pathlib import Path
 
 import aiohttp
 import psutil
+import pytest
 import yaml
 from nats.aio.client import Client as NATS
 
-from llmgw_common import bus
-from llmgw_common.messages import UsageReport
-from llmgw_common.natsserver import NatsServer
+from llmgw_common.router_messages import UsageReport
 from llmgw_common.subjects import Subjects
+from llmgw_runtime import bus
+from llmgw_runtime.natsserver import NatsServer
 from tests.kit.poll import eventually
 from tests.router.router_helpers import EngineFactory, PortFactory, wait_serving
 
@@ -44,6 +45,7 @@ def _two_free_ports() -> int:
     raise RuntimeError("no two consecutive free ports")
 
 
+@pytest.mark.slow
 async def test_two_workers_share_the_port_and_both_serve(
     nats_server: NatsServer, prefix: str, nc: NATS, engines: EngineFactory, tmp_path: Path, port: PortFactory
 ) -> None:
@@ -123,6 +125,7 @@ async def test_two_workers_share_the_port_and_both_serve(
             await proc.wait()
 
 
+@pytest.mark.slow
 async def test_a_worker_that_dies_ends_the_set_with_its_status(
     engines: EngineFactory, tmp_path: Path, port: PortFactory
 ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -11,20 +12,26 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from llmgw_common import bus
 from llmgw_common.codec import encode
-from llmgw_common.messages import Assignment, Heartbeat
+from llmgw_common.messages import Assignment, Heartbeat, UsageHour
 from llmgw_common.natsauth import Role, all_roles, authorization_config
-from llmgw_common.natsserver import NatsServer
-from llmgw_common.settings import BusSettings
 from llmgw_common.subjects import Subjects
+from llmgw_runtime import bus
+from llmgw_runtime.kv_follower import KvFollower
+from llmgw_runtime.natsserver import NatsServer
+from llmgw_runtime.settings import BusSettings
+from llmgw_runtime.usage_ledger import ledger_key, read_hours
 from tests.kit.poll import eventually
 
 PREFIX = "llmgw"
 SUBJ = Subjects(PREFIX)
 # Every bucket name Subjects declares (it holds every name llmgw uses): a bucket added there and
 # forgotten by ensure_all, or by a role's bind grants, fails the binding test below.
-EVERY_BUCKET = sorted(getattr(SUBJ, n) for n in vars(Subjects) if n.startswith("bucket_"))
+# Every bucket ensure_all makes; the control planes' announced node state is theirs alone, made by
+# the first leader (the test of it: tests/controlplane/test_cp_announced_nodes.py).
+EVERY_BUCKET = sorted(
+    getattr(SUBJ, n) for n in vars(Subjects) if n.startswith("bucket_") and n != "bucket_announced"
+)
 
 
 class Denials:
@@ -133,6 +140,7 @@ async def test_agent_publishes_its_own_heartbeat_only(clients: dict[str, NATS], 
     assert got[other] == []
 
 
+@pytest.mark.slow
 async def test_agent_reads_its_own_assignment_and_cannot_write_one(
     clients: dict[str, NATS], denials: Denials
 ) -> None:
@@ -160,6 +168,7 @@ async def test_agent_reads_its_own_assignment_and_cannot_write_one(
     assert (after.value, after.revision) == (mine, entry.revision)
 
 
+@pytest.mark.slow
 async def test_router_cannot_write_assignments_or_desired_state(
     clients: dict[str, NATS], denials: Denials
 ) -> None:
@@ -184,6 +193,28 @@ async def test_router_can_read_routing(clients: dict[str, NATS]) -> None:
     assert (await kv.get("catalog")).value == b"v1"
 
 
+async def test_a_router_hears_its_peers_usage_reports(
+    secured_server: NatsServer, roles: dict[str, Role], clients: dict[str, NATS]
+) -> None:
+    """Quota shares across routers follow the peers' usage reports: under per-role credentials a router
+    must be allowed to subscribe to them, or each one enforces a key's whole limit alone."""
+    peer = await _connect(secured_server, roles["router"])
+    try:
+        got: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def on(msg: Msg) -> None:
+            await got.put(msg.data)
+
+        await clients["router"].subscribe(f"{PREFIX}.router.*.usage", cb=on)
+        await clients["router"].flush()
+        await peer.publish(f"{PREFIX}.router.r2.usage", b"report")
+        await peer.flush()
+        assert await asyncio.wait_for(got.get(), 5.0) == b"report"
+    finally:
+        await peer.close()
+
+
+@pytest.mark.slow
 async def test_notifier_and_router_can_bind_every_bucket_but_write_none(
     secured_server: NatsServer, roles: dict[str, Role], clients: dict[str, NATS], denials: Denials
 ) -> None:
@@ -214,6 +245,7 @@ async def test_notifier_and_router_can_bind_every_bucket_but_write_none(
     assert (after.value, after.revision) == (b"before", revision)
 
 
+@pytest.mark.slow
 async def test_an_agent_that_may_not_watch_still_follows_its_assignment(clients: dict[str, NATS]) -> None:
     """The agent role reads its key by direct get only; without a watch the follower polls often."""
     cp, agent = clients["controlplane"], clients["agent-gpu-a1"]
@@ -221,7 +253,7 @@ async def test_an_agent_that_may_not_watch_still_follows_its_assignment(clients:
     await cp_kv.put("gpu-a1", encode(Assignment(node="gpu-a1", fence=1)))
     kv = await agent.jetstream(timeout=1.0).key_value(SUBJ.bucket_assign)
     seen: list[bytes | None] = []
-    f = bus.KvFollower(kv, lambda k, v, r: seen.append(v), key="gpu-a1", resync_s=60)
+    f = KvFollower(kv, lambda k, v, r: seen.append(v), key="gpu-a1", resync_s=60)
     await f.start()
     try:
         assert len(seen) == 1
@@ -236,3 +268,24 @@ async def test_an_agent_that_may_not_watch_still_follows_its_assignment(clients:
         assert not f.watching
     finally:
         await f.stop()
+
+
+@pytest.mark.slow
+async def test_a_router_writes_and_reads_the_usage_ledger_and_a_notifier_cannot_write_it(
+    secured_server: NatsServer, roles: dict[str, Role], clients: dict[str, NATS], denials: Denials
+) -> None:
+    """The durable usage (usage_ledger): a router writes its hours and reads the month's at start
+    (budgets that last across a restart); the notifier may not write one."""
+    kv = await clients["router"].jetstream(timeout=2.0).key_value(SUBJ.bucket_usage)
+    hour = UsageHour(router="r1", since=1.5, hour=3600.0, written_at=3700.0, usage={"k1": {"m": (1, 2, 3)}})
+    rev = await kv.update(ledger_key(3600.0, "r1", 1.5), encode(hour), last=0)
+    assert rev > 0
+    assert await read_hours(kv) == [hour]
+    nc = await _connect(secured_server, roles["notifier"])
+    try:
+        nkv = await nc.jetstream(timeout=2.0).key_value(SUBJ.bucket_usage)
+        with pytest.raises(nats.errors.TimeoutError):
+            await nkv.put(ledger_key(3600.0, "r9", 1.0), encode(hour))
+        await denials.wait("notifier", f"$KV.{SUBJ.bucket_usage}.{ledger_key(3600.0, 'r9', 1.0)}")
+    finally:
+        await nc.close()

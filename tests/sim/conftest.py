@@ -11,8 +11,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from llmgw_sim.engine import Listening, start
 from llmgw_sim.options import SimOptions
+from llmgw_sim.serving import Listening, start
 from tests.sim.sim_testkit import EngineProcess
 
 LISTEN_RE = re.compile(rb"sim-engine listening on (http://\S+)")

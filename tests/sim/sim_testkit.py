@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 _SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
 
@@ -42,3 +44,32 @@ class EngineProcess:
                 await self.proc.wait()
         assert self.proc.returncode is not None
         return self.proc.returncode
+
+
+@dataclass(frozen=True)
+class SseEvent:
+    """One server-sent event: its ``event:`` name (None without one) and its ``data:`` text."""
+
+    event: str | None
+    data: str
+
+    def json(self) -> Any:
+        return json.loads(self.data)
+
+
+def parse_sse(raw: bytes) -> list[SseEvent]:
+    """The events of a whole SSE body; a block without data (a comment) is skipped."""
+    out: list[SseEvent] = []
+    for block in raw.decode().split("\n\n"):
+        if not block.strip():
+            continue
+        name: str | None = None
+        data: list[str] = []
+        for line in block.split("\n"):
+            if line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].removeprefix(" "))
+        if data:
+            out.append(SseEvent(name, "\n".join(data)))
+    return out

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from openai.types.chat import ChatCompletionMessageParam
 
 from llmgw_sim import openai_api as oai
-from llmgw_sim.engine import Listening
+from llmgw_sim.serving import Listening
 
 MODEL = "sim-test"
 USER = [{"role": "user", "content": "alpha beta gamma delta"}]

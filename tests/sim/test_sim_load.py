@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from llmgw_sim.engine import Listening
+from llmgw_sim.serving import Listening
 from llmgw_sim.slots import Slots
 from tests.kit.poll import eventually
 from tests.sim.sim_testkit import parse_metrics
@@ -40,6 +40,7 @@ async def post_chat(http: aiohttp.ClientSession, srv: Listening, body: dict[str,
 
 
 @pytest.mark.parametrize("style", ["vllm", "llamacpp"])
+@pytest.mark.slow
 async def test_running_and_waiting_are_true_under_load(
     engine: Engine, http: aiohttp.ClientSession, style: str
 ) -> None:
@@ -149,6 +150,7 @@ async def test_client_hanging_up_frees_its_place(
     await asyncio.gather(holder, queued, return_exceptions=True)
 
 
+@pytest.mark.slow
 async def test_startup_delay_then_ready(engine: Engine, http: aiohttp.ClientSession) -> None:
     srv = await engine(startup_s=0.5, zero=True)
     async with http.get(srv.url + "/health") as r:
@@ -178,8 +180,9 @@ async def test_fail_health_fault_keeps_serving(engine: Engine, http: aiohttp.Cli
 async def test_healthy_engine_says_ok(engine: Engine, http: aiohttp.ClientSession) -> None:
     srv = await engine(zero=True)
     async with http.get(srv.url + "/health") as r:
+        # vLLM's /health: a bare 200.
         assert r.status == 200
-        assert await r.json() == {"status": "ok"}
+        assert await r.read() == b""
 
 
 # ---------------------------------------------------------------- Slots on its own

@@ -12,7 +12,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from llmgw_sim.engine import Listening
+from llmgw_sim.serving import Listening
 
 MODEL = "sim-test"
 
@@ -157,68 +157,103 @@ async def test_embeddings_base64_is_little_endian_float32(
     assert decoded == pytest.approx(floats, abs=1e-6)
 
 
-async def test_unknown_model_is_openai_404(client: openai.AsyncOpenAI) -> None:
+async def test_unknown_model_is_vllms_404(client: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as ei:
         await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
     assert ei.value.status_code == 404
-    assert ei.value.code == "model_not_found"
-    assert "nope" in ei.value.message
+    assert ei.value.body == {
+        "message": f"The model `nope` does not exist. Valid aliases: {MODEL}.",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }
     with pytest.raises(openai.NotFoundError):
         await client.completions.create(model="nope", prompt="x")
     with pytest.raises(openai.NotFoundError):
         await client.embeddings.create(model="nope", input="x")
 
 
+async def test_a_request_without_model_is_served_by_the_engines_model(
+    srv: Listening, http: aiohttp.ClientSession
+) -> None:
+    # vLLM's model field is optional: absent, the served model answers.
+    async with http.post(
+        srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
+    ) as r:
+        assert r.status == 200
+        assert (await r.json())["model"] == MODEL
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
-async def test_malformed_json_is_openai_400(srv: Listening, http: aiohttp.ClientSession, path: str) -> None:
+async def test_malformed_json_is_vllms_400(srv: Listening, http: aiohttp.ClientSession, path: str) -> None:
     async with http.post(
         srv.url + path, data=b'{"model": ', headers={"Content-Type": "application/json"}
     ) as r:
         assert r.status == 400
         err = (await r.json())["error"]
-    assert err["type"] == "invalid_request_error"
-    assert "not valid JSON" in err["message"]
+    # FastAPI's validation handler in vLLM: the position of the error in the body is the param.
+    assert (err["type"], err["code"], err["param"]) == ("Bad Request", 400, "body.10")
+    assert "json_invalid" in err["message"] and "JSON decode error" in err["message"]
     async with http.post(srv.url + path, json=["not", "an", "object"]) as r:
         assert r.status == 400
-        assert "JSON object" in (await r.json())["error"]["message"]
+        err = (await r.json())["error"]
+    assert err["param"] == "body" and "valid dictionary" in err["message"]
+    async with http.post(srv.url + path, data=b"{}", headers={"Content-Type": "text/plain"}) as r:
+        assert r.status == 400
+        err = (await r.json())["error"]
+    assert err["param"] is None and "Only 'application/json' is allowed" in err["message"]
 
 
 @pytest.mark.parametrize(
-    ("path", "body", "param"),
+    ("path", "body", "param", "type_"),
     [
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, "model"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": ["x"]}, "messages"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages"),
+        ("/v1/chat/completions", {"model": 5, "messages": []}, "body.model", "Bad Request"),
+        ("/v1/chat/completions", {"model": MODEL}, "body.messages", "Bad Request"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages", "BadRequestError"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": ["x"]}, "body.messages.0.role", "Bad Request"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
+            "body.messages.0.content",
+            "Bad Request",
+        ),
         (
             "/v1/chat/completions",
             {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
             "max_tokens",
+            "BadRequestError",
         ),
         (
             "/v1/chat/completions",
             {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream_options": 1},
-            "stream_options",
+            "body.stream_options",
+            "Bad Request",
         ),
-        ("/v1/completions", {"model": MODEL}, "prompt"),
+        ("/v1/completions", {"model": MODEL}, "prompt", "BadRequestError"),
         (
             "/v1/completions",
             {"model": MODEL, "prompt": "x", "max_completion_tokens": "3"},
-            "max_completion_tokens",
+            "body.max_completion_tokens",
+            "Bad Request",
         ),
-        ("/v1/embeddings", {"model": MODEL, "input": []}, "input"),
-        ("/v1/embeddings", {"model": MODEL, "input": "x", "dimensions": 0}, "dimensions"),
-        ("/v1/embeddings", {"model": MODEL, "input": "x", "encoding_format": "int8"}, "encoding_format"),
+        ("/v1/embeddings", {"model": MODEL, "input": []}, "input", "BadRequestError"),
+        ("/v1/embeddings", {"model": MODEL}, "body.input", "Bad Request"),
+        ("/v1/embeddings", {"model": MODEL, "input": "x", "dimensions": 0}, "dimensions", "BadRequestError"),
+        (
+            "/v1/embeddings",
+            {"model": MODEL, "input": "x", "encoding_format": "int8"},
+            "body.encoding_format",
+            "Bad Request",
+        ),
     ],
 )
 async def test_invalid_fields_are_400_naming_the_param(
-    srv: Listening, http: aiohttp.ClientSession, path: str, body: dict[str, Any], param: str
+    srv: Listening, http: aiohttp.ClientSession, path: str, body: dict[str, Any], param: str, type_: str
 ) -> None:
     async with http.post(srv.url + path, json=body) as r:
         assert r.status == 400
         err = (await r.json())["error"]
-    assert err["param"] == param
-    assert err["type"] == "invalid_request_error"
+    assert (err["param"], err["type"], err["code"]) == (param, type_, 400)
 
 
 async def test_embeddings_accept_token_id_inputs(srv: Listening, http: aiohttp.ClientSession) -> None:
@@ -228,9 +263,16 @@ async def test_embeddings_accept_token_id_inputs(srv: Listening, http: aiohttp.C
             assert len((await r.json())["data"]) == n
 
 
-async def test_unknown_path_is_404(srv: Listening, http: aiohttp.ClientSession) -> None:
+async def test_unknown_path_and_method_are_starlettes_bare_answers(
+    srv: Listening, http: aiohttp.ClientSession
+) -> None:
     async with http.get(srv.url + "/v1/nothing") as r:
         assert r.status == 404
+        assert await r.json() == {"detail": "Not Found"}
+    async with http.get(srv.url + "/v1/chat/completions") as r:
+        assert r.status == 405
+        assert await r.json() == {"detail": "Method Not Allowed"}
+        assert "POST" in r.headers["Allow"]
 
 
 async def test_stream_events_survive_quotes_and_unicode(client: openai.AsyncOpenAI) -> None:

@@ -62,6 +62,11 @@ def test_from_dict_takes_catalog_options_and_coerces() -> None:
         ({"embedding_dims": 0}, "embedding_dims is 0"),
         ({"default_max_tokens": 0}, "default_max_tokens is 0"),
         ({"heartbeat_s": 0}, "heartbeat_s is 0.0"),
+        ({"runner": "chat"}, "runner is 'chat', must be one of generate, pooling"),
+        ({"pooling_task": "rank"}, "pooling_task is 'rank'"),
+        ({"num_labels": 0}, "num_labels is 0"),
+        ({"responses_store": -1}, "responses_store is -1"),
+        ({"max_model_len": 0}, "max_model_len is 0"),
     ],
 )
 def test_bad_options_name_what_is_wrong(options: dict[str, Any], needle: str) -> None:
@@ -90,6 +95,12 @@ def test_to_argv_round_trips_through_the_cli(cli: typer.Typer) -> None:
         zero=True,
         default_max_tokens=9,
         heartbeat_s=0.25,
+        runner="pooling",
+        pooling_task="classify",
+        num_labels=3,
+        transcription=True,
+        responses_store=0,
+        max_model_len=512,
     )
     argv = opts.to_argv()
     assert argv[:2] == ["--port", "12345"]
@@ -102,6 +113,41 @@ def test_to_argv_round_trips_through_the_cli(cli: typer.Typer) -> None:
     assert "--fail-health" not in d and "--exit-after" not in d and "--leader" not in d
     r = CliRunner().invoke(cli, ["sim-engine", *d, "--dry-run"])
     assert SimOptions(**json.loads(r.stdout)) == SimOptions()
+
+
+def test_api_surface_options_go_on_the_command_line_only_when_set() -> None:
+    plain = SimOptions().to_argv()
+    assert not {"--runner", "--pooling-task", "--num-labels", "--transcription", "--responses-store"} & set(
+        plain
+    )
+    assert "--max-model-len" not in plain
+    o = SimOptions.from_dict(
+        {"runner": "pooling", "pooling_task": "classify", "num_labels": "1", "transcription": "yes"}
+    )
+    argv = o.to_argv()
+    assert argv[argv.index("--runner") + 1] == "pooling"
+    assert argv[argv.index("--pooling-task") + 1] == "classify"
+    assert argv[argv.index("--num-labels") + 1] == "1"
+    assert "--transcription" in argv
+
+
+@pytest.mark.parametrize(
+    ("runner", "task", "labels", "serves"),
+    [
+        (None, "embed", 2, {"generate", "embed", "classify", "score", "audio"}),
+        ("generate", "embed", 2, {"generate"}),
+        ("pooling", "embed", 2, {"embed", "score"}),
+        ("pooling", "classify", 2, {"classify"}),
+        ("pooling", "classify", 1, {"classify", "score"}),
+    ],
+)
+def test_what_each_runner_serves(runner: str | None, task: str, labels: int, serves: set[str]) -> None:
+    o = SimOptions(runner=runner, pooling_task=task, num_labels=labels)
+    got = {t for t in ("embed", "classify", "score") if o.pools_for(t)}
+    got |= {"generate"} if o.generates else set()
+    got |= {"audio"} if o.transcribes else set()
+    assert got == serves
+    assert SimOptions(runner="generate", transcription=True).transcribes
 
 
 def test_command_runs_the_cli_module() -> None:

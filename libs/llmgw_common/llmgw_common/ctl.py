@@ -1,9 +1,9 @@
-"""The management API: typed requests and replies of the ``llmgw.ctl.<verb>`` micro service, and a client.
+"""The management API's contract: typed requests and replies of the ``llmgw.ctl.<verb>`` micro service,
+its verbs and its error headers. No I/O: the client is :mod:`llmgw_runtime.ctl_client`.
 
 Every verb has one request and one reply message, encoded with :mod:`llmgw_common.codec`. An error
-reply carries the NATS micro service error headers; :class:`CtlClient` turns it into :class:`CtlError`
-with the control plane's user-facing description, and a silent bus into :class:`CtlUnavailable`. A reply
-larger than the server's max_payload arrives in numbered parts (:mod:`llmgw_common.chunks`) and is joined.
+reply carries the NATS micro service error headers (``ERROR_HEADER``, ``ERROR_CODE_HEADER``). A reply
+larger than the server's max_payload arrives in numbered parts (:mod:`llmgw_common.chunks`).
 
 Idle times follow ARCHITECTURE #1: ``idle_s`` is negative when unknown, and ``idle_kind`` says whether a
 number is exact or only a lower bound.
@@ -11,20 +11,10 @@ number is exact or only a lower bound.
 
 from __future__ import annotations
 
-import contextlib
-from typing import TypeVar
+from enum import StrEnum
 
-import nats.errors
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-
-from llmgw_common import chunks
 from llmgw_common.catalog import Catalog
-from llmgw_common.codec import MAX_PAYLOAD, DecodeError, decode, encode
-from llmgw_common.errors import LlmgwError, Unavailable
-from llmgw_common.messages import ClusterSettings, Marks, Message
-from llmgw_common.subjects import Subjects
+from llmgw_common.messages import ClusterSettings, Marks, Message, ShardState
 
 ERROR_HEADER = "Nats-Service-Error"
 ERROR_CODE_HEADER = "Nats-Service-Error-Code"
@@ -53,19 +43,6 @@ VERBS = (
 
 def endpoint_name(verb: str) -> str:
     return verb.replace(".", "_")
-
-
-class CtlError(LlmgwError):
-    """The control plane answered with an error; ``message`` is meant for the user."""
-
-    def __init__(self, message: str, code: str = "") -> None:
-        super().__init__(message)
-        self.message = message
-        self.code = code
-
-
-class CtlUnavailable(CtlError, Unavailable):
-    """No control plane answered."""
 
 
 # ---------------------------------------------------------------- requests
@@ -137,13 +114,38 @@ class NodeInfo(Message):
     simulated: bool = False
 
 
+class ReplicaPhase(StrEnum):
+    """A replica's phase as the control plane judges it (``llmgw_controlplane.scheduler.phase.replica_status``)."""
+
+    STARTING = "starting"
+    READY = "ready"
+    # A shard failed, or it was not ready within its startup timeout.
+    FAILED = "failed"
+    STOPPING = "stopping"
+
+
+class ModelState(StrEnum):
+    """A catalog model's state in ``ctl models`` and ``ctl status``."""
+
+    OK = "ok"
+    # Some but not all of its replicas ready.
+    DEGRADED = "degraded"
+    # None ready, and:
+    UNPLACEABLE = "unplaceable"
+    BACKOFF = "backoff"
+    STARTING = "starting"
+    DOWN = "down"
+    # The catalog asks for 0 replicas.
+    OFF = "off"
+
+
 class ShardInfo(Message):
     shard: int
     node: str
     gpus: tuple[int, ...] = ()
     port: int = 0
     # None: the node has not reported this shard yet.
-    state: str | None = None
+    state: ShardState | None = None
     error: str | None = None
     log_tail: tuple[str, ...] = ()
 
@@ -151,7 +153,7 @@ class ShardInfo(Message):
 class ReplicaInfo(Message):
     id: str
     model: str
-    state: str  # starting, ready, failed, stopping
+    state: ReplicaPhase
     created: float
     shards: tuple[ShardInfo, ...] = ()
     endpoint: str | None = None
@@ -170,6 +172,22 @@ class ReplicaInfo(Message):
     outdated: bool = False
 
 
+class LoadScaleInfo(Message):
+    """A model whose replica count follows its load (issue 21): the target, what was measured, the count
+    it asks for and why, or what holds it."""
+
+    model: str
+    target: str  # "waiting_per_replica 2"
+    measured: str  # "4.5 waiting per replica", or "unknown: ..."
+    # The figure in the target's unit; negative when not known (ARCHITECTURE #1: never 0 for unknown).
+    value: float = -1.0
+    trend: str = "unknown"  # over, under, steady, unknown
+    for_s: float = 0.0  # how long the figure has been on this side of the target
+    replicas: int = 0  # wanted before the last pass
+    wants: int = 0  # wanted after it
+    why: str = ""
+
+
 class ModelInfo(Message):
     name: str
     engine: str
@@ -180,14 +198,15 @@ class ModelInfo(Message):
     ready: int = 0
     starting: int = 0
     failed: int = 0
-    # ok, degraded (some but not all ready), down (none ready), unplaceable, backoff, off (replicas: 0)
-    state: str = "down"
+    state: ModelState = ModelState.DOWN
     reason: str | None = None
     watched: bool = False
     # Its most recent failed replica (shards, errors, log tails), kept for a while after it was stopped.
     last_failure: ReplicaInfo | None = None
     # Replicas still running an older profile (a profile change being rolled out).
     outdated: int = 0
+    # Set for a model that follows its load (issue 21).
+    scaling: LoadScaleInfo | None = None
 
 
 class NodesReply(Message):
@@ -256,6 +275,8 @@ class StatusReply(Message):
     waking: dict[str, str] = {}
     cold_starts: dict[str, float] = {}
     evictions: tuple[EvictionInfo, ...] = ()
+    # Models that follow their load (issue 21), by name.
+    scaling: tuple[LoadScaleInfo, ...] = ()
 
 
 class NodeVerdict(Message):
@@ -273,6 +294,9 @@ class ExplainReply(Message):
     nodes: tuple[NodeVerdict, ...] = ()
     # When it does not fit: what would be evicted to make room and why, or why nothing would.
     eviction: str = ""
+    # A load-following model (issue 21): the count it asks for and why, so the next replica's placement
+    # above reads as the step's (or what stops it); empty for any other model.
+    scaling: str = ""
 
 
 class FieldChange(Message):
@@ -350,123 +374,3 @@ class LeaseRecord(Message):
     holder: str
     acquired_at: float
     renewed_at: float
-
-
-R = TypeVar("R", bound=Message)
-
-
-class CtlClient:
-    """One method per ctl verb. Raises :class:`CtlError`, or :class:`CtlUnavailable` when none answers."""
-
-    def __init__(self, nc: NATS, prefix: str = "llmgw", timeout: float = 2.0) -> None:
-        self.nc = nc
-        self.subjects = Subjects(prefix)
-        self.timeout = timeout
-
-    async def call(self, verb: str, request: Message, reply_cls: type[R], timeout: float | None = None) -> R:
-        subject = self.subjects.ctl(verb)
-        wait = self.timeout if timeout is None else timeout
-        # Its own inbox rather than nc.request(): a large answer comes as several messages (chunks.py).
-        sub = await self.nc.subscribe(self.nc.new_inbox())
-        try:
-            await self.nc.publish(subject, encode(request), reply=sub.subject)
-            msg = await self._next(sub, wait, subject)
-            headers = msg.headers or {}
-            if headers.get(STATUS_HEADER) == NO_RESPONDERS:
-                raise self._not_served(subject)
-            if ERROR_HEADER in headers:
-                # The body, when present, is the full (multi-line) description; the header is one line.
-                text = msg.data.decode("utf-8", "replace") if msg.data else headers[ERROR_HEADER]
-                raise CtlError(text, headers.get(ERROR_CODE_HEADER, ""))
-            data = msg.data
-            if chunks.CHUNK_HEADER in headers:
-                data = await self._rest(sub, msg, wait, verb)
-        finally:
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
-        try:
-            return decode(data, reply_cls, limit=max(len(data), MAX_PAYLOAD))
-        except DecodeError as e:
-            raise CtlError(f"the control plane's reply to {verb} could not be read: {e}") from None
-
-    async def _next(self, sub: Subscription, wait: float, subject: str) -> Msg:
-        try:
-            return await sub.next_msg(timeout=wait)
-        except nats.errors.TimeoutError:
-            raise self._unavailable(subject, wait) from None
-
-    async def _rest(self, sub: Subscription, first: Msg, wait: float, verb: str) -> bytes:
-        """The remaining chunks of a reply whose first part is ``first``, joined in order."""
-        try:
-            count = chunks.parse((first.headers or {})[chunks.CHUNK_HEADER], 1, None)
-            parts = [first.data]
-            for i in range(2, count + 1):
-                try:
-                    msg = await sub.next_msg(timeout=wait)
-                except nats.errors.TimeoutError:
-                    raise CtlError(
-                        f"the control plane's reply to {verb} stopped after {i - 1} of {count} parts "
-                        f"(nothing for {wait:g}s); try again"
-                    ) from None
-                chunks.parse((msg.headers or {}).get(chunks.CHUNK_HEADER, ""), i, count)
-                parts.append(msg.data)
-        except chunks.ChunkError as e:
-            raise CtlError(f"the control plane's reply to {verb} could not be read: {e}") from None
-        return b"".join(parts)
-
-    @staticmethod
-    def _not_served(subject: str) -> CtlUnavailable:
-        # The server's immediate answer: nobody subscribes (none running, or a takeover in its gap).
-        return CtlUnavailable(
-            f"no control plane answered on {subject}: none is serving it (is `llmgw controlplane` "
-            "running, with the same --nats and --prefix? a standby takes over within a lease TTL)"
-        )
-
-    @staticmethod
-    def _unavailable(subject: str, wait: float) -> CtlUnavailable:
-        return CtlUnavailable(
-            f"no control plane answered on {subject} within {wait:g}s "
-            "(is `llmgw controlplane` running, with the same --nats and --prefix?)"
-        )
-
-    async def nodes(self) -> NodesReply:
-        return await self.call("nodes", Empty(), NodesReply)
-
-    async def replicas(self, model: str | None = None) -> ReplicasReply:
-        return await self.call("replicas", ReplicasRequest(model=model), ReplicasReply)
-
-    async def models(self) -> ModelsReply:
-        return await self.call("models", Empty(), ModelsReply)
-
-    async def status(self) -> StatusReply:
-        return await self.call("status", Empty(), StatusReply)
-
-    async def explain_placement(self, model: str) -> ExplainReply:
-        return await self.call("explain-placement", ModelRequest(model=model), ExplainReply)
-
-    async def catalog_apply(self, yaml_text: str) -> CatalogApplyReply:
-        return await self.call("catalog.apply", CatalogRequest(yaml=yaml_text), CatalogApplyReply)
-
-    async def catalog_diff(self, yaml_text: str) -> CatalogDiff:
-        return await self.call("catalog.diff", CatalogRequest(yaml=yaml_text), CatalogDiff)
-
-    async def catalog_show(self) -> CatalogShowReply:
-        return await self.call("catalog.show", Empty(), CatalogShowReply)
-
-    async def cordon(self, node: str) -> MarksReply:
-        return await self.call("cordon", NodeRequest(node=node), MarksReply)
-
-    async def uncordon(self, node: str) -> MarksReply:
-        return await self.call("uncordon", NodeRequest(node=node), MarksReply)
-
-    async def drain(self, node: str, grace_s: float | None = None) -> MarksReply:
-        return await self.call("drain", DrainRequest(node=node, grace_s=grace_s), MarksReply)
-
-    async def settings_get(self) -> SettingsReply:
-        return await self.call("settings.get", Empty(), SettingsReply)
-
-    async def settings_set(self, settings: ClusterSettings) -> SettingsReply:
-        return await self.call("settings.set", SettingsSetRequest(settings=settings), SettingsReply)
-
-    async def debug_stats(self) -> DebugStatsReply:
-        return await self.call("debug.stats", Empty(), DebugStatsReply)

@@ -25,7 +25,7 @@ Left outside on purpose, because they are control flow, not failures to report: 
 - ``Fenced``, ``LeaseLost``, ``NotOurs`` (control plane): "this process is no longer the leader";
   the control plane steps down on them, a user never sees them.
 - ``TaskDied``, ``FailedPasses`` (runtime): a loop that must run for the process's life ended;
-  :func:`llmgw_common.runtime.run_service` turns them into exit status 70 so the process is replaced.
+  :func:`llmgw_runtime.runtime.run_service` turns them into exit status 70 so the process is replaced.
 - ``FaultExit`` (sim): the simulator's ``exit_after`` fault, an exit with a chosen status.
 - ``_Retryable``, ``_Expired`` (router), ``_Truncated`` (agent): private signals inside one module.
 

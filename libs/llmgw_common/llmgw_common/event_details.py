@@ -143,6 +143,32 @@ class ModelEvictedDetails(EventDetails):
     idle_s: Seconds
 
 
+# ---------------------------------------------------------------- following the load (issue 21)
+
+
+class ModelScaledUpDetails(EventDetails):
+    KIND = "model.scaled_up"
+
+    replicas_from: Count
+    replicas_to: Count
+    target: Text  # e.g. "waiting_per_replica 2"
+    measured: float = Field(strict=True, ge=0.0, allow_inf_nan=False)
+    for_s: Seconds  # how long the target had been exceeded
+    reason: Text  # the one line ctl status shows
+
+
+class ModelScaledDownDetails(EventDetails):
+    KIND = "model.scaled_down"
+
+    replicas_from: Count
+    replicas_to: Count
+    target: Text
+    measured: float = Field(strict=True, ge=0.0, allow_inf_nan=False)
+    for_s: Seconds  # how long the load had been below target
+    reason: Text
+    replica: Text  # the replica drained (it finishes what it serves, then stops)
+
+
 DETAILS: Mapping[str, type[EventDetails]] = {
     c.KIND: c
     for c in (
@@ -154,6 +180,8 @@ DETAILS: Mapping[str, type[EventDetails]] = {
         ModelScaledToZeroDetails,
         ModelWokenDetails,
         ModelEvictedDetails,
+        ModelScaledUpDetails,
+        ModelScaledDownDetails,
     )
 }
 

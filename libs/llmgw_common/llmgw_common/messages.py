@@ -1,4 +1,5 @@
-"""Typed messages that cross the bus. Every payload on a subject or in a bucket is one of these.
+"""Typed messages that cross the bus. Every payload on a subject or in a bucket is one of these, or one of
+:mod:`llmgw_common.router_messages` (what routers report, and their wake requests).
 
 Messages are frozen pydantic models that ignore unknown fields (open world: a newer sender never
 breaks an older reader). They are encoded by :mod:`llmgw_common.codec`, which adds the schema version.
@@ -187,57 +188,13 @@ class RoutingEndpoints(Message):
     # ``endpoints`` has nothing coming: refuse at once with its ``unavailable`` reason.
     coming: dict[str, str] = Field(default_factory=dict)
     # Models scaled to zero (catalog ``min_replicas: 0``, idle past ``idle_after``): a request for one
-    # is held while the router asks the control plane to wake it (:class:`WakeRequest`).
+    # is held while the router asks the control plane to wake it (``router_messages.WakeRequest``).
     cold: tuple[str, ...] = ()
 
 
 class RoutingCatalog(Message):
     version: int
     catalog: Catalog
-
-
-class IdleReport(Message):
-    router: RouterId
-    # The router's start: a replica it never routed to is idle for at least (now - since).
-    since: float
-    sent_at: float
-    last_used: dict[str, float] = Field(default_factory=dict)
-    # Replicas whose circuit breaker in this router is not closed: replica id -> "open" | "half_open".
-    # Absent: closed (or never used). For `ctl replicas`.
-    breakers: dict[str, str] = Field(default_factory=dict)
-    # Replicas with a request of this router in flight now: never evicted or scaled down meanwhile (a
-    # stream on a model's only replica has nowhere to be continued). Absent from older routers.
-    in_flight: list[str] = Field(default_factory=list)
-
-
-class WakeState(StrEnum):
-    SERVING = "serving"  # a ready replica exists already (the asker's view was stale)
-    WAKING = "waking"  # a replica is placed or starting; watch the routing endpoints for it
-    REFUSED = "refused"  # no replica can come now: ``reason`` says why, in the user's terms
-
-
-class WakeRequest(Message):
-    """Router -> control plane (request/reply on ``Subjects.wake``): a request is held for a cold model."""
-
-    model: str
-    router: RouterId
-    sent_at: float
-
-
-class WakeReply(Message):
-    model: str
-    state: WakeState
-    reason: str = ""
-
-
-class UsageReport(Message):
-    """Tokens counted by one router since it started, per key id and model."""
-
-    router: RouterId
-    since: float
-    sent_at: float
-    # key id -> model -> [requests, prompt tokens, completion tokens]
-    usage: dict[str, dict[str, tuple[int, int, int]]] = Field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- durable records
@@ -305,6 +262,33 @@ class ReplicaRecord(Message):
     draining_since: float | None = None
 
 
+class Limits(Message):
+    """Limits of a key or a team; None: no limit of that kind. Windows are fixed and aligned to the UTC
+    minute, day and month. Tokens are prompt + completion as the answers' ``usage`` says."""
+
+    rpm: int | None = Field(default=None, gt=0)
+    tpm: int | None = Field(default=None, gt=0)
+    concurrency: int | None = Field(default=None, gt=0)
+    daily_tokens: int | None = Field(default=None, gt=0)
+    monthly_tokens: int | None = Field(default=None, gt=0)
+
+    def empty(self) -> bool:
+        return all(getattr(self, f) is None for f in LIMIT_FIELDS)
+
+
+LIMIT_FIELDS = ("rpm", "tpm", "concurrency", "daily_tokens", "monthly_tokens")
+
+
+class KeyLimits(Limits):
+    """Limits over every model, and per model (a model's entry applies to it in addition: a request is
+    admitted only within both)."""
+
+    models: dict[str, Limits] = Field(default_factory=dict)
+
+    def empty(self) -> bool:
+        return Limits.empty(self) and all(m.empty() for m in self.models.values())
+
+
 class ApiKeyRecord(Message):
     id: str
     name: str
@@ -314,6 +298,28 @@ class ApiKeyRecord(Message):
     created: float
     expires: float | None = None
     revoked: bool = False
+    # None (every record from before tenancy): unlimited.
+    limits: KeyLimits | None = None
+    # A team whose limits (a TeamRecord, key ``team.<name>`` in the same bucket) its keys share.
+    team: str | None = None
+    # Fair queueing: a key's share of a saturated model's slots, against other waiting keys.
+    weight: float = Field(default=1.0, gt=0)
+
+    @property
+    def limited(self) -> bool:
+        return self.limits is not None or self.team is not None
+
+
+# Key of a team's record in ``<prefix>_keys``: key ids start with ``k-``, so they never collide.
+TEAM_KEY_PREFIX = "team."
+
+
+class TeamRecord(Message):
+    """Limits shared by every key of one team (``ApiKeyRecord.team``)."""
+
+    name: str
+    limits: KeyLimits = KeyLimits()
+    created: float = 0.0
 
 
 class Marks(Message):
@@ -349,3 +355,20 @@ class Event(Message):
     # Open on the wire (a newer sender may add keys); built and read through the kind's typed model in
     # llmgw_common.event_details, never with .get().
     details: dict[str, Any] = Field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- durable usage
+
+
+class UsageHour(Message):
+    """One router incarnation's whole totals for one UTC hour, in KV ``llmgw_usage`` (key: see
+    ``llmgw_runtime.usage_ledger.ledger_key``). Rewritten as the hour's counts grow; never an increment,
+    so a rewrite or a repeat counts nothing twice (why: ``usage_ledger``)."""
+
+    v: int = 1
+    router: RouterId
+    since: float  # the incarnation: the router's start
+    hour: float  # the hour's start, UNIX seconds
+    written_at: float
+    # key id -> model -> [requests, prompt tokens, completion tokens]
+    usage: dict[str, dict[str, tuple[int, int, int]]] = Field(default_factory=dict)

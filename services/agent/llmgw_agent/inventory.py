@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
 
-from llmgw_agent.engines import llama_server_path
+from llmgw_agent.engines import llama_server_path, vllm_command
 from llmgw_agent.gpus import GpuProbe, NvmlApi
+from llmgw_agent.settings import AgentSettings
 from llmgw_agent.storage import WeightsCache, read_mounts, scan_model_dirs
+from llmgw_common.gpuspec import sim_gpus
 from llmgw_common.messages import GpuInfo, Inventory
-from llmgw_common.settings import AgentSettings
-from llmgw_sim.gpus import sim_gpus
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +61,15 @@ def available_engines(s: AgentSettings, gpus: tuple[GpuInfo, ...], simulated: bo
     """Engines this node can run. A simulated node runs every engine as the simulator.
 
     On a real node: the simulator always, llama.cpp when its binary is on PATH, vLLM when its
-    binary is on PATH and the node has GPUs (vLLM refuses to run without one).
+    command's program is found and the node has GPUs, or says its vLLM is a CPU build
+    (``vllm_cpu``: a GPU build refuses to run without a GPU).
     """
     if simulated:
         return SIM_ENGINES
     engines = ["sim"]
     if llama_server_path(s.llama_server):
         engines.append("llamacpp")
-    if gpus and shutil.which(s.vllm):
+    if (gpus or s.vllm_cpu) and vllm_command(s.vllm):
         engines.append("vllm")
     return tuple(engines)
 

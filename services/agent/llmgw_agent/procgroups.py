@@ -1,21 +1,16 @@
-"""Engine processes as process groups: a free port, the group's live members, the very process that was
-started (not a recycled PID), and a stop that leaves no orphan: SIGTERM to the whole group, a grace
-period, then SIGKILL to whatever of the group is left, so a grandchild that ignores SIGTERM dies too.
+"""Engine processes as process groups: a free port, the very process that was started (not a recycled
+PID), the exit reason and the environment an engine inherits. Stopping a group is the shared
+:mod:`llmgw_runtime.procgroup`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import errno
-import logging
 import os
 import signal
 import socket
 
 import psutil
-
-log = logging.getLogger("llmgw.agent.supervisor")
 
 
 def port_free(host: str, port: int) -> bool:
@@ -31,27 +26,6 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of a process group."""
-    try:
-        os.killpg(pgid, 0)  # cheap: no member at all (not even a zombie) ends it here
-    except ProcessLookupError:
-        return []
-    except PermissionError:
-        pass
-    out = []
-    for pid in psutil.pids():
-        try:
-            if os.getpgid(pid) != pgid:
-                continue
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                continue
-        except (ProcessLookupError, psutil.NoSuchProcess, PermissionError, psutil.AccessDenied):
-            continue
-        out.append(pid)
-    return out
-
-
 def same_process(pid: int, create_time: float) -> bool:
     """The PID is alive and is the very process that was started (not a recycled PID)."""
     try:
@@ -59,26 +33,6 @@ def same_process(pid: int, create_time: float) -> bool:
         return abs(p.create_time() - create_time) < 0.05 and p.status() != psutil.STATUS_ZOMBIE
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
-
-
-async def terminate_group(pgid: int, grace_s: float, proc: asyncio.subprocess.Process | None = None) -> None:
-    """SIGTERM to the group, up to ``grace_s`` for it to go, then SIGKILL to whatever is left."""
-    loop = asyncio.get_running_loop()
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGTERM)
-    deadline = loop.time() + grace_s
-    while group_members(pgid) and loop.time() < deadline:
-        await asyncio.sleep(0.05)
-    if group_members(pgid):
-        log.info("process group %d outlived %.1fs grace: SIGKILL", pgid, grace_s)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
-        deadline = loop.time() + 5.0
-        while group_members(pgid) and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-    if proc is not None:
-        with contextlib.suppress(ProcessLookupError):
-            await proc.wait()
 
 
 def exit_reason(code: int | None) -> str:
@@ -103,6 +57,6 @@ _AGENT_SECRETS = (
 )
 
 
-def engine_environ() -> dict[str, str]:
-    """The environment an engine inherits: the agent's, minus its bus credentials."""
-    return {k: v for k, v in os.environ.items() if k not in _AGENT_SECRETS}
+def engine_environ(unset: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment an engine inherits: the agent's, minus its bus credentials and ``unset``."""
+    return {k: v for k, v in os.environ.items() if k not in _AGENT_SECRETS and k not in unset}

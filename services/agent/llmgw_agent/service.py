@@ -26,9 +26,9 @@ from pydantic import BaseModel
 from llmgw_agent.converge import Running, ShardKey, Wanted, assignment_fingerprint, plan_converge
 from llmgw_agent.engines import LaunchSpec, Refusal, launch_spec
 from llmgw_agent.metrics import extract_load, parse_prometheus
+from llmgw_agent.settings import AgentSettings
 from llmgw_agent.statefile import EngineRecord
 from llmgw_agent.supervisor import Shard, Supervisor
-from llmgw_common.bus import DropLog, KvFollower, connect_unless_stopped, ensure_kv
 from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.messages import (
     Assignment,
@@ -40,9 +40,10 @@ from llmgw_common.messages import (
     ShardState,
     ShardStatus,
 )
-from llmgw_common.runtime import cancel_and_wait, until_stopped
-from llmgw_common.settings import AgentSettings
 from llmgw_common.subjects import Subjects, check_token
+from llmgw_runtime.bus import DropLog, connect_unless_stopped, ensure_kv
+from llmgw_runtime.kv_follower import KvFollower
+from llmgw_runtime.runtime import cancel_and_wait, until_stopped
 
 log = logging.getLogger("llmgw.agent")
 

@@ -2,7 +2,7 @@
 
 One monitor task per shard: wait for health up to the shard's startup timeout, report ready, then
 watch for an exit or ``health_failures`` failed checks in a row, either of which ends in ``failed``
-with the last lines of the engine's output. Stopping is the whole process group (procgroups.py).
+with the last lines of the engine's output. Stopping is the whole process group (llmgw_runtime.procgroup).
 Every change of the running engines is written to the state file (statefile.py), so that an agent
 that was killed re-adopts them after a restart instead of restarting them.
 """
@@ -26,10 +26,11 @@ from llmgw_agent.converge import ShardKey, assignment_fingerprint
 from llmgw_agent.enginelogs import open_log, read_tail, safe_name
 from llmgw_agent.engines import LaunchSpec
 from llmgw_agent.probes import Probes
-from llmgw_agent.procgroups import engine_environ, exit_reason, port_free, same_process, terminate_group
+from llmgw_agent.procgroups import engine_environ, exit_reason, port_free, same_process
 from llmgw_agent.statefile import EngineRecord
 from llmgw_common.messages import ShardAssignment, ShardReport, ShardState
-from llmgw_common.runtime import cancel_and_wait
+from llmgw_runtime.procgroup import stop_group_async
+from llmgw_runtime.runtime import cancel_and_wait
 
 log = logging.getLogger("llmgw.agent.supervisor")
 
@@ -186,7 +187,7 @@ class Supervisor:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=fd,
                 stderr=asyncio.subprocess.STDOUT,
-                env={**engine_environ(), **spec.env},
+                env={**engine_environ(spec.unset), **spec.env},
                 start_new_session=True,
             )
         except OSError as e:
@@ -229,7 +230,7 @@ class Supervisor:
         """Stop an engine of a previous run that is no longer assigned."""
         log.info("stopping %s/%d (pid %d): no longer assigned", rec.replica_id, rec.shard, rec.pid)
         if same_process(rec.pid, rec.create_time):
-            await terminate_group(rec.pgid, self.stop_grace_s)
+            await stop_group_async(rec.pgid, self.stop_grace_s)
 
     async def stop(self, key: ShardKey, quiesce: bool = False) -> None:
         """Stop one shard: its monitor first (so the exit is not a failure), then the process group.
@@ -247,7 +248,7 @@ class Supervisor:
             await self._set(sh, ShardState.STOPPING)
             if quiesce and was_ready and self.quiesce_s > 0 and sh.spec is not None:
                 await self._probes.quiesce(sh.spec, self.quiesce_s, f"{key[0]}/{key[1]}")
-            await terminate_group(sh.pgid, self.stop_grace_s, sh.proc)
+            await stop_group_async(sh.pgid, self.stop_grace_s, sh.proc)
         await self._cancel_exit_task(sh)
         self.shards.pop(key, None)
         self._save_state()
@@ -298,7 +299,7 @@ class Supervisor:
 
     async def _fail(self, sh: Shard, reason: str) -> None:
         if sh.pgid is not None:
-            await terminate_group(sh.pgid, self.stop_grace_s, sh.proc)
+            await stop_group_async(sh.pgid, self.stop_grace_s, sh.proc)
         sh.log_tail = read_tail(sh.log_path)
         await self._cancel_exit_task(sh)
         sh.pid = sh.pgid = sh.create_time = None

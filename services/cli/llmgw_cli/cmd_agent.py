@@ -55,9 +55,10 @@ def agent(
     from pydantic import ValidationError
 
     from llmgw_agent.service import serve
-    from llmgw_common.runtime import run_service, setup_logging
-    from llmgw_common.settings import AgentSettings, load_settings
+    from llmgw_agent.settings import AgentSettings
     from llmgw_common.subjects import check_token
+    from llmgw_runtime.runtime import run_service, setup_logging
+    from llmgw_runtime.settings import load_settings
 
     overrides = dict(
         nats_urls=_urls(nats),

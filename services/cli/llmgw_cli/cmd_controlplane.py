@@ -24,9 +24,10 @@ def controlplane(
 
     from pydantic import ValidationError
 
-    from llmgw_common.runtime import run_service, setup_logging
-    from llmgw_common.settings import ControlPlaneSettings, load_settings
     from llmgw_controlplane.service import StartupError, serve
+    from llmgw_controlplane.settings import ControlPlaneSettings
+    from llmgw_runtime.runtime import run_service, setup_logging
+    from llmgw_runtime.settings import load_settings
 
     try:
         settings = load_settings(

@@ -1,66 +1,39 @@
-"""``llmgw keys create|list|revoke``: API keys, directly in the ``<prefix>_keys`` bucket."""
+"""``llmgw keys create|update|list|revoke|dev|hash``: API keys, directly in the ``<prefix>_keys``
+bucket (routers follow it: a change holds everywhere within a tick). ``team`` (``keys_team.py``) and
+``usage`` (``cmd_usage.py``) are registered here too."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any
 
 import typer
 
+from llmgw_cli.keys_call import run_on_bus
+from llmgw_cli.keys_options import (
+    CONC,
+    CONFIG,
+    DAILY,
+    MODEL_LIMIT,
+    MONTHLY,
+    NATS,
+    OUTPUT,
+    PREFIX,
+    RPM,
+    TEAM,
+    TPM,
+    check_weight,
+    limits_from_flags,
+    limits_text,
+)
+from llmgw_cli.keys_team import team_command
 from llmgw_common.messages import ApiKeyRecord
 
-keys_app = typer.Typer(help="API keys: create (printed once), list, revoke.", no_args_is_help=True)
-T = TypeVar("T")
-
-_NATS = typer.Option([], "--nats", help="NATS URL (repeatable, or a comma list)")
-_PREFIX = typer.Option(None, help="Subject and bucket prefix")
-_CONFIG = typer.Option(None, help="YAML settings file")
-_OUTPUT = typer.Option("table", "-o", "--output", help="table or json")
-
-
-def _run(
-    config: str | None, nats: list[str], prefix: str | None, op: Callable[[Any, str], Awaitable[T]]
-) -> T:
-    """Connect (once, no endless retries), run ``op(nc, prefix)``, close; exit 1 when NATS is away."""
-    from nats.errors import Error as NatsError
-    from pydantic import ValidationError
-
-    from llmgw_common import bus
-    from llmgw_common.errors import InvalidInput
-    from llmgw_common.settings import BusSettings, load_settings
-    from llmgw_common.subjects import Subjects
-
-    urls = [u.strip() for v in nats for u in v.split(",") if u.strip()] or None
-    try:
-        settings = load_settings(BusSettings, config, nats_urls=urls, prefix=prefix)
-    except ValidationError as e:
-        raise InvalidInput(f"bad settings: {e}") from None
-
-    # The bus client's reconnect warnings would repeat what the one error line below says.
-    logging.getLogger("llmgw.bus").setLevel(logging.ERROR)
-
-    async def main() -> T:
-        try:
-            nc = await bus.connect(settings, "llmgw-keys", connect_timeout=3.0, wait=False)
-        except (OSError, TimeoutError, NatsError) as e:
-            where = ", ".join(settings.nats_urls)
-            typer.echo(f"llmgw keys: cannot reach NATS at {where}: {e or type(e).__name__}", err=True)
-            raise typer.Exit(1) from None
-        try:
-            # The bucket may not exist yet (keys made before the first control plane started): make it
-            # with the cluster's replica count, not the helpers' default of 1.
-            await bus.ensure_kv(
-                nc.jetstream(), Subjects(settings.prefix).bucket_keys, replicas=settings.kv_replicas
-            )
-            return await op(nc, settings.prefix)
-        finally:
-            await nc.close()
-
-    return asyncio.run(main())
+keys_app = typer.Typer(
+    help="API keys: create (printed once), update limits, list, revoke; team limits.", no_args_is_help=True
+)
 
 
 def _when(t: float | None) -> str:
@@ -77,6 +50,9 @@ def _row(r: ApiKeyRecord) -> dict[str, Any]:
         "created": r.created,
         "expires": r.expires,
         "revoked": r.revoked,
+        "limits": r.limits.model_dump(exclude_none=True) if r.limits is not None else None,
+        "team": r.team,
+        "weight": r.weight,
     }
 
 
@@ -87,14 +63,22 @@ def create(
         None, "--models", help="Comma list of models it may use (default: all)"
     ),
     expires: str | None = typer.Option(None, "--expires", help="Lifetime, e.g. 30d, 12h (default: never)"),
-    output: str = _OUTPUT,
-    config: str | None = _CONFIG,
-    nats: list[str] = _NATS,
-    prefix: str | None = _PREFIX,
+    rpm: int | None = RPM,
+    tpm: int | None = TPM,
+    concurrency: int | None = CONC,
+    daily_tokens: int | None = DAILY,
+    monthly_tokens: int | None = MONTHLY,
+    model_limit: list[str] = MODEL_LIMIT,
+    team: str | None = TEAM,
+    weight: float = typer.Option(1.0, "--weight", help="Share of a saturated model against other keys"),
+    output: str = OUTPUT,
+    config: str | None = CONFIG,
+    nats: list[str] = NATS,
+    prefix: str | None = PREFIX,
 ) -> None:
     """Make a key. It is printed once and never stored: keep it."""
-    from llmgw_common.apikeys import KeyOpError, create_key
     from llmgw_common.durations import parse_duration
+    from llmgw_runtime.apikeys import KeyOpError, create_key
 
     try:
         expires_at = time.time() + parse_duration(expires) if expires else None
@@ -102,41 +86,105 @@ def create(
         typer.echo(f"llmgw keys create: --expires: {e}", err=True)
         raise typer.Exit(2) from None
     allowed = [m.strip() for m in models.split(",") if m.strip()] if models else None
+    limits = limits_from_flags(
+        "create", None, rpm, tpm, concurrency, daily_tokens, monthly_tokens, model_limit
+    )
+    check_weight("create", weight)
 
     async def op(nc: Any, pfx: str) -> tuple[str, ApiKeyRecord]:
         try:
-            return await create_key(nc, pfx, name, allowed, expires_at)
+            return await create_key(
+                nc, pfx, name, allowed, expires_at, limits=limits, team=team or None, weight=weight
+            )
         except KeyOpError as e:
             typer.echo(f"llmgw keys create: {e}", err=True)
             raise typer.Exit(1) from None
 
-    key, rec = _run(config, nats, prefix, op)
+    key, rec = run_on_bus(config, nats, prefix, op)
     if output == "json":
         typer.echo(json.dumps({"key": key, **_row(rec)}))
         return
     typer.echo(key)
     typer.echo(
         f"key {rec.id} ({rec.name}) for {', '.join(rec.models) if rec.models else 'every model'}, "
-        f"expires {_when(rec.expires) if rec.expires else 'never'}. It is shown only now.",
+        f"expires {_when(rec.expires) if rec.expires else 'never'}, limits {limits_text(rec)}. "
+        "It is shown only now.",
         err=True,
     )
 
 
+@keys_app.command("update")
+def update(
+    key: str = typer.Argument(..., help="Key id or name"),
+    rpm: int | None = RPM,
+    tpm: int | None = TPM,
+    concurrency: int | None = CONC,
+    daily_tokens: int | None = DAILY,
+    monthly_tokens: int | None = MONTHLY,
+    model_limit: list[str] = MODEL_LIMIT,
+    clear: list[str] = typer.Option(
+        [], "--clear", help="Remove a limit: rpm, tpm, concurrency, daily_tokens, monthly_tokens, models"
+    ),
+    team: str | None = typer.Option(None, "--team", help="Team to share limits with ('' for none)"),
+    weight: float | None = typer.Option(None, "--weight", help="Share of a saturated model"),
+    output: str = OUTPUT,
+    config: str | None = CONFIG,
+    nats: list[str] = NATS,
+    prefix: str | None = PREFIX,
+) -> None:
+    """Change a key's limits, team or weight; what is not given stays. Every router holds the new
+    limits within a tick; counts already made in the current windows stay."""
+    from llmgw_runtime.apikeys import KeyOpError, list_keys, update_key
+
+    check_weight("update", weight)
+
+    async def op(nc: Any, pfx: str) -> ApiKeyRecord:
+        recs = await list_keys(nc, pfx)
+        cur = next((r for r in recs if r.id == key), None) or next(
+            (r for r in recs if r.name == key and not r.revoked), None
+        )
+        base = cur.limits if cur is not None else None
+        limits = limits_from_flags(
+            "update", base, rpm, tpm, concurrency, daily_tokens, monthly_tokens, model_limit, clear
+        )
+        kw: dict[str, Any] = {"limits": limits, "weight": weight}
+        if team is not None:
+            kw["team"] = team or None
+        try:
+            return await update_key(nc, pfx, key, **kw)
+        except KeyOpError as e:
+            typer.echo(f"llmgw keys update: {e}", err=True)
+            raise typer.Exit(1) from None
+
+    rec = run_on_bus(config, nats, prefix, op)
+    if output == "json":
+        typer.echo(json.dumps(_row(rec)))
+    else:
+        typer.echo(
+            f"updated {rec.id} ({rec.name}): limits {limits_text(rec)}, team {rec.team or '-'}, "
+            f"weight {rec.weight:g}"
+        )
+
+
+# Between update and list, where `llmgw keys --help` has always listed it.
+keys_app.command("team")(team_command)
+
+
 @keys_app.command("list")
 def list_(
-    output: str = _OUTPUT,
-    config: str | None = _CONFIG,
-    nats: list[str] = _NATS,
-    prefix: str | None = _PREFIX,
+    output: str = OUTPUT,
+    config: str | None = CONFIG,
+    nats: list[str] = NATS,
+    prefix: str | None = PREFIX,
 ) -> None:
     """List keys (never their hashes)."""
-    from llmgw_common.apikeys import list_keys
+    from llmgw_runtime.apikeys import list_keys
 
-    recs = _run(config, nats, prefix, lambda nc, pfx: list_keys(nc, pfx))
+    recs = run_on_bus(config, nats, prefix, lambda nc, pfx: list_keys(nc, pfx))
     if output == "json":
         typer.echo(json.dumps([_row(r) for r in recs]))
         return
-    rows = [("ID", "NAME", "MODELS", "CREATED", "EXPIRES", "REVOKED")]
+    rows = [("ID", "NAME", "MODELS", "CREATED", "EXPIRES", "REVOKED", "TEAM", "WEIGHT", "LIMITS")]
     for r in recs:
         rows.append(
             (
@@ -146,6 +194,9 @@ def list_(
                 _when(r.created),
                 _when(r.expires),
                 "yes" if r.revoked else "no",
+                r.team or "-",
+                f"{r.weight:g}",
+                limits_text(r),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -156,13 +207,13 @@ def list_(
 @keys_app.command("revoke")
 def revoke(
     key: str = typer.Argument(..., help="Key id or name"),
-    output: str = _OUTPUT,
-    config: str | None = _CONFIG,
-    nats: list[str] = _NATS,
-    prefix: str | None = _PREFIX,
+    output: str = OUTPUT,
+    config: str | None = CONFIG,
+    nats: list[str] = NATS,
+    prefix: str | None = PREFIX,
 ) -> None:
     """Revoke a key: every router refuses it within a tick."""
-    from llmgw_common.apikeys import KeyOpError, revoke_key
+    from llmgw_runtime.apikeys import KeyOpError, revoke_key
 
     async def op(nc: Any, pfx: str) -> ApiKeyRecord:
         try:
@@ -171,20 +222,56 @@ def revoke(
             typer.echo(f"llmgw keys revoke: {e}", err=True)
             raise typer.Exit(1) from None
 
-    rec = _run(config, nats, prefix, op)
+    rec = run_on_bus(config, nats, prefix, op)
     if output == "json":
         typer.echo(json.dumps(_row(rec)))
     else:
         typer.echo(f"revoked {rec.id} ({rec.name})")
 
 
+@keys_app.command("dev")
+def dev(
+    key_file: Path = typer.Option(
+        ..., "--key-file", help="Where the key is kept (mode 0600); reused while its record is valid"
+    ),
+    wait: float = typer.Option(
+        0.0, "--wait", help="Seconds to keep trying NATS (a container started together with it)"
+    ),
+    config: str | None = CONFIG,
+    nats: list[str] = NATS,
+    prefix: str | None = PREFIX,
+) -> None:
+    """The development key, as `llmgw up` makes it, for a cluster started otherwise (docker compose).
+
+    The key in --key-file while its record is valid, else a new one (an earlier development key whose
+    file was lost is revoked). Printed on stdout; the same file can feed the notifier's probe key.
+    """
+    from llmgw_cli.devkey import ensure_dev_key
+    from llmgw_common.subjects import Subjects
+
+    async def op(nc: Any, pfx: str) -> tuple[str, bool]:
+        kv = await nc.jetstream().key_value(Subjects(pfx).bucket_keys)
+        return await ensure_dev_key(kv, pfx, key_file)
+
+    key, minted = run_on_bus(config, nats, prefix, op, wait_s=wait)
+    typer.echo(key)
+    typer.echo(
+        f"development key {'minted' if minted else 'reused'}, kept in {key_file}",
+        err=True,
+    )
+
+
 @keys_app.command("hash")
 def hash_(key: str = typer.Argument(..., help="A key, for a static router file's 'keys' list")) -> None:
     """Print the sha256 of a key (what a record or a static file holds)."""
-    from llmgw_common.apikeys import hash_key
+    from llmgw_runtime.apikeys import hash_key
 
     typer.echo(hash_key(key))
 
 
 def register(app: typer.Typer) -> None:
+    from llmgw_cli.cmd_usage import usage_command  # its own module: this one holds the records
+
+    if not any(c.name == "usage" for c in keys_app.registered_commands):
+        keys_app.command("usage")(usage_command)
     app.add_typer(keys_app, name="keys")

@@ -28,9 +28,10 @@ def notifier(
     """Run the notifier: deliver events to the configured webhooks, and probe watched models."""
     from pydantic import ValidationError
 
-    from llmgw_common.runtime import run_service, setup_logging
-    from llmgw_common.settings import NotifierSettings, load_settings
     from llmgw_notifier.service import serve
+    from llmgw_notifier.settings import NotifierSettings
+    from llmgw_runtime.runtime import run_service, setup_logging
+    from llmgw_runtime.settings import load_settings
 
     overrides = dict(
         nats_urls=_urls(nats),

@@ -34,10 +34,11 @@ def router(
     """Run a router: the OpenAI-compatible API in front of the cluster's engines."""
     from pydantic import ValidationError
 
-    from llmgw_common.runtime import run_service, setup_logging
-    from llmgw_common.settings import RouterSettings, load_settings
     from llmgw_router.service import serve
+    from llmgw_router.settings import RouterSettings
     from llmgw_router.static import StaticConfigError, load_static
+    from llmgw_runtime.runtime import run_service, setup_logging
+    from llmgw_runtime.settings import load_settings
 
     urls = _urls(nats)
     overrides = dict(

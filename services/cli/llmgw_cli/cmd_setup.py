@@ -23,13 +23,13 @@ import nats.js.errors
 import typer
 import yaml
 
-from llmgw_common import bus
 from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.messages import ClusterSettings, Webhook
 from llmgw_common.natsauth import all_roles, authorization_config, role_credentials
-from llmgw_common.settings import BusSettings
 from llmgw_common.subjects import DESIRED_SETTINGS, Subjects
 from llmgw_common.urls import http_url_problem, shown_url
+from llmgw_runtime import bus
+from llmgw_runtime.settings import BusSettings
 
 EMPTY_WEBHOOK_MEANS = (
     "An empty answer means no webhook: nobody will be told when a node or a watched model goes down "

@@ -8,7 +8,7 @@ import sys
 
 import typer
 
-from llmgw_sim.options import METRICS_STYLES, SimOptions
+from llmgw_common.sim_options import METRICS_STYLES, SimOptions
 
 _D = SimOptions()
 
@@ -40,6 +40,18 @@ def sim_engine(
         _D.default_max_tokens, help="Completion length when a request gives no max_tokens"
     ),
     heartbeat_s: float = typer.Option(_D.heartbeat_s, help="Follower heartbeat period, seconds"),
+    runner: str | None = typer.Option(
+        None, help="Act as vLLM's 'generate' or 'pooling' runner: only its routes (unset: every route)"
+    ),
+    pooling_task: str = typer.Option(_D.pooling_task, help="A pooling runner's task: embed or classify"),
+    num_labels: int = typer.Option(_D.num_labels, help="Labels of a classify model"),
+    transcription: bool = typer.Option(
+        False, "--transcription", help="A generate runner that also serves /v1/audio (Whisper-like)"
+    ),
+    responses_store: int = typer.Option(
+        _D.responses_store, help="Stored responses kept (an LRU); 0: none, as vLLM without its store"
+    ),
+    max_model_len: int = typer.Option(_D.max_model_len, help="Context length; longer prompts get 400"),
     log_level: str = typer.Option("INFO", help="Python log level"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved options as JSON and exit"),
 ) -> None:
@@ -64,6 +76,12 @@ def sim_engine(
             zero=zero,
             default_max_tokens=default_max_tokens,
             heartbeat_s=heartbeat_s,
+            runner=runner,
+            pooling_task=pooling_task,
+            num_labels=num_labels,
+            transcription=transcription,
+            responses_store=responses_store,
+            max_model_len=max_model_len,
         )
     except ValueError as e:
         typer.echo(f"llmgw sim-engine: {e}", err=True)
@@ -72,8 +90,9 @@ def sim_engine(
         typer.echo(json.dumps(opts.to_dict(), sort_keys=True))
         return
 
-    from llmgw_common.runtime import run_service, setup_logging
-    from llmgw_sim.engine import FaultExit, serve
+    from llmgw_runtime.runtime import run_service, setup_logging
+    from llmgw_sim.engine import FaultExit
+    from llmgw_sim.serving import serve
 
     setup_logging(log_level, name="sim-engine")
     exit_code = 0

@@ -41,12 +41,12 @@ from llmgw_cli.fleet import Fleet, FleetError, load_fleet_file
 from llmgw_cli.upopts import LOOPBACK, option_errors
 from llmgw_cli.upready import STATE_FILE, wait_ready_then_serve
 from llmgw_cli.upterm import StopFlag, err, out
-from llmgw_common.bus import connect, ensure_all
 from llmgw_common.catalog import Catalog, CatalogError, load_catalog_file
 from llmgw_common.errors import LlmgwError
-from llmgw_common.natsserver import NatsServer, NatsServerError, ensure_on_path
-from llmgw_common.settings import BusSettings
 from llmgw_common.subjects import DESIRED_CATALOG, Subjects, check_token
+from llmgw_runtime.bus import connect, ensure_all
+from llmgw_runtime.natsserver import NatsServer, NatsServerError, ensure_on_path
+from llmgw_runtime.settings import BusSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 

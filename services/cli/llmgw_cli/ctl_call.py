@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from llmgw_cli.ctl_options import fail
-from llmgw_common.ctl import CtlClient, CtlError, CtlUnavailable
 from llmgw_common.messages import Message
+from llmgw_runtime.ctl_client import CtlClient, CtlError, CtlUnavailable
 
 T = TypeVar("T", bound=Message)
 
@@ -25,8 +25,8 @@ def call(
     import nats.errors
     from pydantic import ValidationError
 
-    from llmgw_common import bus
-    from llmgw_common.settings import BusSettings, load_settings
+    from llmgw_runtime import bus
+    from llmgw_runtime.settings import BusSettings, load_settings
 
     urls = [u.strip() for v in nats_urls or [] for u in v.split(",") if u.strip()] or None
     try:

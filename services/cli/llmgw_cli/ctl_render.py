@@ -142,12 +142,19 @@ def render_models(reply: ModelsReply) -> str:
     out = table(["MODEL", "ENGINE", "GPUS", "READY", "STATE", "REASON"], rows)
     if any(m.watched for m in reply.models):
         out += "\n* watched: alerts when it has had no ready replica for its watch budget"
+    for m in reply.models:
+        f = m.scaling
+        if f is not None:
+            # Issue 21: the count a load-following model asks for, and why (or what holds it).
+            out += f"\n{m.name} follows load (target {f.target}): wants {f.wants}; {f.why}"
     return out
 
 
 @shown
 def render_explain(e: ExplainReply) -> str:
     lines = [e.summary]
+    if e.scaling:
+        lines.append(e.scaling)
     lines.extend(f"  {p}" for p in e.placement)
     if e.nodes:
         rows = [[v.node, "fits" if v.ok else "refused", "; ".join(v.reasons)] for v in e.nodes]

@@ -13,7 +13,6 @@ before the stop, it lets the stop find any process of the run that outlived its 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -21,14 +20,16 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import psutil
 
 from llmgw_cli.fleet import Fleet
 from llmgw_cli.upopts import LOOPBACK, reach_host
+from llmgw_runtime.procgroup import Group, die_with_parent, group_members, signal_group, stop_groups
 
 RUN_MARKER = "LLMGW_UP_RUN"
 LOCAL_NODE = "local"
@@ -186,13 +187,6 @@ def log_tail(path: Path, lines: int = 20) -> list[str]:
     return data.decode("utf-8", "replace").splitlines()[-lines:]
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when `llmgw up` dies, even by SIGKILL (Linux only)."""
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
 @dataclass
 class Child:
     spec: ChildSpec
@@ -247,7 +241,7 @@ class Supervisor:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                preexec_fn=die_with_parent if sys.platform == "linux" else None,
             )
         child = Child(spec, proc, log_path, pgid=proc.pid, started_at=time.monotonic())
         self.children.append(child)
@@ -295,7 +289,18 @@ class Supervisor:
         self.note_descendants()
         for tier in sorted({c.spec.tier for c in self.children}, reverse=True):
             group = [c for c in reversed(self.children) if c.spec.tier == tier]
-            stop_groups(group, say=self.say, hurry=hurry)
+            stop_groups(
+                [
+                    Group(c.pgid, c.spec.grace_s, c.spec.name, partial(c.proc.wait, 5))
+                    for c in group
+                    if c.alive() or group_members(c.pgid)
+                ],
+                hurry=hurry,
+                overdue=self._overdue,
+            )
+
+    def _overdue(self, g: Group) -> None:
+        self.say(f"{g.name} did not stop within {g.grace_s:.0f}s: killing it")
 
     def sweep(self) -> list[str]:
         """SIGKILL any process of this run still alive (NATS included: stop it first).
@@ -313,43 +318,13 @@ class Supervisor:
                 if p.status() != psutil.STATUS_ZOMBIE:
                     procs.append((p, " ".join(p.cmdline()[:6])))
         for g in self.pgids:
-            with contextlib.suppress(OSError):
-                os.killpg(g, signal.SIGKILL)
+            signal_group(g, signal.SIGKILL)
         killed = []
         for p, cmd in procs:
             with contextlib.suppress(psutil.Error):
                 p.kill()
                 killed.append(f"{p.pid} {cmd}")
         return killed
-
-
-def stop_groups(
-    children: Iterable[Child],
-    *,
-    say: Callable[[str], None] = lambda _: None,
-    hurry: Callable[[], bool] = lambda: False,
-) -> None:
-    """SIGTERM each child's process group, wait up to its grace (or until ``hurry()``), then SIGKILL it."""
-    children = list(children)
-    for c in children:
-        if c.alive():
-            with contextlib.suppress(OSError):
-                os.killpg(c.pgid, signal.SIGTERM)
-    # One clock for the whole tier: n hung children cost one grace, not n.
-    start = time.monotonic()
-    for c in children:
-        deadline = start + c.spec.grace_s
-        while c.alive() and not hurry():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                say(f"{c.spec.name} did not stop within {c.spec.grace_s:.0f}s: killing it")
-                break
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                c.proc.wait(timeout=min(left, 0.1))
-        with contextlib.suppress(OSError):
-            os.killpg(c.pgid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            c.proc.wait(timeout=5)
 
 
 def _is_ours_by_name(cmdline: list[str]) -> bool:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from nats.js.kv import KeyValue
 
-from llmgw_common.apikeys import create_key, hash_key, list_keys, revoke_key
 from llmgw_common.messages import ApiKeyRecord
+from llmgw_runtime.apikeys import create_key, hash_key, list_keys, revoke_key
 
 DEV_KEY_NAME = "llmgw up development key"
 

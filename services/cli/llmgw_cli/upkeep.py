@@ -16,7 +16,7 @@ from typing import Protocol
 from llmgw_cli.devcluster import Supervisor, write_state
 from llmgw_cli.restarts import Restarts
 from llmgw_cli.upterm import err
-from llmgw_common.natsserver import NatsServer, NatsServerError
+from llmgw_runtime.natsserver import NatsServer, NatsServerError
 
 NATS = "nats-server"
 SUPERVISE_EVERY_S = 0.5

@@ -12,7 +12,7 @@ from llmgw_cli.upkeep import supervise
 from llmgw_cli.upopts import LOOPBACK, reach_host
 from llmgw_cli.upterm import StopFlag, err, out
 from llmgw_common.catalog import Catalog
-from llmgw_common.natsserver import NatsServer
+from llmgw_runtime.natsserver import NatsServer
 
 STATE_FILE = "up.json"
 

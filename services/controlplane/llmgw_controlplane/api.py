@@ -17,7 +17,7 @@ from nats.micro import add_service
 from nats.micro.request import Request, ServiceError
 from nats.micro.service import Service
 
-from llmgw_common import bus, chunks
+from llmgw_common import chunks
 from llmgw_common.catalog import CatalogError, catalog_to_yaml, parse_catalog
 from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.ctl import (
@@ -42,19 +42,20 @@ from llmgw_common.ctl import (
     endpoint_name,
 )
 from llmgw_common.messages import Marks, Message
-from llmgw_common.settings import ControlPlaneSettings
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane import desired, views
-from llmgw_controlplane.autoscale import Autoscaler, idle_lookup
 from llmgw_controlplane.desired import DesiredConflict
-from llmgw_controlplane.placement import explain
+from llmgw_controlplane.scheduler.autoscale import Autoscaler, idle_lookup
+from llmgw_controlplane.scheduler.placement import explain
+from llmgw_controlplane.settings import ControlPlaneSettings
+from llmgw_runtime import bus
 
 if TYPE_CHECKING:
     from llmgw_controlplane.desired import DesiredState
     from llmgw_controlplane.failures import FailureBook
-    from llmgw_controlplane.idle import IdleMerger
-    from llmgw_controlplane.reconcile_loop import Verdicts
-    from llmgw_controlplane.snapshot import Snapshot
+    from llmgw_controlplane.pass_verdicts import Verdicts
+    from llmgw_controlplane.scheduler.idle import IdleMerger
+    from llmgw_controlplane.scheduler.snapshot import Snapshot
     from llmgw_controlplane.state import ClusterState
 
 log = logging.getLogger("llmgw.controlplane.api")
@@ -160,6 +161,10 @@ class CtlApi:
         snap = r.snapshot()
         v = r.verdicts
         models = views.models_info(snap, v.reasons, v.unplaceable, v.backoff)
+        load = r.autoscale.load_info(v.unplaceable)
+        models = tuple(
+            m.model_copy(update={"scaling": load[m.name]}) if m.name in load else m for m in models
+        )
         return ModelsReply(models=r.failures.on_models(models, snap.now))
 
     async def status(self, _: Message) -> StatusReply:
@@ -181,7 +186,7 @@ class CtlApi:
             fence=r.fence,
             catalog_version=r.state.catalog_version,
         )
-        return reply.model_copy(update=r.autoscale.status())
+        return reply.model_copy(update=r.autoscale.status(v.unplaceable))
 
     async def explain(self, req: ModelRequest) -> ExplainReply:
         r = self.reads
@@ -191,6 +196,7 @@ class CtlApi:
             raise _err(404, f"model {req.model!r} is not in the catalog (models: {known})")
         snap = r.snapshot()
         reply = views.explain_info(explain(profile, snap))
+        reply = reply.model_copy(update={"scaling": r.autoscale.explain_scaling(req.model)})
         if reply.placeable:
             return reply
         # What eviction would make room (issue 13): said here, placement itself knows nothing of it.

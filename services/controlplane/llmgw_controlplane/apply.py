@@ -17,7 +17,6 @@ import nats.errors
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from llmgw_common.bus import DropLog, kv_get, kv_keys
 from llmgw_common.catalog import Catalog
 from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.messages import (
@@ -30,6 +29,7 @@ from llmgw_common.messages import (
     ShardAssignment,
 )
 from llmgw_common.subjects import ROUTING_CATALOG, ROUTING_ENDPOINTS
+from llmgw_runtime.bus import DropLog, kv_get, kv_keys
 
 log = logging.getLogger("llmgw.controlplane.apply")
 
@@ -212,6 +212,12 @@ class RoutingPublisher:
         if cat is not None:
             self.catalog_version = cat.version
             self._catalog = cat.catalog
+
+    @property
+    def stored_cold(self) -> tuple[str, ...] | None:
+        """The models scaled to zero in the table last written or loaded (a takeover keeps them); None
+        when there is no table yet."""
+        return self._endpoints[3] if self._endpoints is not None else None
 
     async def publish_endpoints(
         self,

@@ -20,14 +20,14 @@ from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
-from llmgw_common import bus
 from llmgw_common.backoff import jittered_delay
-from llmgw_common.bus import DropLog
 from llmgw_common.catalog import Catalog, load_catalog_file
 from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.errors import Conflict
 from llmgw_common.messages import ClusterSettings, Marks
 from llmgw_common.subjects import DESIRED_CATALOG, DESIRED_MARKS, DESIRED_SETTINGS
+from llmgw_runtime import bus
+from llmgw_runtime.bus import DropLog
 
 if TYPE_CHECKING:
     from llmgw_controlplane.apply import RoutingPublisher

@@ -1,5 +1,5 @@
 """Reports off the bus into the tables: nodes' heartbeats, inventories and statuses; routers' idle
-and usage reports.
+usage and demand reports.
 
 Cheap by design: each callback updates a table and marks the reconcile loop dirty only when something
 it cares about changed (a heartbeat repeating the same state does not). A standby ingests exactly as
@@ -17,12 +17,14 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from llmgw_common import bus
-from llmgw_common.messages import Heartbeat, IdleReport, Inventory, ShardStatus, UsageReport
+from llmgw_common.messages import Heartbeat, Inventory, ShardStatus
+from llmgw_common.router_messages import DemandReport, IdleReport, UsageReport
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane.console.usage import UsageBook
-from llmgw_controlplane.idle import IdleMerger
+from llmgw_controlplane.scheduler.demand import DemandBook
+from llmgw_controlplane.scheduler.idle import IdleMerger
 from llmgw_controlplane.state import ClusterState
+from llmgw_runtime import bus
 
 log = logging.getLogger("llmgw.controlplane")
 
@@ -42,6 +44,7 @@ class Ingest:
         clock: Callable[[], float],
         dirty: asyncio.Event,
         heartbeat_interval_s: float,
+        demand: DemandBook | None = None,
     ) -> None:
         self.nc = nc
         self.subjects = subjects
@@ -52,6 +55,7 @@ class Ingest:
         self.clock = clock
         self.dirty = dirty
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.demand = demand
         # node -> when we last asked it for its inventory (own clock).
         self._inventory_asked: dict[str, float] = {}
 
@@ -64,6 +68,7 @@ class Ingest:
             await bus.subscribe(nc, sub.all_nodes("status"), ShardStatus, self.on_status, self.drops),
             await bus.subscribe(nc, sub.all_idle(), IdleReport, self.on_idle, self.drops),
             await bus.subscribe(nc, sub.all_usage(), UsageReport, self.on_usage, self.drops),
+            await bus.subscribe(nc, sub.all_demand(), DemandReport, self.on_demand, self.drops),
         ]
 
     def forget(self, node: str) -> None:
@@ -105,6 +110,11 @@ class Ingest:
     def on_usage(self, rep: UsageReport, msg: Msg) -> None:
         if self._from_its_subject(msg, rep.router, "router"):
             self.usage.add(rep, self.clock())
+
+    def on_demand(self, rep: DemandReport, msg: Msg) -> None:
+        # Not dirty: the load is judged on the tick, over time (up_after, down_after), not per message.
+        if self.demand is not None and self._from_its_subject(msg, rep.router, "router"):
+            self.demand.add(rep, self.clock())
 
     def on_idle(self, rep: IdleReport, msg: Msg) -> None:
         if self._from_its_subject(msg, rep.router, "router"):

@@ -27,11 +27,11 @@ import nats.js.errors
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from llmgw_common import bus
 from llmgw_common.codec import encode
 from llmgw_common.ctl import LeaseRecord
-from llmgw_common.runtime import cancel_and_wait
 from llmgw_common.subjects import LEADER_KEY
+from llmgw_runtime import bus
+from llmgw_runtime.runtime import cancel_and_wait
 
 log = logging.getLogger("llmgw.controlplane.leader")
 # JetStream's "wrong last sequence" error codes (the ones nats-py maps to KeyWrongLastSequenceError).
@@ -71,6 +71,17 @@ class Lease:
         self._seen_at = 0.0
         # Every read-modify-write of the key (renew, take, release) runs alone: see the module docstring.
         self._lock = asyncio.Lock()
+        # Own clock: since when no call to the lease bucket was answered (None: the last one was). A
+        # refusal is an answer; only errors and timeouts count (the server we are on cannot reach the
+        # bucket: see Leadership.leave_if_stranded).
+        self.failing_since: float | None = None
+
+    def _answered(self) -> None:
+        self.failing_since = None
+
+    def _unanswered(self, t0: float) -> None:
+        if self.failing_since is None:
+            self.failing_since = t0
 
     @property
     def renew_every_s(self) -> float:
@@ -79,6 +90,10 @@ class Lease:
     def held(self) -> bool:
         """Leader now: renewed recently enough that no standby can have taken over yet."""
         return self._renewed_at is not None and self.clock() - self._renewed_at < self.ttl_s * 0.8
+
+    def unrenewed_s(self) -> float | None:
+        """Seconds since the last renewal (None: not held at all): why ``held()`` turned false."""
+        return None if self._renewed_at is None else self.clock() - self._renewed_at
 
     @property
     def fence(self) -> int:
@@ -104,11 +119,14 @@ class Lease:
             try:
                 await self._renew()
                 self._renewed_at = t0
+                self._answered()
             except NotOurs as e:
                 self._lose(str(e))
             except KeyWrongLastSequenceError:
+                self._answered()
                 self._lose("another control plane holds the lease")
             except (nats.errors.Error, TimeoutError) as e:
+                self._unanswered(t0)
                 if not self.held():
                     self._lose(f"could not renew: {e}")
             return self.held()
@@ -149,18 +167,21 @@ class Lease:
             self._acquired_at = self.wall()
             self.revision = await self.kv.create(LEADER_KEY, self._value())
             self._renewed_at = t0
+            self._answered()
             log.info("leadership taken (fence %d)", self.revision)
             return True
         except KeyWrongLastSequenceError:
-            pass
+            self._answered()
         except (nats.errors.Error, TimeoutError) as e:
             log.debug("lease create failed: %s", e)
+            self._unanswered(t0)
             return False
         try:
             entry = await self.kv.get(LEADER_KEY)
         except KeyNotFoundError:
             return False  # lapsed between the two calls: the next step creates it
         except (nats.errors.Error, TimeoutError):
+            self._unanswered(t0)
             return False
         rev = entry.revision or 0
         if rev != self._seen_rev:

@@ -5,6 +5,11 @@ The lease (:mod:`leader`) is stepped every TTL/3. Won, it is a takeover: load wh
 nothing is rewritten), the stored catalog and marks, the routing table — adopt replicas found only in
 assignments, then lead: the reconcile loop passes and the ctl service answers. Lost (not renewed in
 time, or a write refused by its fence), this process steps down at once and only ingests.
+
+A control plane whose lease calls go unanswered for a whole TTL while its server still answers pings
+is on an island (a nats-server cut from its peers: its JetStream says 503, and no client leaves a
+server that answers pings): it moves to another of its servers (:func:`leave_if_stranded`), so that
+two control planes on one cut server do not leave the cluster without a leader until the heal.
 """
 
 from __future__ import annotations
@@ -20,16 +25,14 @@ from nats.aio.client import Client as NATS
 
 from llmgw_common.messages import Assignment, ReplicaRecord
 from llmgw_common.messages import ShardPlacement as RecordShard
-from llmgw_controlplane.apply import AssignmentWriter, ReplicaStore, RoutingPublisher, pin_specs
+from llmgw_controlplane.apply import pin_specs
 from llmgw_controlplane.desired import DesiredState
-from llmgw_controlplane.events import EventDetector
 from llmgw_controlplane.leader import Lease, LeaseLost
-from llmgw_controlplane.state import ClusterState
+from llmgw_controlplane.scheduler.routing import takeover_content
+from llmgw_controlplane.tables import Tables
 
 if TYPE_CHECKING:
     from llmgw_controlplane.api import CtlApi
-    from llmgw_controlplane.autoscale import Autoscaler
-    from llmgw_controlplane.reconcile_loop import Settling
     from llmgw_controlplane.wakes import WakeResponder
 
 log = logging.getLogger("llmgw.controlplane")
@@ -41,40 +44,34 @@ class Leadership:
     def __init__(
         self,
         lease: Lease,
+        tables: Tables,
         *,
         nc: NATS,
         api: CtlApi,
         wakes: WakeResponder,
-        autoscale: Autoscaler,
-        state: ClusterState,
         desired: DesiredState,
-        records: ReplicaStore,
-        assignments: AssignmentWriter,
-        routing: RoutingPublisher,
-        detector: EventDetector,
-        settling: Settling,
-        new_tenure: Callable[[], None],
-        clock: Callable[[], float],
-        dirty: asyncio.Event,
     ) -> None:
         self.lease = lease
+        self.state = tables.state
+        self.settling = tables.settling
+        self.records = tables.records
+        self.assignments = tables.assignments
+        self.routing = tables.routing
+        self.clock = tables.clock
+        self.dirty = tables.dirty
         self.nc = nc
         self.api = api
         # Wakes are answered only while leading, like the ctl verbs (issue 13).
         self.wakes = wakes
-        self.autoscale = autoscale
-        self.state = state
         self.desired = desired
-        self.records = records
-        self.assignments = assignments
-        self.routing = routing
-        self.detector = detector
-        self.settling = settling
-        # The reconcile loop forgets what it wrote in an earlier tenure (it is built after this object).
-        self.new_tenure = new_tenure
-        self.clock = clock
-        self.dirty = dirty
+        # Run in this order at each takeover, once the loaded replicas are in the tables: each forgets
+        # what it remembered of an earlier tenure (service.py registers the reconcile loop's, then the
+        # event detector's, then the autoscaler's).
+        self.on_new_tenure: list[Callable[[], None]] = []
         self.leader = False
+        # The stored table's cold models, while its takeover rewrite is still to come (None: done, or
+        # none stored).
+        self.table_due: tuple[str, ...] | None = None
 
     @property
     def fence(self) -> int:
@@ -90,7 +87,18 @@ class Leadership:
                     log.warning("taking over failed (%s): retrying", e)
                     await self.step_down()
             elif not held and self.leader:
+                late = self.lease.unrenewed_s()
+                if late is not None:
+                    # Held no longer without a refusal: renewals came too late (a starved event loop),
+                    # so a standby may take over; say it, or the step-down has no cause in the log.
+                    log.warning(
+                        "lease last renewed %.1fs ago, past %.1fs: stepping down",
+                        late,
+                        self.lease.ttl_s * 0.8,
+                    )
                 await self.step_down()
+            if not held:
+                await leave_if_stranded(self.lease, self.nc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.lease.renew_every_s)
 
@@ -108,15 +116,18 @@ class Leadership:
                 self.state.know_node(sp.node, now)
         await self.desired.reload_catalog()
         self.state.set_replicas(pin_specs(records, self.state.catalog))
-        self.new_tenure()
-        self.detector.new_tenure()
-        self.autoscale.new_tenure()
+        for forget in self.on_new_tenure:
+            forget()
         await self.routing.load()
         await self.desired.load_marks()
         await self.routing.publish_catalog(self.state.catalog)
         self.state.catalog_version = max(self.state.catalog_version, self.routing.catalog_version)
         self.settling.from_start()
         self.state.set_observed_from(self.settling.started_at)
+        # A stored table names the previous writer's endpoints, which nothing here may have confirmed
+        # (issue 25: a warm `compose up` answered 502): rewritten by rewrite_taken_table, not at the
+        # first pass settle_s on.
+        self.table_due = self.routing.stored_cold
         self.leader = True
         await self.api.start(self.nc)
         await self.wakes.start(self.nc)
@@ -129,10 +140,23 @@ class Leadership:
         )
         self.dirty.set()
 
+    async def rewrite_taken_table(self, now: float, listen_s: float) -> bool:
+        """The takeover's rewrite of the stored table, once this process has listened ``listen_s``
+        (a heartbeat period and a margin); True when written now. Earlier, no agent had a turn to
+        report to this process yet: a clean restart (the lease released, taken at once) routed nothing
+        and routers held every request until the first pass, settle_s on."""
+        cold = self.table_due
+        if cold is None or now - self.settling.started_at < listen_s:
+            return False
+        await self.routing.publish_endpoints(*takeover_content(self.state.snapshot(now), cold))
+        self.table_due = None
+        return True
+
     async def step_down(self) -> None:
         if self.leader:
             log.warning("no longer leading: stopped acting")
         self.leader = False
+        self.table_due = None
         await self.api.stop()
         await self.wakes.stop()
 
@@ -141,6 +165,26 @@ class Leadership:
         if self.leader:
             await self.lease.release()
         self.leader = False
+
+
+async def leave_if_stranded(lease: Lease, nc: NATS) -> bool:
+    """Reconnect to another server when the lease bucket went unanswered for a TTL; True if it did.
+
+    Once a TTL at most (the count starts again), and only with another server to go to: with one, a
+    reconnect finds the same island. A server that is merely slow costs one reconnect.
+    """
+    since = lease.failing_since
+    if since is None or lease.clock() - since < lease.ttl_s or len(nc.servers) < 2:
+        return False
+    url = nc.connected_url
+    log.warning(
+        "the lease bucket has not answered through %s for %.0fs: moving to another server",
+        url.netloc if url is not None else "the server",
+        lease.clock() - since,
+    )
+    lease.failing_since = lease.clock()
+    await nc.force_reconnect()
+    return True
 
 
 def adopt_from_assignments(

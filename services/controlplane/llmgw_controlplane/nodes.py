@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from llmgw_common.messages import Inventory, ShardReport
 from llmgw_common.names import clipped
-from llmgw_controlplane.snapshot import NodeState, NodeView
+from llmgw_controlplane.scheduler.snapshot import NodeState, NodeView
 
 ShardKey = tuple[str, int]
 

@@ -1,10 +1,11 @@
 """The reconcile loop: one turn every ``tick_s``, or sooner when ingest marked news.
 
-A turn judges node health by our own clock (leader or not: a standby's tables stay warm). The leader
-also publishes node events and, once reports had time to arrive, passes: snapshot -> :func:`reconcile`
-(pure) -> :meth:`ReconcileLoop.apply_plan` (the one writer of replica records and assignments, under
-the lease) -> routing endpoints (only on change) -> model and placement events. A pass that raises is
-counted by a :class:`PassGuard`; too many in a row end the loop, and so the run.
+A turn judges node health by our own clock (leader or not: a standby's tables stay warm). The leader,
+once reports had time to arrive, announces node events from the cluster's announced state
+(:mod:`announcements`: what no leader said in a takeover's gap is said now, once) and passes: snapshot
+-> :func:`reconcile` (pure) -> :meth:`ReconcileLoop.apply_plan` (the one writer of replica records and
+assignments, under the lease) -> routing endpoints (only on change) -> model and placement events. A
+pass that raises is counted by a :class:`PassGuard`; too many in a row end the loop, and so the run.
 """
 
 from __future__ import annotations
@@ -15,26 +16,29 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import nats.errors
 
 from llmgw_common.messages import Event, ReplicaRecord
 from llmgw_common.messages import ShardPlacement as RecordShard
-from llmgw_common.runtime import PassGuard
-from llmgw_common.settings import ControlPlaneSettings
-from llmgw_controlplane.apply import AssignmentWriter, Fenced, NodeShards, ReplicaStore, RoutingPublisher
+from llmgw_controlplane.announcements import AnnouncedStore, FencedAbove, Judged
+from llmgw_controlplane.apply import Fenced, NodeShards
 from llmgw_controlplane.apply import desired_assignments as compute_assignments
-from llmgw_controlplane.autoscale import Autoscaler, idle_lookup
-from llmgw_controlplane.events import EventDetector, EventPublisher, watch_inputs
+from llmgw_controlplane.events import EventPublisher
 from llmgw_controlplane.failures import FailureBook, failed_replica
-from llmgw_controlplane.idle import IdleMerger
 from llmgw_controlplane.ingest import Ingest
 from llmgw_controlplane.leadership import Leadership
-from llmgw_controlplane.plan import Plan, ReconcileMemo
-from llmgw_controlplane.reconciler import reconcile
-from llmgw_controlplane.routing import cold_reason, coming_content, routing_content
-from llmgw_controlplane.state import ClusterState
+from llmgw_controlplane.pass_verdicts import Verdicts
+from llmgw_controlplane.scheduler.autoscale import Autoscaler, idle_lookup
+from llmgw_controlplane.scheduler.event_detection import EventDetector, watch_inputs
+from llmgw_controlplane.scheduler.idle import IdleMerger
+from llmgw_controlplane.scheduler.plan import Plan, ReconcileMemo
+from llmgw_controlplane.scheduler.reconciler import reconcile
+from llmgw_controlplane.scheduler.routing import cold_reason, coming_content, routing_content
+from llmgw_controlplane.scheduler.snapshot import NodeState
+from llmgw_controlplane.settings import ControlPlaneSettings
+from llmgw_controlplane.tables import Tables
+from llmgw_runtime.runtime import PassGuard
 
 log = logging.getLogger("llmgw.controlplane")
 
@@ -43,46 +47,9 @@ WRITE_BATCH = 64
 # gives up: the process exits, giving the lease up, so that a standby (or the restarted process, with
 # fresh state) takes over.
 MAX_FAILED_PASSES = 10
-
-
-@dataclass(slots=True)
-class Settling:
-    """When the loop may judge and act: never while this process is cut off from NATS (heartbeats
-    cannot arrive, so no node's silence may be judged), and only once reports had ``settle_s`` to arrive
-    after it began listening (or came back)."""
-
-    settle_s: float
-    # When this process began listening (own clock).
-    started_at: float
-    until: float = 0.0
-    # False while this process is cut off from NATS (ARCHITECTURE: a lost command or reconnect must
-    # not leave nodes wrong).
-    bus_up: bool = True
-
-    def listening_from(self, t: float) -> None:
-        self.started_at = t
-        self.until = t + self.settle_s
-
-    def from_start(self) -> None:
-        """A takeover: reports are awaited from when this process began listening, so a standby that
-        has listened that long already acts at once."""
-        self.until = self.started_at + self.settle_s
-
-    def bus_back(self, now: float) -> None:
-        self.until = max(self.until, now + self.settle_s)
-        self.bus_up = True
-
-
-@dataclass(slots=True)
-class Verdicts:
-    """What the last pass found of models it could not serve (ctl replies and the console read them)."""
-
-    # model -> why no placement fits
-    unplaceable: dict[str, str] = field(default_factory=dict)
-    # model -> its crash loop and when the next attempt is due
-    backoff: dict[str, str] = field(default_factory=dict)
-    # model -> why it is not routed, in the user's terms (what the routing table says)
-    reasons: dict[str, str] = field(default_factory=dict)
+# Heartbeat periods this process listens before its takeover rewrites the stored routing table: one
+# for every agent to have a turn, and half of one for the lateness of a loaded box.
+TAKEOVER_LISTEN_HEARTBEATS = 1.5
 
 
 class ReconcileLoop:
@@ -91,53 +58,55 @@ class ReconcileLoop:
     def __init__(
         self,
         s: ControlPlaneSettings,
+        tables: Tables,
         *,
-        state: ClusterState,
+        leadership: Leadership,
+        ingest: Ingest,
         idle: IdleMerger,
         detector: EventDetector,
-        failures: FailureBook,
         autoscale: Autoscaler,
-        ingest: Ingest,
-        leadership: Leadership,
-        settling: Settling,
-        records: ReplicaStore,
-        assignments: AssignmentWriter,
-        routing: RoutingPublisher,
+        failures: FailureBook,
         events: EventPublisher,
-        clock: Callable[[], float],
-        dirty: asyncio.Event,
     ) -> None:
         self.s = s
-        self.state = state
+        self.state = tables.state
+        self.settling = tables.settling
+        self.records = tables.records
+        self.assignments = tables.assignments
+        self.routing = tables.routing
+        self.clock = tables.clock
+        self.dirty = tables.dirty
+        self.leadership = leadership
+        self.ingest = ingest
         self.idle = idle
         self.detector = detector
-        self.failures = failures
         self.autoscale = autoscale
-        self.ingest = ingest
-        self.leadership = leadership
-        self.settling = settling
-        self.records = records
-        self.assignments = assignments
-        self.routing = routing
+        self.failures = failures
         self.events = events
-        self.clock = clock
-        self.dirty = dirty
         self.memo = ReconcileMemo()
         self.verdicts = Verdicts()
         self.guard = PassGuard("reconcile", log, limit=MAX_FAILED_PASSES, min_span_s=s.lease_ttl_s)
         self.passes = 0
         self.pass_ms: deque[float] = deque(maxlen=200)
+        # Told each completed pass's seconds: the metrics' pass-time histogram (service.py sets it).
+        self.on_pass: Callable[[float], None] = lambda seconds: None
         self.last_reconcile_ms = 0.0
         # What this tenure wrote, so that a steady pass writes nothing: reset by new_tenure().
         self._desired_cache: tuple[int, dict[str, NodeShards]] | None = None
         self._synced_generation = -1
-        self._routing_key: tuple[int, dict[str, str], dict[str, str], tuple[str, ...]] | None = None
+        self._routing_key: tuple[object, ...] | None = None
+        # Built here, from the publisher's JetStream context: node events and their record go together.
+        self.announced = AnnouncedStore(events.js, events.subjects.prefix, replicas=s.kv_replicas)
+        self._announce_failing = False
+        # The publisher's dropped count when the record's unsent were last (re)read for publishing.
+        self._dropped_seen = events.dropped
 
     def new_tenure(self) -> None:
         """Forget what was written while leading before: a new tenure writes from what it loaded."""
         self._desired_cache = None
         self._synced_generation = -1
         self._routing_key = None
+        self.announced.new_tenure()
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -156,13 +125,13 @@ class ReconcileLoop:
                 self.guard.ok()
 
     async def tick(self, now: float) -> None:
-        """One turn of the loop: judge nodes; the leader also publishes events and, once settled, passes."""
+        """One turn of the loop: judge nodes; the leader, once settled, also announces and passes."""
         if not self.settling.bus_up:
             return
-        transitions = self.state.judge(now)
-        node_events = self.detector.nodes(transitions, now)
+        # Transitions only mark work here: node events come from the announced state (announce_nodes),
+        # so that one judged while no control plane led is not lost with this process's memory.
+        self.state.judge(now)
         for name in self.state.forget_silent(now, self.s.node_forget_s):
-            self.detector.forget_node(name)
             self.ingest.forget(name)
             log.warning(
                 "node %s forgotten: lost for over %gs with no replica on it", name, self.s.node_forget_s
@@ -175,14 +144,71 @@ class ReconcileLoop:
         if not lead.lease.held():
             await lead.step_down()
             return
-        await self.events.publish(node_events)
         if now < self.settling.until:
+            # Once a tenure, when agents had a heartbeat period to report since this process started.
+            await lead.rewrite_taken_table(now, TAKEOVER_LISTEN_HEARTBEATS * self.s.heartbeat_interval_s)
             return
+        # The pass writes the table itself (its own content supersedes the takeover's).
+        lead.table_due = None
         try:
+            await self.announce_nodes_or_say(now)
             await self.pass_once(now)
         except Fenced as e:
             log.warning("write refused (%s): another control plane leads", e)
             await lead.step_down()
+
+    async def announce_nodes_or_say(self, now: float) -> None:
+        """Node events, but never at the cost of the pass: the announced bucket is a stream of its own
+        (an election or a timeout there leaves the other buckets healthy), and placement and routing
+        must go on while it is away. Said once per streak; what was not announced is next pass's
+        difference, so nothing is lost by skipping."""
+        try:
+            try:
+                await self.announce_nodes(now)
+            except FencedAbove as e:
+                lease = self.leadership.lease
+                if not await lease.confirm():
+                    raise  # a successor leads: step down
+                # Still ours, so no successor wrote that fence: it is from before the leader bucket was
+                # made again. Stepping down would change nothing (every tick would raise again).
+                log.error(
+                    "%s, yet the lease is still ours: the leader bucket was made again (its revisions "
+                    "began again), so that fence is from before; overwriting the record under fence %d",
+                    e,
+                    lease.fence,
+                )
+                await self.announced.overrule(lease.fence)
+        except (nats.errors.Error, TimeoutError) as e:
+            if not self._announce_failing:
+                log.warning("node events not announced (%s): passing without them, retrying each pass", e)
+            self._announce_failing = True
+            return
+        if self._announce_failing:
+            log.info("node events announced again")
+        self._announce_failing = False
+
+    async def announce_nodes(self, now: float) -> None:
+        """Announce every difference between the announced node state and ours, under the fence."""
+        nodes, lost_s = self.state.nodes, self.s.node_lost_s
+
+        def reporting(n: str) -> bool:
+            r = nodes[n]
+            return r.heard and now - r.seq_at < lost_s
+
+        lost = {n for n, r in nodes.items() if r.health is NodeState.LOST}
+        judged = Judged(lost=lost, known=nodes, reporting=reporting)
+        fence = self.leadership.fence
+        if self.events.dropped != self._dropped_seen:
+            # Events went unpublished for good since (the queue's bound, while the events stream was
+            # away and this bucket was not): the record's unsent may hold node events among them, so
+            # it is read again, which republishes them, and not cleared before they went out.
+            self._dropped_seen = self.events.dropped
+            self.announced.resend()
+        made = await self.announced.announce(judged, fence, now, self.s.node_forget_s)
+        queued = {e.id for e in self.events.pending}
+        await self.events.publish(e for e in made if e.id not in queued)
+        if self.events.dropped == self._dropped_seen and not self.events.pending:
+            await self.announced.sent(fence)
 
     # ------------------------------------------------------------ one pass
 
@@ -218,11 +244,12 @@ class ReconcileLoop:
         }
         why = {**v.unplaceable, **v.backoff}
         waking, cold = self.autoscale.waking(), self.autoscale.cold()
-        key = (self.state.version, why, waking, cold)
+        wanted = tuple(sorted(scale.wanted.items()))
+        key = (self.state.version, why, waking, cold, wanted)
         events: list[Event] = []
         if key != self._routing_key:
             # Only when the snapshot or the reasons changed: a steady pass skips this entirely.
-            endpoints, unavailable = routing_content(snap, why)
+            endpoints, unavailable = routing_content(snap, why, scale.wanted)
             coming, cold_now = coming_content(snap, endpoints, waking, cold)
             for m in cold_now:
                 p = snap.catalog.get(m)
@@ -240,6 +267,7 @@ class ReconcileLoop:
         await self.events.publish(events)
         self.passes += 1
         self.pass_ms.append((time.perf_counter() - t0) * 1000)
+        self.on_pass(self.pass_ms[-1] / 1000)
         return plan
 
     async def apply_plan(self, plan: Plan, now: float) -> bool:

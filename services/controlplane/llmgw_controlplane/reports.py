@@ -5,7 +5,7 @@ the loop dirty only then (heartbeats that repeat the same state do not). What a 
 believed only as far as it can be (one bad message must not stop or freeze a node's replicas; each
 refusal is one rate-limited log line):
 
-- a sender's time that is not finite or lies in our future (:mod:`llmgw_common.clockcheck`) voids the
+- a sender's time that is not finite or lies in our future (:mod:`llmgw_runtime.clockcheck`) voids the
   whole message;
 - a new ``boot_id`` (an agent restart) is believed only from an inventory of that boot, which the agent
   sends first; heartbeats and statuses of an unproven boot are ignored and the service asks the node for
@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from llmgw_common.clockcheck import Doubts, distrust, order_time
 from llmgw_common.messages import Heartbeat, Inventory, ShardReport, ShardState, ShardStatus
 from llmgw_common.names import clipped
 from llmgw_controlplane.nodes import ERROR_CHARS, NodeRecord, ShardDetail, ShardKey, short_error
+from llmgw_controlplane.scheduler.snapshot import NodeState
 from llmgw_controlplane.seqcheck import seq_believed
-from llmgw_controlplane.snapshot import NodeState
+from llmgw_runtime.clockcheck import Doubts, distrust, order_time
 
 
 class NodeReports:
@@ -115,7 +115,7 @@ class NodeReports:
         return rec is not None and (rec.inventory is None or bool(rec.unproven_boot))
 
     def _time_believed(self, node: str, kind: str, sent_at: float, now: float) -> bool:
-        """Whether a report's send time is one to act on (llmgw_common.clockcheck); else one doubt line."""
+        """Whether a report's send time is one to act on (llmgw_runtime.clockcheck); else one doubt line."""
         why = distrust(sent_at, now)
         if why is not None:
             self._doubt(node, "time", f"{kind}: {why}", now)

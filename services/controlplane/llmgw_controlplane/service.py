@@ -25,32 +25,39 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
-from llmgw_common import bus
 from llmgw_common.catalog import CatalogError
-from llmgw_common.clockcheck import Doubts
 from llmgw_common.ctl import DebugStatsReply
 from llmgw_common.errors import InvalidInput
-from llmgw_common.messages import WakeReply, WakeRequest, WakeState
-from llmgw_common.runtime import PassGuard, cancel_and_wait, until_stopped
-from llmgw_common.settings import ControlPlaneSettings
+from llmgw_common.router_messages import WakeReply, WakeRequest, WakeState
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane.admin import AdminBindError, AdminServer, CtlApiSource, build_admin_app
+from llmgw_controlplane.admin.usage_history import add_usage_history_route, ledger_readers
 from llmgw_controlplane.api import CtlApi
 from llmgw_controlplane.apply import AssignmentWriter, ReplicaStore, RoutingPublisher
-from llmgw_controlplane.autoscale import Autoscaler, idle_lookup
 from llmgw_controlplane.console.usage import UsageBook
 from llmgw_controlplane.desired import DesiredState, DesiredStore
-from llmgw_controlplane.events import EventDetector, EventPublisher
+from llmgw_controlplane.events import EventPublisher
 from llmgw_controlplane.failures import FailureBook
-from llmgw_controlplane.idle import IdleMerger
 from llmgw_controlplane.ingest import Ingest
 from llmgw_controlplane.leader import Lease
 from llmgw_controlplane.leadership import Leadership
-from llmgw_controlplane.reconcile_loop import MAX_FAILED_PASSES, ReconcileLoop, Settling, Verdicts
-from llmgw_controlplane.routing import serving
-from llmgw_controlplane.snapshot import Snapshot
+from llmgw_controlplane.metrics import ControlPlaneMetrics, add_metrics_route
+from llmgw_controlplane.pass_verdicts import Verdicts
+from llmgw_controlplane.reconcile_loop import MAX_FAILED_PASSES, ReconcileLoop
+from llmgw_controlplane.scheduler.autoscale import Autoscaler, idle_lookup
+from llmgw_controlplane.scheduler.demand import DemandBook
+from llmgw_controlplane.scheduler.event_detection import EventDetector
+from llmgw_controlplane.scheduler.idle import IdleMerger
+from llmgw_controlplane.scheduler.phase import serving
+from llmgw_controlplane.scheduler.snapshot import Snapshot
+from llmgw_controlplane.settings import ControlPlaneSettings
+from llmgw_controlplane.settling import Settling
 from llmgw_controlplane.state import ClusterState
+from llmgw_controlplane.tables import Tables
 from llmgw_controlplane.wakes import WakeResponder
+from llmgw_runtime import bus
+from llmgw_runtime.clockcheck import Doubts
+from llmgw_runtime.runtime import PassGuard, cancel_and_wait, until_stopped
 
 __all__ = ["MAX_FAILED_PASSES", "ControlPlane", "StartupError", "serve"]
 
@@ -93,7 +100,9 @@ class ControlPlane:
         self.idle = IdleMerger(stale_s=max(IDLE_STALE_TICKS * s.tick_s, 5.0), doubts=self.doubts)
         self.detector = EventDetector(s.placement_failing_after_s)
         # Scale to zero, wakes and evictions (issue 13); wakes are answered only while leading.
-        self.autoscale = Autoscaler(s.eviction_min_residency_s)
+        # Load following (issue 21): routers' demand reports, forgotten like their idle reports.
+        self.demand = DemandBook(stale_s=max(IDLE_STALE_TICKS * s.tick_s, 5.0), doubts=self.doubts)
+        self.autoscale = Autoscaler(s.eviction_min_residency_s, s.drain_grace_s, self.demand)
         self.wakes = WakeResponder(
             self.subjects.all_wake(), self._answer_wake, self.drops, version=lambda: self.state.version
         )
@@ -113,8 +122,11 @@ class ControlPlane:
             clock=clock,
             dirty=self.dirty,
             heartbeat_interval_s=s.heartbeat_interval_s,
+            demand=self.demand,
         )
         self._hb_window: deque[tuple[float, int]] = deque(maxlen=64)
+        # Read at scrape time from the parts built in start(); served by the admin listener.
+        self.metrics = ControlPlaneMetrics(self)
         self._subs: list[Subscription] = []
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -125,7 +137,11 @@ class ControlPlane:
         leader_kv = await bus.ensure_kv(
             js, sub.bucket_leader, ttl=self.s.lease_ttl_s, replicas=self.s.kv_replicas
         )
-        buckets = await bus.ensure_all(js, sub, replicas=self.s.kv_replicas)
+        made = await bus.ensure_all(js, sub, replicas=self.s.kv_replicas)
+        # Read from each stream's leader, never a replica still catching up (bus.LeaderReads): what a
+        # takeover loads and the lease it reads must be what was acknowledged.
+        leader_kv = bus.leader_reads(leader_kv)
+        buckets = {name: bus.leader_reads(kv) for name, kv in made.items()}
         self.kv_desired = buckets[sub.bucket_desired]
         self.assignments = AssignmentWriter(buckets[sub.bucket_assign], self.drops)
         self.records = ReplicaStore(buckets[sub.bucket_replicas], self.drops)
@@ -140,41 +156,41 @@ class ControlPlane:
             drops=self.drops,
         )
         self.api = CtlApi(self, self.desired, sub, self.s)
+        tables = Tables(
+            state=self.state,
+            settling=self.settling,
+            records=self.records,
+            assignments=self.assignments,
+            routing=self.routing,
+            clock=self.clock,
+            dirty=self.dirty,
+        )
         self.leadership = Leadership(
             Lease(leader_kv, self.holder, self.s.lease_ttl_s),
+            tables,
             nc=self.nc,
             api=self.api,
             wakes=self.wakes,
-            autoscale=self.autoscale,
-            state=self.state,
             desired=self.desired,
-            records=self.records,
-            assignments=self.assignments,
-            routing=self.routing,
-            detector=self.detector,
-            settling=self.settling,
-            # The loop is built next, from this object: its reset is looked up when a takeover runs.
-            new_tenure=lambda: self.loop.new_tenure(),
-            clock=self.clock,
-            dirty=self.dirty,
         )
         self.loop = ReconcileLoop(
             self.s,
-            state=self.state,
+            tables,
+            leadership=self.leadership,
+            ingest=self.ingest,
             idle=self.idle,
             detector=self.detector,
-            failures=self.failures,
             autoscale=self.autoscale,
-            ingest=self.ingest,
-            leadership=self.leadership,
-            settling=self.settling,
-            records=self.records,
-            assignments=self.assignments,
-            routing=self.routing,
+            failures=self.failures,
             events=self.events,
-            clock=self.clock,
-            dirty=self.dirty,
         )
+        # A takeover forgets what an earlier tenure wrote and judged, in this order.
+        self.leadership.on_new_tenure += [
+            self.loop.new_tenure,
+            self.detector.new_tenure,
+            self.autoscale.new_tenure,
+        ]
+        self.loop.on_pass = self.metrics.pass_seconds.observe
         try:
             await self.desired.load_catalog(self.s.catalog_file)
         except CatalogError as e:
@@ -342,6 +358,8 @@ async def serve(s: ControlPlaneSettings, stop: asyncio.Event) -> None:
         if s.admin_port:
             # The console reads the same handlers as `llmgw ctl`, so the two cannot disagree.
             app = build_admin_app(CtlApiSource(cp.api, cp.usage), loopback_only=not s.allow_public_admin)
+            add_metrics_route(app, cp.metrics)
+            add_usage_history_route(app, *ledger_readers(nc, s.prefix))
             admin = AdminServer(app, s.admin_host, s.admin_port, s.allow_public_admin, log)
             try:
                 await admin.start()

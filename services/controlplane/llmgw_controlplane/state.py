@@ -12,24 +12,27 @@ import logging
 from types import MappingProxyType
 
 from llmgw_common.catalog import Catalog
-from llmgw_common.clockcheck import Doubts
 from llmgw_common.messages import Marks, ReplicaRecord
 from llmgw_controlplane.nodes import ERROR_CHARS, NodeRecord, ShardDetail, ShardKey, Transition, node_health
-from llmgw_controlplane.phase import ReplicaPhase, replica_phase
 from llmgw_controlplane.reports import NodeReports
-from llmgw_controlplane.snapshot import GpuView, NodeState, NodeView, ReplicaView, ShardView, Snapshot
+from llmgw_controlplane.scheduler.snapshot import (
+    GpuView,
+    NodeState,
+    NodeView,
+    ReplicaView,
+    ShardView,
+    Snapshot,
+)
+from llmgw_runtime.clockcheck import Doubts
 
 # Re-exported: tests and the other modules import these from here.
 __all__ = [
     "ERROR_CHARS",
     "ClusterState",
     "NodeRecord",
-    "ReplicaPhase",
     "ShardDetail",
     "ShardKey",
     "Transition",
-    "node_health",
-    "replica_phase",
 ]
 
 
@@ -86,6 +89,7 @@ class ClusterState(NodeReports):
     # ------------------------------------------------------------ health
 
     def health(self, rec: NodeRecord, now: float) -> NodeState:
+        """How long it has been silent says (events and transitions read this)."""
         return node_health(rec.last_seen, now, self.interval_s, self.missed, self.lost_s)
 
     def judge(self, now: float) -> list[Transition]:
@@ -175,13 +179,9 @@ class ClusterState(NodeReports):
 
     # ------------------------------------------------------------ views
 
-    def node_view(self, rec: NodeRecord, now: float) -> NodeView:
-        """The node as the pure side sees it (``last_seen`` as of when the view was last rebuilt)."""
-        state = self.health(rec, now)
-        if rec.inventory is None and state is NodeState.READY:
-            # Heartbeats but no inventory yet (e.g. just after a control-plane restart), or known only
-            # from the replica table: keeps its replicas, takes no new ones until we know what it has.
-            state = NodeState.UNREACHABLE
+    def _node_view(self, rec: NodeRecord, state: NodeState) -> NodeView:
+        """The node as the pure side sees it in ``state`` (``last_seen`` as of when the view was last
+        rebuilt)."""
         if (
             rec.view is not None
             and rec.view.state is state
@@ -256,19 +256,19 @@ class ClusterState(NodeReports):
         old = self._nodes_map
         changed = len(old) != len(self.nodes)
         nodes: dict[str, NodeView] = {}
-        # Inlined health and cache check: this loop runs over every node every pass.
-        unreachable_after = self.interval_s * self.missed
-        lost_after = self.lost_s
         marks_rev = self.marks_rev
-        ready, unreachable, lost = NodeState.READY, NodeState.UNREACHABLE, NodeState.LOST
+        # Bound once: this loop runs over every node every pass.
+        health, interval_s, missed, lost_s = node_health, self.interval_s, self.missed, self.lost_s
+        ready, unreachable = NodeState.READY, NodeState.UNREACHABLE
         for name, rec in self.nodes.items():
-            silent = now - rec.last_seen
-            state = lost if silent > lost_after else unreachable if silent > unreachable_after else ready
+            state = health(rec.last_seen, now, interval_s, missed, lost_s)
             if state is ready and rec.inventory is None:
+                # Heartbeats but no inventory yet (just after a control-plane restart, or known only from
+                # the replica table): keeps its replicas, takes no new ones until we know what it has.
                 state = unreachable
             v = rec.view
             if v is None or v.state is not state or rec.view_rev != rec.rev or rec.view_marks != marks_rev:
-                v = self.node_view(rec, now)
+                v = self._node_view(rec, state)
             nodes[name] = v
             if not changed and old.get(name) is not v:
                 changed = True

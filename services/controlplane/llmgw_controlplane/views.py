@@ -17,6 +17,7 @@ from llmgw_common.ctl import (
     FieldChange,
     ModelChange,
     ModelInfo,
+    ModelState,
     NodeInfo,
     NodeVerdict,
     ReplicaInfo,
@@ -25,12 +26,12 @@ from llmgw_common.ctl import (
     UnplaceableInfo,
 )
 from llmgw_common.messages import ClusterSettings
-from llmgw_controlplane.idle import IdleMerger
 from llmgw_controlplane.nodes import NodeRecord
-from llmgw_controlplane.phase import ReplicaPhase, replica_phase
-from llmgw_controlplane.placement import Explanation, Placement
-from llmgw_controlplane.routing import endpoint_url, serving
-from llmgw_controlplane.snapshot import GpuView, NodeState, NodeView, ReplicaView, Snapshot
+from llmgw_controlplane.scheduler.idle import IdleMerger
+from llmgw_controlplane.scheduler.phase import ReplicaPhase, replica_phase, serving
+from llmgw_controlplane.scheduler.placement import Explanation, Placement
+from llmgw_controlplane.scheduler.routing import endpoint_url
+from llmgw_controlplane.scheduler.snapshot import GpuView, NodeState, NodeView, ReplicaView, Snapshot
 from llmgw_controlplane.state import ClusterState
 
 USED, FREE, HELD, UNHEALTHY = "used", "free", "held", "unhealthy"
@@ -132,7 +133,7 @@ def shard_infos(state: ClusterState, r: ReplicaView) -> tuple[ShardInfo, ...]:
                 node=s.node,
                 gpus=s.gpus,
                 port=s.port,
-                state=str(s.state) if s.state is not None else None,
+                state=s.state,
                 error=(d.error if d is not None and d.error else s.error),
                 log_tail=d.log_tail if d is not None else (),
             )
@@ -156,7 +157,7 @@ def replicas_info(
             ReplicaInfo(
                 id=r.id,
                 model=r.model,
-                state=replica_phase(r),
+                state=replica_phase(snap, r),
                 created=created,
                 shards=shards,
                 endpoint=endpoint_url(snap, r) if serving(snap, r) else None,
@@ -180,27 +181,27 @@ def models_info(
     out = []
     for p in snap.catalog.models:
         reps = snap.replicas_of(p.name)
-        phases = Counter(replica_phase(r) for r in reps)
+        phases = Counter(replica_phase(snap, r) for r in reps)
         ready = sum(1 for r in reps if serving(snap, r))
         if p.replicas == 0:
-            st = "off"
+            st = ModelState.OFF
         elif ready >= p.replicas:
-            st = "ok"
+            st = ModelState.OK
         elif ready > 0:
-            st = "degraded"
+            st = ModelState.DEGRADED
         elif p.name in unplaceable:
-            st = "unplaceable"
+            st = ModelState.UNPLACEABLE
         elif p.name in backoff:
-            st = "backoff"
+            st = ModelState.BACKOFF
         elif phases[ReplicaPhase.STARTING]:
-            st = "starting"
+            st = ModelState.STARTING
         else:
-            st = "down"
+            st = ModelState.DOWN
         reason = None
-        if st != "ok":
+        if st is not ModelState.OK:
             reason = unplaceable.get(p.name) or backoff.get(p.name) or reasons.get(p.name)
         outdated = sum(1 for r in reps if r.spec is not None and not r.spec.matches(p))
-        if outdated and st == "ok":
+        if outdated and st is ModelState.OK:
             # Serving, but a profile change is still being rolled out (one replica at a time).
             reason = f"rolling out a profile change: {outdated} replica(s) on the old profile"
             if p.name in unplaceable or p.name in backoff:
@@ -255,7 +256,7 @@ def status_info(
         for w in n.weights:
             weights.setdefault(n.fabric or "-", set()).add(w.name)
     nodes_by_state = Counter(node_state_text(state, rec, snap.now) for rec in state.nodes.values())
-    replicas_by_state = Counter(replica_phase(r) for r in snap.replicas)
+    replicas_by_state = Counter(replica_phase(snap, r) for r in snap.replicas)
     idle_reps = tuple(
         r.id
         for r in snap.replicas

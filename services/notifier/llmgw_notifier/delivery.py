@@ -10,9 +10,9 @@ the next event is sent, so a crash repeats at most the message that was in fligh
 One worker per target sends one message at a time, in stream order: a receiver that was down for
 five minutes gets everything afterwards, in order. Held events are kept alive with in-progress acks,
 so only a dead notifier's events come back (after ``ack_wait_s``); after a restart, newer events wait
-until those have come back, so order survives a crash too.
+until those have come back, so order survives a crash too (``start_gate.py``).
 
-A message that no retry delivered within ``retry_for_s`` is logged as an error, counted, and
+A message that no retry delivered within ``retry_for_s`` (``posting.py``) is logged as an error, counted, and
 terminated (``term``): blocking a target forever would hold back every later alert. An event no
 message can be made of (``render`` fails) is terminated at once, likewise. The event stays in the
 stream (bounded age) for anyone who wants to replay it.
@@ -23,11 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from datetime import UTC, datetime
 from fnmatch import fnmatchcase
 
@@ -38,19 +36,21 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from llmgw_common import backoff
-from llmgw_common.bus import DropLog
 from llmgw_common.codec import DecodeError, decode
 from llmgw_common.event_details import parse_details
 from llmgw_common.messages import Event, Webhook
-from llmgw_common.runtime import cancel_and_wait
-from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import Subjects
 from llmgw_common.urls import shown_url
 from llmgw_notifier.formats import Rendered, render
 from llmgw_notifier.grouping import Group, Held, plan_groups
 from llmgw_notifier.outages import KINDS as MERGED_KINDS
 from llmgw_notifier.outages import OutageLedger
+from llmgw_notifier.posting import post_until_taken
+from llmgw_notifier.settings import NotifierSettings
+from llmgw_notifier.start_gate import StartGate
+from llmgw_notifier.stats import NotifierStats
+from llmgw_runtime.bus import DropLog
+from llmgw_runtime.runtime import cancel_and_wait
 
 log = logging.getLogger("llmgw.notifier.delivery")
 
@@ -63,23 +63,6 @@ IDLE_POLL_S = 5.0
 DONE_MEMORY = 20_000
 
 
-@dataclass
-class NotifierStats:
-    """Counters a test or a log line can read; one object per notifier."""
-
-    delivered_events: int = 0
-    delivered_messages: int = 0
-    failed_attempts: int = 0
-    gave_up_events: int = 0
-    filtered_events: int = 0
-    merged_events: int = 0  # model.* events acknowledged unsent: another source had said it
-    undecodable_events: int = 0  # not an Event, or details that do not fit its kind (event_details)
-    unrenderable_events: int = 0  # terminated unsent: no message could be made of them
-    events_emitted: int = 0
-    up: bool = False  # settings and catalog read, workers started
-    per_target: dict[str, int] = field(default_factory=dict)
-
-
 def consumer_name(prefix: str, target_id: str) -> str:
     return f"{prefix}-notifier-{target_id}"
 
@@ -89,101 +72,6 @@ def wants(hook: Webhook, kind: str) -> bool:
     if hook.events is None:
         return True
     return any(fnmatchcase(kind, pattern) for pattern in hook.events)
-
-
-def retry_after_s(resp: httpx.Response) -> float | None:
-    """A receiver's ``Retry-After`` in seconds (Slack sends it with 429); None when absent or a date."""
-    value = resp.headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        return None
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    ok: bool
-    attempts: int
-    last_error: str | None
-
-
-async def post_until_taken(
-    client: httpx.AsyncClient,
-    url: str,
-    msg: Rendered,
-    s: NotifierSettings,
-    *,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-    rng: Callable[[], float] = random.random,
-    stats: NotifierStats | None = None,
-) -> Outcome:
-    """POST ``msg`` until the receiver answers 2xx or ``s.retry_for_s`` has passed."""
-    deadline = clock() + s.retry_for_s
-    attempt = 0
-    while True:
-        attempt += 1
-        wait_hint: float | None = None
-        try:
-            resp = await client.post(url, content=msg.body, headers=msg.headers, timeout=s.http_timeout_s)
-        except Exception as e:
-            # Besides httpx.HTTPError, httpx raises plain errors (UnicodeError, InvalidURL) for a URL it
-            # cannot encode: a failed attempt too. Escaping, it killed the worker, and the restarted one
-            # met the same event first again, forever.
-            error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            error = error.replace(url, shown_url(url))  # the URL may be a credential (Slack)
-        else:
-            if 200 <= resp.status_code < 300:
-                return Outcome(True, attempt, None)
-            error = f"HTTP {resp.status_code}: {resp.text[:200]!r}"
-            wait_hint = retry_after_s(resp)
-        if stats is not None:
-            stats.failed_attempts += 1
-        now = clock()
-        if now >= deadline:
-            return Outcome(False, attempt, error)
-        delay = backoff.jittered_delay(attempt, s.retry_base_s, s.retry_max_s, rng())
-        if wait_hint is not None:
-            delay = max(delay, wait_hint)
-        delay = min(delay, deadline - now)
-        level = logging.WARNING if attempt == 1 or attempt % 10 == 0 else logging.DEBUG
-        log.log(
-            level,
-            "webhook %s did not take %s (attempt %d: %s); retrying in %.1fs",
-            shown_url(url),
-            msg.id,
-            attempt,
-            error,
-            delay,
-        )
-        await sleep(delay)
-
-
-class StartGate:
-    """After a restart, the events a dead notifier held come back only once their ack wait lapses;
-    newer events must not overtake them. Until as many of the old ones as were outstanding have come
-    back (or a deadline passes, in case some were acknowledged out of order), only events at or below
-    the last sequence the consumer had handed out may be sent."""
-
-    def __init__(
-        self, last_delivered: int, outstanding: int, deadline: float, already: Iterable[int] = ()
-    ) -> None:
-        self.last_delivered = last_delivered
-        self.outstanding = outstanding
-        self.deadline = deadline
-        self.seen: set[int] = {s for s in already if s <= last_delivered}
-
-    def saw(self, seq: int) -> None:
-        if seq <= self.last_delivered:
-            self.seen.add(seq)
-
-    def is_open(self, now: float) -> bool:
-        return len(self.seen) >= self.outstanding or now >= self.deadline
-
-    def admits(self, seq: int, now: float) -> bool:
-        return seq <= self.last_delivered or self.is_open(now)
 
 
 class TargetWorker:
@@ -400,6 +288,9 @@ class TargetWorker:
                 await self.msgs[seq].ack()
             self.stats.delivered_events += len(seqs)
             self.stats.delivered_messages += 1
+            now = self.clock()
+            for h in group.items:
+                self.stats.delivery_lag.observe(max(0.0, now - h.seen_at))
             self.stats.per_target[self.target_id] = self.stats.per_target.get(self.target_id, 0) + 1
             return
         log.error(

@@ -74,6 +74,19 @@ _KINDS: dict[str, tuple[str, str, str, str]] = {
         ":sunrise:",
         "Nothing to do; the cold start is in the details. `llmgw ctl status`",
     ),
+    # Following the load (issue 21): informational, like the scaling kinds above.
+    "model.scaled_up": (
+        "model scaled up",
+        "models scaled up",
+        ":chart_with_upwards_trend:",
+        "Nothing to do: its load exceeded its target; the reason is in the details. `llmgw ctl status`",
+    ),
+    "model.scaled_down": (
+        "model scaled down",
+        "models scaled down",
+        ":chart_with_downwards_trend:",
+        "Nothing to do: its load stayed below its target; one replica drains. `llmgw ctl status`",
+    ),
     "model.evicted": (
         "replica evicted",
         "replicas evicted",

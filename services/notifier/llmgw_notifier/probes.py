@@ -1,19 +1,11 @@
-"""Probes of watched models: a tiny real request through a router, every ``probe_every``.
+"""Probes of watched models: one loop per model of the routing catalog with a ``watch``.
 
-A probe fails when the router does not answer 2xx within the model's ``budget`` (a slow answer that
-arrives within the budget is a success: a cold model is not a down one). ``failures`` failures in a
-row emit ``model.down`` once; the next success emits ``model.recovered`` once. A 401/403 says the
-notifier's probe key is wrong, not that the model is down: it is logged and changes nothing.
-
-As for the control plane, a model is only down once it was up: failures count only after the model
-answered a probe or had a ready endpoint (the routing table's ``endpoints``) while watched. A model
-whose first replica is still starting is not down, however many probes fail meanwhile.
-
-Events go into the events stream like the control plane's, with a stable id
-``model.down:<model>:probe:<episode start, ms>`` (and ``model.recovered:`` with the same episode), so
-a retried publish is dropped by JetStream's duplicate window. The control plane independently emits
-``model.down`` when a watched model has no ready replica; ``details.source`` tells them apart, and
-delivery merges them into one outage (``outages.py``).
+Every ``probe_every``, a loop sends one probe through a router (``probe_request.py``), folds its
+result into the model's state (``probe_state.py``) and publishes the event a transition calls for into
+the events stream; an event whose publish failed is retried before the next one. A probe refused for
+its key is logged at ERROR once per model and changes nothing. A model with a ready (not draining)
+endpoint in the routing table was up, so its failures count; one scaled to zero (``cold``) and not
+down is not probed, since a probe would wake it.
 
 State survives a restart: at start the notifier rebuilds it from the probe events in the stream (the
 :class:`~llmgw_notifier.outages.OutageLedger`'s replay), so a model it had declared down is not
@@ -26,155 +18,25 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import httpx
 import nats.errors
 from nats.js import JetStreamContext
 
-from llmgw_common.bus import DropLog
 from llmgw_common.catalog import WatchSpec
 from llmgw_common.codec import DecodeError, decode, encode
-from llmgw_common.durations import format_duration
-from llmgw_common.event_details import ModelDownDetails, ModelRecoveredDetails, event
 from llmgw_common.messages import Event, RoutingCatalog, RoutingEndpoints
-from llmgw_common.runtime import cancel_and_wait
-from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
-from llmgw_notifier.delivery import NotifierStats
-from llmgw_notifier.formats import utc
-from llmgw_notifier.outages import DOWN, PROBE, RECOVERED, OutageLedger
+from llmgw_notifier.outages import DOWN, OutageLedger
+from llmgw_notifier.probe_request import ProbeResult, probe_once
+from llmgw_notifier.probe_state import SOURCE, ProbeState, observe, probe_event
+from llmgw_notifier.settings import NotifierSettings
+from llmgw_notifier.stats import NotifierStats
+from llmgw_runtime.bus import DropLog
+from llmgw_runtime.runtime import cancel_and_wait
 
 log = logging.getLogger("llmgw.notifier.probes")
-
-SOURCE = PROBE
-
-
-# ---------------------------------------------------------------- the decision (pure)
-
-
-@dataclass(frozen=True, slots=True)
-class ProbeState:
-    failures: int = 0  # in a row
-    streak_start: float | None = None  # wall time of the first failure of the current streak
-    down_since: float | None = None  # set once model.down was emitted: the episode
-    last_error: str | None = None
-    # The model answered a probe or had a ready endpoint: only then do failures count.
-    answered: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Transition:
-    kind: str  # DOWN or RECOVERED
-    episode: float  # the streak's first failure: the same for the down and its recovery
-
-
-def observe(
-    state: ProbeState, ok: bool, now: float, failures_needed: int, error: str | None = None
-) -> tuple[ProbeState, Transition | None]:
-    """The state after one conclusive probe, and the event it calls for, if any. Failures before the
-    model ever answered (its first replica still starting) are not counted: it was never up."""
-    if ok:
-        if state.down_since is not None:
-            return ProbeState(answered=True), Transition(RECOVERED, state.down_since)
-        return ProbeState(answered=True), None
-    if not state.answered:
-        return replace(state, last_error=error), None
-    start = state.streak_start if state.streak_start is not None else now
-    failures = state.failures + 1
-    nxt = replace(state, failures=failures, streak_start=start, last_error=error)
-    if state.down_since is None and failures >= failures_needed:
-        return replace(nxt, down_since=start), Transition(DOWN, start)
-    return nxt, None
-
-
-def event_id(kind: str, model: str, episode: float) -> str:
-    return f"{kind}:{model}:{SOURCE}:{int(episode * 1000)}"
-
-
-def probe_event(
-    model: str, tr: Transition, state: ProbeState, spec: WatchSpec, now: float, router_url: str
-) -> Event:
-    details: ModelDownDetails | ModelRecoveredDetails
-    if tr.kind == DOWN:
-        details = ModelDownDetails(
-            source=SOURCE,
-            since=tr.episode,
-            budget_s=spec.budget,
-            probe_every_s=spec.probe_every,
-            router=router_url,
-            failures=state.failures,
-            last_error=state.last_error,
-        )
-        summary = (
-            f"model {model} is not answering: {state.failures} probe(s) in a row failed or took longer than "
-            f"{spec.budget:g}s, since {utc(tr.episode)}; last: {state.last_error}"
-        )
-    else:
-        details = ModelRecoveredDetails(
-            source=SOURCE,
-            since=tr.episode,
-            budget_s=spec.budget,
-            probe_every_s=spec.probe_every,
-            router=router_url,
-            down_for_s=max(0.0, now - tr.episode),
-        )
-        summary = (
-            f"model {model} answers again (down since {utc(tr.episode)}, {format_duration(now - tr.episode)})"
-        )
-    return event(details, id=event_id(tr.kind, model, tr.episode), subject=model, time=now, summary=summary)
-
-
-# ---------------------------------------------------------------- one probe (I/O)
-
-
-@dataclass(frozen=True, slots=True)
-class ProbeResult:
-    ok: bool
-    conclusive: bool
-    error: str | None
-    elapsed: float
-
-
-async def probe_once(
-    client: httpx.AsyncClient,
-    router_url: str,
-    key: str | None,
-    model: str,
-    budget: float,
-    clock: Callable[[], float] = time.monotonic,
-) -> ProbeResult:
-    """One ``/v1/chat/completions`` request with ``max_tokens: 1``, bounded by ``budget`` overall."""
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": "ping"}],
-        "max_tokens": 1,
-        "stream": False,
-    }
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    url = router_url.rstrip("/") + "/v1/chat/completions"
-    t0 = clock()
-    try:
-        async with asyncio.timeout(budget):
-            resp = await client.post(url, json=body, headers=headers, timeout=budget)
-    except (TimeoutError, httpx.TimeoutException):
-        return ProbeResult(False, True, f"no answer within the {budget:g}s budget", clock() - t0)
-    except httpx.HTTPError as e:
-        return ProbeResult(False, True, f"router {router_url} unreachable ({type(e).__name__})", clock() - t0)
-    elapsed = clock() - t0
-    if resp.status_code in (401, 403):
-        return ProbeResult(
-            False,
-            False,
-            f"the router refused the probe key (HTTP {resp.status_code}); set probe_key to a key allowed for {model}",
-            elapsed,
-        )
-    if 200 <= resp.status_code < 300:
-        return ProbeResult(True, True, None, elapsed)
-    return ProbeResult(False, True, f"HTTP {resp.status_code}: {resp.text[:200]}", elapsed)
-
-
-# ---------------------------------------------------------------- the prober (tasks, bus)
 
 
 class Prober:
@@ -265,8 +127,8 @@ class Prober:
             self.unsent.pop(model, None)
             log.info("model %s is no longer watched: probes stop", model)
         for model, spec in watched.items():
-            if self.specs.get(model) == spec and model in self.tasks and not self.tasks[model].done():
-                continue
+            if self.specs.get(model) == spec and model in self.tasks:
+                continue  # a loop that died stays dead: housekeeping ends the notifier for it
             old = self.tasks.pop(model, None)
             if old is not None:
                 self._retire(old)
@@ -296,12 +158,10 @@ class Prober:
         state, or nobody does)."""
         return self.tasks.get(model) is not asyncio.current_task()
 
-    def revive(self) -> None:
-        """Restart probe loops that died (a bug in one probe): logged, and the model is probed again."""
-        for model, t in self.tasks.items():
-            if t.done() and not t.cancelled() and (e := t.exception()) is not None:
-                log.error("probe loop of %s crashed; restarting it", model, exc_info=e)
-        self.apply(dict(self.specs))
+    def loops(self) -> list[asyncio.Task[None]]:
+        """The current probe loops, one per watched model (retired ones are not among them): one that
+        ended is a death, which ends the notifier (``runtime.raise_if_died``), never revived here."""
+        return list(self.tasks.values())
 
     async def close(self) -> None:
         tasks = [*self.tasks.values(), *self.retiring]

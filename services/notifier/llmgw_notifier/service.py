@@ -17,18 +17,20 @@ import logging
 import httpx
 import nats.errors
 
-from llmgw_common.bus import DropLog, KvFollower, connect_unless_stopped, ensure_all
-from llmgw_common.runtime import PassGuard, until_stopped
-from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import DESIRED_SETTINGS, ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
-from llmgw_notifier.delivery import NotifierStats
+from llmgw_notifier.metrics import MetricsServer, start_metrics
 from llmgw_notifier.outages import OutageLedger
 from llmgw_notifier.probes import Prober
+from llmgw_notifier.settings import NotifierSettings
+from llmgw_notifier.stats import NotifierStats
 from llmgw_notifier.targets import Targets
+from llmgw_runtime.bus import DropLog, connect_unless_stopped, ensure_all
+from llmgw_runtime.kv_follower import KvFollower
+from llmgw_runtime.runtime import PassGuard, raise_if_died, until_stopped
 
 log = logging.getLogger("llmgw.notifier")
 
-# How often dead delivery workers and probe loops are restarted and the settings re-applied.
+# How often the settings are re-applied and the per-webhook and per-model loops checked for a death.
 HOUSEKEEPING_S = 5.0
 # Housekeeping passes failing in a row before the notifier exits (non-zero) to be restarted afresh.
 MAX_FAILED_PASSES = 10
@@ -47,6 +49,7 @@ async def serve(s: NotifierSettings, stop: asyncio.Event, stats: NotifierStats |
     followers: list[KvFollower] = []
     targets: Targets | None = None
     prober: Prober | None = None
+    metrics: MetricsServer | None = None
     try:
         js = nc.jetstream()
         buckets = await ensure_all(js, subjects, replicas=s.kv_replicas)
@@ -66,6 +69,7 @@ async def serve(s: NotifierSettings, stop: asyncio.Event, stats: NotifierStats |
             ledger=ledger,
         )
         prober = Prober(js=js, subjects=subjects, settings=s, http=probe_http, stats=stats, drops=drops)
+        metrics = await start_metrics(s, stats, targets)
         prober.restore(ledger)
         followers = [
             KvFollower(
@@ -91,14 +95,17 @@ async def serve(s: NotifierSettings, stop: asyncio.Event, stats: NotifierStats |
                 await asyncio.wait_for(until_stopped(stop, lifelines), HOUSEKEEPING_S)
             if stop.is_set():
                 break
+            # A probe loop or delivery worker that died ends the notifier too: the one policy (runtime).
+            raise_if_died([*prober.loops(), *targets.loops()])
             try:
-                prober.revive()
                 await targets.reconcile()
             except Exception as e:  # one bad pass must not end housekeeping; the guard gives up at its limit
                 guard.failure(e)
             else:
                 guard.ok()
     finally:
+        if metrics is not None:
+            await metrics.close()
         for f in followers:
             await f.stop()
         if prober is not None:

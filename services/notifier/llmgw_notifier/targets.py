@@ -22,16 +22,17 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from llmgw_common.bus import DropLog
 from llmgw_common.codec import DecodeError, decode
 from llmgw_common.messages import ClusterSettings, Webhook
-from llmgw_common.runtime import cancel_and_wait
-from llmgw_common.settings import NotifierSettings
 from llmgw_common.subjects import DESIRED_SETTINGS, Subjects
 from llmgw_common.urls import http_url_problem, shown_url
-from llmgw_notifier.delivery import NotifierStats, TargetWorker, consumer_name
+from llmgw_notifier.delivery import TargetWorker, consumer_name
 from llmgw_notifier.formats import FORMATS
 from llmgw_notifier.outages import OutageLedger
+from llmgw_notifier.settings import NotifierSettings
+from llmgw_notifier.stats import NotifierStats
+from llmgw_runtime.bus import DropLog
+from llmgw_runtime.runtime import cancel_and_wait
 
 log = logging.getLogger("llmgw.notifier.targets")
 
@@ -123,6 +124,11 @@ class Targets:
             self.desired = {}
         await self.reconcile()
 
+    def loops(self) -> list[asyncio.Task[None]]:
+        """The current delivery workers, one per webhook (removed ones are not among them): one that
+        ended is a death, which ends the notifier (``runtime.raise_if_died``), never restarted here."""
+        return [task for _, task in self.workers.values()]
+
     async def reconcile(self) -> None:
         async with self._lock:
             desired = self.desired
@@ -133,8 +139,6 @@ class Targets:
                     "no webhook is configured: nobody will be told of a lost node or a model that is down "
                     "(set one with `llmgw setup --webhook URL`)"
                 )
-            for tid in [t for t, (_, task) in self.workers.items() if task.done()]:
-                self.workers.pop(tid)  # it crashed (logged by _report); start it again below
             for tid, hook in desired.items():
                 if tid in self.workers:
                     self.workers[tid][0].hook = hook
@@ -229,7 +233,7 @@ class Targets:
 
 def _report(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
-        log.error("delivery worker %s crashed; restarting it", task.get_name(), exc_info=task.exception())
+        log.error("delivery worker %s crashed", task.get_name(), exc_info=task.exception())
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:

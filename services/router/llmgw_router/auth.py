@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from llmgw_router.web import Request
+    from llmgw_router.http_request import Request
 
 
 @dataclass(frozen=True, slots=True)

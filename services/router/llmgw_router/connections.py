@@ -11,9 +11,14 @@ server's sweep (a few times per timeout) calls :meth:`ConnectionGuard.sweep`:
   the client reads nothing) for ``write_timeout_s`` is aborted, which ends its handler, its upstream
   request and the engine's work. The pause and resume callbacks cost nothing until a client stalls.
 - **cap**: at ``max_connections``, a new connection takes the place of the connection idle the longest
-  (no request, half a request's headers, or a kept-alive connection between requests); when every held
-  connection is busy with a request, the new one gets a 503 and is closed. Descriptors stay bounded by
-  the cap either way, and a normal client still gets in while idle connections fill the cap.
+  (no request, half a request's headers, or a kept-alive connection between requests), else of the one
+  whose client has read nothing for the longest (its writes wait for room: it would hold its place
+  until the write deadline, and clients that never read could hold every place); when every held
+  connection is busy with a request and reading, the new one gets a 503 and is closed. Descriptors
+  stay bounded by the cap either way, and a normal client still gets in while idle or stalled
+  connections fill the cap. Finding the one to close takes no scan of the held connections: idle
+  ones are queued as they become idle (an entry is stale once its connection is busy again or gone,
+  and skipped), stalled ones are kept in the order they stalled.
 
 The idle (keep-alive) deadline is the server's; the body deadline is the handler's (``body_timeout_s``,
 a 408 while a response is still possible): only a handler knows whether it reads the body.
@@ -21,6 +26,7 @@ a 408 while a response is still possible): only a handler knows whether it reads
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import resource
@@ -92,7 +98,13 @@ class ConnectionGuard:
         self.header_timeout_s = header_timeout_s
         self.write_timeout_s = write_timeout_s
         self._held: set[Guarded] = set()
+        # (connection, its ``since`` then) as connections become idle, oldest first; an entry whose
+        # connection has since become busy, idle again (a newer entry) or gone is stale.
+        self._idle: collections.deque[tuple[Guarded, float]] = collections.deque()
+        # Connections whose writes wait for room (the client reads nothing), in the order they stalled.
+        self._stalled: dict[Guarded, None] = {}
         self.evicted = 0
+        self.evicted_stalled = 0
         self.refused = 0
         self.timed_out = 0
         self.write_timed_out = 0
@@ -105,26 +117,54 @@ class ConnectionGuard:
     def admit(self, conn: Guarded) -> bool:
         if len(self._held) >= self.max_connections:
             victim = self._longest_idle()
-            if victim is None:
+            if victim is not None:
+                self.evicted += 1
+                self._note_full("closing the connection idle the longest for each new one")
+            elif self._stalled:
+                victim = next(iter(self._stalled))
+                self.evicted_stalled += 1
+                self._note_full("closing the connection whose client has read nothing the longest")
+            else:
                 self.refused += 1
                 self._note_full("refusing new connections: every one held is busy with a request")
                 return False
-            self.evicted += 1
-            self._note_full("closing the connection idle the longest for each new one")
             self.forget(victim)
             victim.close()
         self._held.add(conn)
         return True
 
+    def became_idle(self, conn: Guarded) -> None:
+        """``conn`` is idle from its ``since`` (new, or its answer is out with nothing else to do).
+
+        Only an append: the stale entries are dropped by the sweep (``compact``)."""
+        self._idle.append((conn, conn.since))
+
+    def compact(self) -> None:
+        """Drop the idle queue's stale entries, which would keep closed connections alive (called by the
+        sweep, a few times a second: the queue holds at most the entries of that long, over the live)."""
+        q, held = self._idle, self._held
+        if len(q) > 2 * len(held) + 64:
+            self._idle = collections.deque(
+                e for e in q if e[0] in held and e[0].since == e[1] and e[0].idle()
+            )
+
+    def stalled(self, conn: Guarded) -> None:
+        self._stalled[conn] = None
+
+    def unstalled(self, conn: Guarded) -> None:
+        self._stalled.pop(conn, None)
+
     def forget(self, conn: Guarded) -> None:
         self._held.discard(conn)
+        self._stalled.pop(conn, None)
 
     def _longest_idle(self) -> Guarded | None:
-        best: Guarded | None = None
-        for c in self._held:
-            if c.idle() and (best is None or c.since < best.since):
-                best = c
-        return best
+        q, held = self._idle, self._held
+        while q:
+            c, since = q.popleft()
+            if c.since == since and c in held and c.idle():
+                return c
+        return None
 
     def _note_full(self, what: str) -> None:
         now = time.monotonic()
@@ -140,16 +180,20 @@ class ConnectionGuard:
 
     def sweep(self, now: float) -> None:
         """Close connections whose request headers are late, or whose client has stopped reading."""
+        self.compact()
         late = [c for c in self._held if c.deadline is not None and now >= c.deadline]
         for c in late:
             self.timed_out += 1
             self.forget(c)
             c.close()
-        stuck = [
-            c
-            for c in self._held
-            if c.write_paused_at is not None and now - c.write_paused_at >= self.write_timeout_s
-        ]
+        stuck = []
+        for c in self._stalled:  # in the order they stalled: the first still in time ends the look
+            paused = c.write_paused_at
+            if paused is None:
+                continue
+            if now - paused < self.write_timeout_s:
+                break
+            stuck.append(c)
         for c in stuck:
             self.write_timed_out += 1
             self.forget(c)
@@ -170,12 +214,14 @@ class ConnectionMetrics(Collector):
         closed = CounterMetricFamily(
             "llmgw_router_connections_closed",
             "Client connections the router closed or refused: header_timeout, write_timeout (the "
-            "client read nothing), evicted (idle, to make room at max_connections), refused "
+            "client read nothing), evicted (idle, to make room at max_connections), evicted_stalled "
+            "(its client read nothing, to make room at max_connections), refused "
             "(max_connections, all busy)",
             labels=["reason"],
         )
         closed.add_metric(["header_timeout"], g.timed_out)
         closed.add_metric(["write_timeout"], g.write_timed_out)
         closed.add_metric(["evicted"], g.evicted)
+        closed.add_metric(["evicted_stalled"], g.evicted_stalled)
         closed.add_metric(["refused"], g.refused)
         yield closed

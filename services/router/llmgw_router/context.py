@@ -15,6 +15,7 @@ from llmgw_router.holding import Holding
 from llmgw_router.idle import IdleMap
 from llmgw_router.keys import KeyTable
 from llmgw_router.metrics import RouterMetrics
+from llmgw_router.quota import Quotas
 from llmgw_router.upstream import UpstreamClient
 from llmgw_router.usage import UsageTable
 
@@ -28,9 +29,13 @@ class Limits:
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
     stream_stall_s: float = 60.0
+    withdrawn_silence_s: float = 2.0
+    refused_wait_s: float = 10.0
     body_timeout_s: float = 60.0
     prefix_affinity: bool = False
     prefix_load_factor: float = 1.25
+    # The report tick: quota shares are recomputed on it, and a peer's use extrapolated over it.
+    tick_s: float = 1.0
 
 
 @dataclass(eq=False)
@@ -51,10 +56,13 @@ class RouterContext:
     usage: UsageTable = field(init=False)
     metrics: RouterMetrics = field(init=False)
     holding: Holding = field(init=False)
+    quota: Quotas = field(init=False)
 
     def __post_init__(self) -> None:
         self.idle = IdleMap(self.started)
-        self.usage = UsageTable(self.started)
+        self.quota = Quotas(self.keys, self.router_id, self.limits.tick_s)
+        # The clock read through ctx at each call: a test may set ctx.clock after construction.
+        self.usage = UsageTable(self.started, self.quota, lambda: self.clock())
         self.metrics = RouterMetrics(self.pool, self.gates, lambda: self.in_flight)
         self.holding = Holding(self.pool, self.metrics, self.router_id, self.clock)
 

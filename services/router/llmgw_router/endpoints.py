@@ -17,7 +17,8 @@ from llmgw_common.catalog import Catalog, ModelProfile
 from llmgw_common.messages import Endpoint, LoadReport, RoutingEndpoints
 from llmgw_router.breaker import Breaker, BreakerState
 from llmgw_router.scheduling import stable_id
-from llmgw_router.upstream import Abortable
+from llmgw_router.stored import tag_of
+from llmgw_router.upstream_connection import Abortable
 
 # Weight of the newest sample in the latency average.
 EWMA_ALPHA = 0.2
@@ -39,6 +40,7 @@ class EndpointState:
         "node",
         "replica_id",
         "running",
+        "tag",
         "url",
         "waiting",
     )
@@ -47,6 +49,8 @@ class EndpointState:
         self.replica_id = ep.replica_id
         # The replica's place in prefix-affinity orders: the same in every router.
         self.affinity_id = stable_id(ep.replica_id)
+        # The replica's mark in the ids of the responses it stores (stored.py), the same in every router.
+        self.tag = tag_of(self.affinity_id)
         self.model = ep.model
         self.url = ep.url.rstrip("/")
         self.node = ep.node
@@ -90,6 +94,8 @@ class Pool:
         self.by_model: dict[str, list[EndpointState]] = {}
         self.by_key: dict[tuple[str, str], EndpointState] = {}
         self.by_replica: dict[str, list[EndpointState]] = {}
+        # stored.tag_of(replica) -> its endpoint: where a tagged response id is answered.
+        self.by_tag: dict[str, EndpointState] = {}
         self.unavailable: dict[str, str] = {}
         # Models with an endpoint that takes new requests (not draining): the request path's one check.
         self.ready: set[str] = set()
@@ -132,6 +138,7 @@ class Pool:
                 by_model.setdefault(ep.model, []).append(st)
                 by_replica.setdefault(ep.replica_id, []).append(st)
         self.by_key, self.by_model, self.by_replica = by_key, by_model, by_replica
+        self.by_tag = {st.tag: st for st in by_key.values()}
         self.ready = {m for m, eps in by_model.items() if any(not e.draining for e in eps)}
         self.unavailable = dict(unavailable)
 

@@ -1,10 +1,22 @@
-"""OpenAI-shaped error answers: ``{"error": {"message", "type", "param", "code"}}``."""
+"""The router's own error answers, in the shape of the API the client speaks.
+
+OpenAI's ``{"error": {"message", "type", "param", "code"}}`` everywhere, except on Anthropic's paths
+(``/v1/messages``), where clients (the ``anthropic`` SDK, Claude Code) read
+``{"type": "error", "error": {"type", "message"}}``. Every refusal is made as a :class:`RouterError`
+with OpenAI's body; a handler on an Anthropic path re-renders it (:meth:`RouterError.as_anthropic`), so
+the many places that refuse (admission, holding, the proxy) need not know who asked. An engine's own
+error answer is relayed as the engine sent it, never re-rendered.
+"""
 
 from __future__ import annotations
 
 import json
 
-from llmgw_router import web
+from llmgw_router.http_response import Response
+
+# The status recorded (metrics, usage, logs) for a request whose client went away before its answer
+# was sent: nginx's 499, never sent to anyone.
+CLIENT_GONE = 499
 
 # status -> (type, code) as OpenAI's API names them.
 _KINDS: dict[int, tuple[str, str | None]] = {
@@ -20,12 +32,47 @@ _KINDS: dict[int, tuple[str, str | None]] = {
     503: ("service_unavailable", "model_unavailable"),
 }
 
+# status -> Anthropic's error type (its API's table; 503 is its "overloaded", 5xx else "api_error").
+_ANTHROPIC_KINDS: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> bytes:
     etype, default_code = _KINDS.get(status, ("api_error", None))
     return json.dumps(
         {"error": {"message": message, "type": etype, "param": param, "code": code or default_code}}
     ).encode()
+
+
+def anthropic_error_body(status: int, message: str) -> bytes:
+    etype = _ANTHROPIC_KINDS.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return json.dumps({"type": "error", "error": {"type": etype, "message": message}}).encode()
+
+
+class RouterError(Response):
+    """A refusal made by the router (not an engine's answer), with what it says kept apart."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, status: int, message: str, body: bytes, headers: dict[str, str] | None) -> None:
+        super().__init__(status=status, body=body, content_type="application/json", headers=headers)
+        self.message = message
+
+    def as_anthropic(self) -> RouterError:
+        headers = {k: v for k, v in self.headers.items() if k != "Content-Type"}
+        return RouterError(
+            self.status, self.message, anthropic_error_body(self.status, self.message), headers
+        )
 
 
 def error_response(
@@ -35,11 +82,6 @@ def error_response(
     param: str | None = None,
     code: str | None = None,
     retry_after: int | None = None,
-) -> web.Response:
+) -> RouterError:
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return web.Response(
-        status=status,
-        body=error_body(status, message, param=param, code=code),
-        content_type="application/json",
-        headers=headers,
-    )
+    return RouterError(status, message, error_body(status, message, param=param, code=code), headers)

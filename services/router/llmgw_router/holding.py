@@ -22,24 +22,24 @@ OpenAI's error shape, which OpenAI's clients raise as an error.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from llmgw_common.catalog import ModelProfile
-from llmgw_common.messages import WakeReply, WakeRequest, WakeState
-from llmgw_common.runtime import cancel_and_wait
-from llmgw_router import web
+from llmgw_common.router_messages import WakeReply, WakeRequest, WakeState
 from llmgw_router.admission import Gate
 from llmgw_router.endpoints import Pool
-from llmgw_router.errors import error_body, error_response
+from llmgw_router.errors import CLIENT_GONE, RouterError, error_body, error_response
+from llmgw_router.http_request import Request
+from llmgw_router.http_response import Response, StreamResponse
 from llmgw_router.metrics import RouterMetrics
+from llmgw_runtime.runtime import cancel_and_wait
 
 log = logging.getLogger("llmgw.router.holding")
 
-# Status recorded for a held request whose client went away.
-CLIENT_GONE = 499
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 # Asks the control plane to wake a model: its reply, or None when none came (no responder, timeout,
@@ -70,8 +70,8 @@ class Held:
     """How a hold ended: ``answer`` to give now (a refusal, or a begun stream already ended), or go on
     to admission and the proxy, writing into ``started`` when a held stream has already begun."""
 
-    answer: web.StreamResponse | None = None
-    started: web.StreamResponse | None = None
+    answer: StreamResponse | None = None
+    started: StreamResponse | None = None
 
 
 class _ModelHolds:
@@ -109,6 +109,8 @@ class Holding:
         self.wake_every_s = 3.0
         self.ask_timeout_s = 2.0
         self._models: dict[str, _ModelHolds] = {}
+        # Set, and replaced, by each routing update: next_update() waits on it.
+        self._updated: asyncio.Event | None = None
 
     def held(self, model: str) -> int:
         s = self._models.get(model)
@@ -116,8 +118,11 @@ class Holding:
 
     # ------------------------------------------------------------ the request path
 
-    async def hold(self, request: web.Request, profile: ModelProfile, gate: Gate, stream: bool) -> Held:
-        """Hold a request for a model without a ready endpoint until one appears, or refuse it."""
+    async def hold(
+        self, request: Request, profile: ModelProfile, gate: Gate, stream: bool, anthropic: bool = False
+    ) -> Held:
+        """Hold a request for a model without a ready endpoint until one appears, or refuse it
+        (``anthropic``: a begun stream's refusal in Anthropic's shape, :meth:`finish`)."""
         model = profile.name
         now = prospect(self.pool, model)
         if now is Prospect.READY:
@@ -145,7 +150,7 @@ class Holding:
         # Our own timer on the future, as admission.Gate does (asyncio.wait_for can swallow a cancel).
         timer = loop.call_later(limit, self._expire, fut, model, limit, waking, state)
         t0 = loop.time()
-        started: web.StreamResponse | None = None
+        started: StreamResponse | None = None
         try:
             if stream:
                 started, gone = await self._wait_streaming(request, fut, model, waking)
@@ -171,17 +176,25 @@ class Holding:
         if started is None:
             return self._refused(model, 503, problem, 5, loop.time() - t0)
         self.metrics.request(model, 503, loop.time() - t0)
-        return Held(answer=await self.finish(started, error_response(503, problem)))
+        return Held(answer=await self.finish(started, error_response(503, problem), anthropic))
 
-    async def finish(self, started: web.StreamResponse, answer: web.StreamResponse) -> web.StreamResponse:
+    async def finish(
+        self, started: StreamResponse, answer: StreamResponse, anthropic: bool = False
+    ) -> StreamResponse:
         """The client's answer when a held stream had begun before ``answer`` was made: ``answer`` itself
-        if the proxy wrote into the begun stream, else its body as the stream's last SSE event."""
+        if the proxy wrote into the begun stream, else its body as the stream's last SSE event.
+        ``anthropic``: the stream is Anthropic's (/v1/messages), whose clients read a failure as an
+        ``event: error`` in its own shape, and which has no ``[DONE]``."""
         if answer is started:
             return started
-        body = answer.body if isinstance(answer, web.Response) else None
+        if anthropic and isinstance(answer, RouterError):
+            answer = answer.as_anthropic()
+        body = answer.body if isinstance(answer, Response) else None
         data = body if isinstance(body, bytes) else error_body(502, "the answer could not be relayed")
         event = b"".join(b"data: " + line + b"\n" for line in data.splitlines()) + b"\n"
-        if answer.status < 300:
+        if anthropic and answer.status >= 300:
+            event = b"event: error\n" + event
+        elif answer.status < 300 and not anthropic:
             event += b"data: [DONE]\n\n"
         try:
             await started.write_eof(event)
@@ -191,9 +204,27 @@ class Holding:
 
     # ------------------------------------------------------------ events
 
+    async def next_endpoints(self, version: int, timeout: float) -> bool:
+        """Wait, at most ``timeout``, for routing endpoints other than those of ``version``; whether
+        they came."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout
+        while self.pool.endpoints_version == version:
+            left = until - loop.time()
+            if left <= 0:
+                return False
+            if self._updated is None:
+                self._updated = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._updated.wait(), left)
+        return True
+
     def update(self) -> None:
         """After a routing update: release the holds whose model has an endpoint now; refuse those for
         which nothing is coming any more (a wake asked for keeps its holds until it ends)."""
+        ev, self._updated = self._updated, None
+        if ev is not None:
+            ev.set()
         for model, state in list(self._models.items()):
             now = prospect(self.pool, model)
             if now is Prospect.READY:
@@ -215,12 +246,12 @@ class Holding:
         return Held(answer=error_response(status, message, retry_after=retry_after))
 
     async def _wait_streaming(
-        self, request: web.Request, fut: asyncio.Future[str | None], model: str, waking: bool
-    ) -> tuple[web.StreamResponse | None, bool]:
+        self, request: Request, fut: asyncio.Future[str | None], model: str, waking: bool
+    ) -> tuple[StreamResponse | None, bool]:
         """Wait for ``fut``; past ``stream_after_s`` begin the answer and send SSE comments. Returns the
         begun answer (None if it was not begun) and whether the client has gone."""
         comment = f": {'waking' if waking else 'waiting for'} model {model}\n\n".encode()
-        started: web.StreamResponse | None = None
+        started: StreamResponse | None = None
         delay = self.stream_after_s
         while True:
             await asyncio.wait((fut,), timeout=delay)
@@ -228,7 +259,7 @@ class Holding:
                 return started, False
             try:
                 if started is None:
-                    started = web.StreamResponse(status=200, headers=SSE_HEADERS)
+                    started = StreamResponse(status=200, headers=SSE_HEADERS)
                     await started.prepare(request)
                 await started.write(comment)
             except ConnectionResetError:

@@ -1,8 +1,8 @@
-"""One client connection of the router's HTTP/1.1 server: httptools' parser, the requests, the answers.
+"""One client connection of the router's HTTP/1.1 server: the requests, the answers.
 
-Requests are parsed as bytes arrive; each request's handler runs as its own task from the moment its
+Requests are parsed as bytes arrive (``http_reading.RequestReader``: the parser and the limits); each request's handler runs as its own task from the moment its
 headers are complete (its body may still be coming: ``Request.read()`` waits), one at a time per
-connection, in order (pipelined requests wait their turn, parsed, with their bodies). A connection
+connection, in order (pipelined requests wait their turn, parsed, reading paused while they wait). A connection
 that ends, or that the client half-closes, cancels its running handler, which is how the upstream
 request and the engine's work are stopped when a client hangs up.
 
@@ -14,102 +14,82 @@ connection closes, so the client can read the answer instead of getting a reset.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
-from typing import TYPE_CHECKING, cast
-from urllib.parse import unquote
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol, cast
 
-import httptools
-
+from llmgw_router.connections import ConnectionGuard
 from llmgw_router.errors import error_body
-from llmgw_router.web import RelayedResponse, Request, Response, status_line
-
-if TYPE_CHECKING:
-    from llmgw_router.http_server import HttpServer
+from llmgw_router.http_reading import (
+    LINGER_S,
+    MAX_HEAD_BYTES,
+    MAX_PIPELINE,
+    MAX_TRAILER_BYTES,
+    RequestReader,
+    error_head,
+)
+from llmgw_router.http_request import Request
+from llmgw_router.http_response import RelayedResponse, Response, StreamResponse
 
 log = logging.getLogger("llmgw.router.http")
 
-# A request's line and headers together: more is refused (431) before it can grow in memory.
-MAX_HEAD_BYTES = 64 * 1024
-# Parsed requests waiting behind the one being handled; more and the connection stops reading.
-MAX_PIPELINE = 16
-# After a response that ends before its request's body did: read and drop the rest this long.
-LINGER_S = 5.0
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _WHOLE = frozenset((Response, RelayedResponse))
-# Headers that say where a request's body ends (to read on past an Upgrade header: below).
-_FRAMING = frozenset((b"content-length", b"transfer-encoding"))
+
+__all__ = ["LINGER_S", "MAX_HEAD_BYTES", "MAX_PIPELINE", "MAX_TRAILER_BYTES", "Connection", "error_head"]
 
 
-def error_head(status: int, message: str) -> bytes:
-    body = error_body(status, message)
-    return (
-        status_line(status)
-        + b"Content-Type: application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
-        + body
-    )
+class _DateHeader(Protocol):
+    @property
+    def header(self) -> bytes: ...
 
 
-class Connection(asyncio.Protocol):
+class ConnectionServer(Protocol):
+    """What a connection asks of its server (:class:`llmgw_router.http_server.HttpServer`), named here by
+    use: the server imports this module."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    @property
+    def guard(self) -> ConnectionGuard: ...
+
+    @property
+    def max_body_bytes(self) -> int: ...
+
+    @property
+    def clock(self) -> _DateHeader: ...
+
+    @property
+    def refused(self) -> bytes: ...
+
+    @property
+    def trusted_proxies(self) -> Sequence[object]: ...
+
+    @property
+    def connections(self) -> set[Connection]: ...
+
+    @property
+    def draining(self) -> bool: ...
+
+    @property
+    def handler(self) -> Callable[[Request], Awaitable[StreamResponse]]: ...
+
+    def trusts(self, peer: object) -> bool: ...
+
+    def end_handler(self, handler: asyncio.Task[None]) -> None: ...
+
+    def idle_changed(self) -> None: ...
+
+
+class Connection(RequestReader):
     """One client connection: parser, the requests on it, the flow of the answers back."""
 
-    __slots__ = (
-        "_body_target",
-        "_drain",
-        "_head_bytes",
-        "_headers",
-        "_linger_until",
-        "_parsing",
-        "_pipeline",
-        "_synthetic",
-        "_task",
-        "_trailing",
-        "_url",
-        "admitted",
-        "closing",
-        "deadline",
-        "idle_since",
-        "loop",
-        "lost",
-        "parser",
-        "reading_paused",
-        "server",
-        "since",
-        "transport",
-        "write_paused_at",
-    )
+    __slots__ = ()
+    server: ConnectionServer
 
-    def __init__(self, server: HttpServer) -> None:
-        self.server = server
-        self.loop = server.loop
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpRequestParser(self)
-        self.admitted = False
-        # Loop time by which the request line and headers must be complete (None: not waiting for them).
-        self.deadline: float | None = None
-        self.since = 0.0
-        # Loop time the last answer ended with nothing else to do (None: a request is on its way).
-        self.idle_since: float | None = None
-        # Loop time the transport paused writing (its buffer full: the client is not reading), or None.
-        self.write_paused_at: float | None = None
-        self.closing = False
-        self.lost = False
-        self.reading_paused = False
-        self._linger_until: float | None = None
-        self._drain: asyncio.Future[None] | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._pipeline: collections.deque[Request] = collections.deque()
-        # The request being parsed (its body goes to it), and its line and headers so far.
-        self._parsing: Request | None = None
-        self._url = b""
-        self._headers: list[tuple[bytes, bytes]] = []
-        self._head_bytes = 0
-        # Reading a body on past an Upgrade header: the synthetic head's callbacks are not a request.
-        self._synthetic = False
-        self._body_target: Request | None = None
-        # Past a head, the parser's header callback brings a chunked body's trailers: not headers (a
-        # key sent there would pass where a proxy in front never looks).
-        self._trailing = False
+    def __init__(self, server: ConnectionServer) -> None:
+        super().__init__(server)
 
     @property
     def max_body_bytes(self) -> int:
@@ -129,41 +109,11 @@ class Connection(asyncio.Protocol):
             self.transport.close()
             return
         self.admitted = True
+        if self.server.trusted_proxies:
+            self.trust_forwarded = self.server.trusts(self.transport.get_extra_info("peername"))
         self.since = self.loop.time()
         self.deadline = self.since + self.server.guard.header_timeout_s
-
-    def data_received(self, data: bytes) -> None:
-        if self.closing:
-            if self._linger_until is None:
-                return
-        if self.deadline is not None:
-            self._head_bytes += len(data)
-        while True:
-            try:
-                self.parser.feed_data(data)
-            except httptools.HttpParserUpgrade as e:
-                # httptools stops at any Upgrade header (or CONNECT) and takes what follows the headers
-                # for another protocol; the router speaks none, so the request is served as plain
-                # HTTP/1.1 (curl --http2 asks for h2c on every http:// request). Its body was skipped:
-                # read it with a parser told this request's framing, then go on with the next request.
-                offset = e.args[0] if e.args and isinstance(e.args[0], int) else len(data)
-                data = data[offset:]
-                self.parser = httptools.HttpRequestParser(self)
-                req = self._body_target
-                framing = [k + b": " + v + b"\r\n" for k, v in self._headers if k.lower() in _FRAMING]
-                if req is not None and framing:
-                    req.complete = False
-                    self._synthetic = True
-                    data = b"POST / HTTP/1.1\r\n" + b"".join(framing) + b"\r\n" + data
-                continue
-            except httptools.HttpParserError as e:
-                self._bad_request(400, f"malformed HTTP request: {e}")
-                return
-            break
-        if self.deadline is not None and self._head_bytes > MAX_HEAD_BYTES:
-            self._bad_request(431, f"request line and headers over {MAX_HEAD_BYTES} bytes")
-        elif len(self._pipeline) >= MAX_PIPELINE:
-            self._pause_reading()
+        self.server.guard.became_idle(self)
 
     def eof_received(self) -> bool | None:
         # A client that closes its side has gone (as aiohttp.web treats it): the transport closes, and
@@ -192,83 +142,15 @@ class Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.write_paused_at = self.loop.time()
+        if self.admitted:
+            self.server.guard.stalled(self)
 
     def resume_writing(self) -> None:
         self.write_paused_at = None
+        self.server.guard.unstalled(self)
         d = self._drain
         if d is not None and not d.done():
             d.set_result(None)
-
-    # ------------------------------------------------------------ httptools callbacks
-
-    def on_message_begin(self) -> None:
-        if self._synthetic:
-            return
-        self._url = b""
-        self._headers = []
-        self._trailing = False
-        self.idle_since = None
-        if self.deadline is None:
-            self.since = self.loop.time()
-            self.deadline = self.since + self.server.guard.header_timeout_s
-            self._head_bytes = 0
-
-    def on_url(self, url: bytes) -> None:
-        if not self._synthetic:
-            self._url += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if self._synthetic or self._trailing:
-            return
-        self._headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        if self._synthetic or self.closing:
-            # Not a request to serve: the head of the body parser past an Upgrade, or a request that
-            # follows one answered with "Connection: close" (the connection ends after that answer).
-            return
-        self.deadline = None
-        self._head_bytes = 0
-        self._trailing = True
-        p = self.parser
-        raw = self._url
-        q = raw.find(b"?")
-        raw_path, query = (raw, b"") if q < 0 else (raw[:q], raw[q + 1 :])
-        try:
-            path = raw_path.decode("ascii")
-            if "%" in path:
-                path = unquote(path, errors="strict")
-        except UnicodeDecodeError:
-            path = "\0"  # not a path any route or exemption has: 404 after the key check
-        req = Request(
-            self,
-            p.get_method().decode("ascii", "replace"),
-            path,
-            query.decode("latin-1"),
-            self._headers,
-            p.get_http_version(),
-            p.should_keep_alive(),
-        )
-        self._parsing = self._body_target = req
-        if self._task is None and not self._pipeline:
-            self._start(req)
-        else:
-            self._pipeline.append(req)
-
-    def on_body(self, body: bytes) -> None:
-        req = self._body_target
-        if req is not None:
-            req._feed(body, self.server.max_body_bytes)
-
-    def on_message_complete(self) -> None:
-        self._synthetic = False
-        req = self._body_target
-        self._parsing = None
-        if req is not None:
-            req._complete()
-        if self._linger_until is not None:
-            # The body of a request already answered with "Connection: close" is in: close now.
-            self._close_transport()
 
     # ------------------------------------------------------------ handling
 
@@ -315,26 +197,35 @@ class Connection(asyncio.Protocol):
         """An answer is out: the next request, or keep-alive, or close."""
         if close or self.closing or not req.keep_alive or self.server.draining:
             if not req.complete and self.transport is not None and not self.transport.is_closing():
-                # Read and drop the rest of its body for a while, so the client can read the answer.
+                # Read and drop the rest of its body for a while, so the client can read the answer
+                # (dropped: not fed to the request, whose handler has ended).
                 self.closing = True
                 self._linger_until = self.loop.time() + LINGER_S
+                self._body_target = None
                 return
-            self._close_transport()
+            if self.reading_paused:
+                self._end_gently()  # bytes may be unread: a close now would reset the answer
+            else:
+                self._close_transport()
             return
         if self._pipeline:
             nxt = self._pipeline.popleft()
-            if self.reading_paused and not self.closing and self.transport is not None:
+            if (
+                not self._pipeline
+                and self.reading_paused
+                and not self._stopped
+                and self.transport is not None
+            ):
+                # Nothing waits now: the body of the one started (if still coming) and what follows.
                 self.reading_paused = False
                 self.transport.resume_reading()
             self._start(nxt)
             return
+        if self._refusal is not None and self.send_refusal():
+            return
         self.idle_since = self.since = self.loop.time()
+        self.server.guard.became_idle(self)
         self.server.idle_changed()
-
-    def _pause_reading(self) -> None:
-        if not self.reading_paused and self.transport is not None:
-            self.reading_paused = True
-            self.transport.pause_reading()
 
     def must_close(self, req: Request) -> bool:
         """Whether the answer to ``req`` ends the connection (said in its head)."""
@@ -360,22 +251,6 @@ class Connection(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(_CONTINUE)
 
-    def _bad_request(self, status: int, message: str) -> None:
-        """Bytes that are not HTTP: answer if no answer is under way, then close; one DEBUG line."""
-        log.debug("closing a client connection: %s (%d)", message, status)
-        self.deadline = None
-        busy = self._task is not None or self._pipeline
-        self.closing = True
-        self._linger_until = None
-        t = self.transport
-        if t is None:
-            return
-        if busy:
-            self._pause_reading()  # the answer under way ends the connection (closing is set)
-            return
-        t.write(error_head(status, message))
-        t.close()
-
     # ------------------------------------------------------------ state the guard reads
 
     def idle(self) -> bool:
@@ -385,11 +260,14 @@ class Connection(asyncio.Protocol):
     def lingered_out(self, now: float) -> bool:
         return self._linger_until is not None and now >= self._linger_until
 
-    def _close_transport(self) -> None:
-        self._linger_until = None
-        self.closing = True
-        if self.transport is not None:
-            self.transport.close()
+    def end_linger(self) -> None:
+        """A linger's time is up. Reading its body's rest, it sends FIN first and drops what still comes
+        for a second: closed at once with bytes arriving, the kernel would reset the connection, and
+        the client could read the reset before the answer's end. Already past that: closed."""
+        if self._dropping:
+            self.close()
+        else:
+            self._end_gently(1.0)
 
     def close(self) -> None:
         """Close; abort if response bytes are still waiting to be sent.
@@ -403,9 +281,3 @@ class Connection(asyncio.Protocol):
             self.transport.close()
             if self.transport.get_write_buffer_size() > 0:
                 self.transport.abort()
-
-    def abort(self) -> None:
-        """Close without flushing: close() would wait for a client that reads nothing, for ever."""
-        self.closing = True
-        if self.transport is not None:
-            self.transport.abort()

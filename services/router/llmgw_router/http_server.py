@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from email.utils import formatdate
 
-from llmgw_common.runtime import cancel_and_wait
 from llmgw_router.connections import ConnectionGuard
 from llmgw_router.http_connection import Connection, error_head
-from llmgw_router.web import Request, StreamResponse
+from llmgw_router.http_request import Request
+from llmgw_router.http_response import StreamResponse
+from llmgw_runtime.runtime import cancel_and_wait
 
 Handler = Callable[[Request], Awaitable[StreamResponse]]
 
@@ -52,9 +54,16 @@ class HttpServer:
     """The listener: accepts connections into :class:`Connection`, runs the guard's sweep, drains."""
 
     def __init__(
-        self, handler: Handler, guard: ConnectionGuard, max_body_bytes: int, idle_timeout_s: float
+        self,
+        handler: Handler,
+        guard: ConnectionGuard,
+        max_body_bytes: int,
+        idle_timeout_s: float,
+        trusted_proxies: Sequence[str] = (),
     ) -> None:
         self.handler = handler
+        # Clients whose X-Forwarded-* headers are believed (the proxies in front); none by default.
+        self.trusted_proxies = [ipaddress.ip_network(p, strict=False) for p in trusted_proxies]
         self.guard = guard
         self.max_body_bytes = max_body_bytes
         self.idle_timeout_s = idle_timeout_s
@@ -70,6 +79,18 @@ class HttpServer:
         self._idle_event = asyncio.Event()
         # Handlers of connections that are gone, each with the task that cancels it until it ends.
         self._ending: dict[asyncio.Task[None], asyncio.Task[None]] = {}
+
+    def trusts(self, peer: object) -> bool:
+        """Whether a client at ``peer`` (a transport's peername) is one of the trusted proxies."""
+        if not self.trusted_proxies or not isinstance(peer, tuple) or not peer:
+            return False
+        try:
+            addr = ipaddress.ip_address(peer[0])
+        except ValueError:
+            return False
+        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped  # a dual-stack listener's IPv4 client
+        return any(addr in net for net in self.trusted_proxies)
 
     def _make(self) -> Connection:
         c = Connection(self)
@@ -107,7 +128,10 @@ class HttpServer:
             for c in self.connections
             if (c.idle_since is not None and now - c.idle_since >= limit) or c.lingered_out(now)
         ]:
-            c.close()
+            if c.lingered_out(now):
+                c.end_linger()
+            else:
+                c.close()
 
     def end_handler(self, handler: asyncio.Task[None]) -> None:
         """Cancel ``handler``, whose connection is gone, until it has ended.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from llmgw_common.messages import IdleReport
+from llmgw_common.router_messages import IdleReport
 
 
 class IdleMap:

@@ -2,7 +2,7 @@
 
 A router follows the bucket and answers every check from memory, so a revoked or expired key stops
 working within one watch event (and at worst one resync) on every router, with no bus call on the
-request path. Minting and the bucket operations are in ``llmgw_common.apikeys``.
+request path. Minting and the bucket operations are in ``llmgw_runtime.apikeys``.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from llmgw_common.apikeys import hash_key
 from llmgw_common.codec import DecodeError, decode
-from llmgw_common.messages import ApiKeyRecord
+from llmgw_common.messages import TEAM_KEY_PREFIX, ApiKeyRecord, TeamRecord
+from llmgw_runtime.apikeys import hash_key
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,10 @@ class KeyTable:
         # Presented key -> its record, for keys that matched one. Emptied on every change to the table,
         # so a replaced (revoked) or removed record is never answered from it.
         self._memo: dict[str, ApiKeyRecord] = {}
+        # Team name -> its record (key ``team.<name>`` in the bucket): limits shared by its keys.
+        self.teams: dict[str, TeamRecord] = {}
+        # One more on every change of a key or a team: the quota's meters are rebuilt when it moves.
+        self.version = 0
         for r in records:
             self.put(r)
 
@@ -45,14 +49,23 @@ class KeyTable:
 
     def put(self, record: ApiKeyRecord) -> None:
         self._memo.clear()
+        self.version += 1
         old = self._by_id.pop(record.id, None)
         if old is not None:
             self._by_hash.pop(old.hash, None)
         self._by_id[record.id] = record
         self._by_hash[record.hash] = record
 
+    def by_id(self, key_id: str) -> ApiKeyRecord | None:
+        return self._by_id.get(key_id)
+
+    def put_team(self, team: TeamRecord) -> None:
+        self.teams[team.name] = team
+        self.version += 1
+
     def remove(self, key_id: str) -> None:
         self._memo.clear()
+        self.version += 1
         old = self._by_id.pop(key_id, None)
         if old is not None:
             self._by_hash.pop(old.hash, None)
@@ -81,6 +94,9 @@ class KeyTable:
 
     def on_kv_change(self, key: str, value: bytes | None, revision: int) -> None:
         """KvFollower callback: a record put, replaced or deleted. A bad value drops that key."""
+        if key.startswith(TEAM_KEY_PREFIX):
+            self._on_team(key[len(TEAM_KEY_PREFIX) :], value)
+            return
         if value is None:
             self.remove(key)
             return
@@ -92,6 +108,16 @@ class KeyTable:
         if rec.id != key:
             rec = rec.model_copy(update={"id": key})
         self.put(rec)
+
+    def _on_team(self, name: str, value: bytes | None) -> None:
+        if value is None:
+            self.teams.pop(name, None)
+            self.version += 1
+            return
+        # A team whose record cannot be read keeps its last known limits (the DecodeError is the
+        # follower's to log and retry): unreadable is not unlimited.
+        team = decode(value, TeamRecord)
+        self.put_team(team.model_copy(update={"name": name}) if team.name != name else team)
 
 
 def allows_model(record: ApiKeyRecord | None, model: str) -> bool:

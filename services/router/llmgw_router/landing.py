@@ -1,9 +1,12 @@
 """The page at ``/``: how to connect, and nothing else (ARCHITECTURE #12).
 
 It is served without a key, so it carries no data: no model names, replicas, nodes or counts. The base
-URL shown is rebuilt from ``X-Forwarded-Proto``/``-Host``/``-Prefix`` for display only; values that do
-not look like a scheme, a host or a path are ignored rather than echoed, and everything is HTML-escaped
-(the examples are meant to be copied into a shell).
+URL shown is rebuilt from ``X-Forwarded-Proto``/``-Host``/``-Prefix`` for display only, and only when
+they come from a proxy in ``trusted_proxies`` (``http_request.Request.headers`` leaves them out for anyone else:
+a client's own would make the page say "send your key to attacker.example", and it is sent with
+``Cache-Control: no-store`` so no shared cache keeps it for others); values that do not look like a
+scheme, a host or a path are ignored rather than echoed, and everything is HTML-escaped (the examples
+are meant to be copied into a shell).
 """
 
 from __future__ import annotations

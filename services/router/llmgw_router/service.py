@@ -2,8 +2,8 @@
 
 Pipeline: KV ``<prefix>_routing`` (catalog, endpoints) and ``<prefix>_keys`` -> in-memory pool and
 key table; ``<prefix>.node.*.load`` -> endpoint load; HTTP -> auth -> admission -> scheduling ->
-proxy. Each tick: one IdleReport and one UsageReport. The HTTP side starts before the bus is reached
-and keeps serving from what it holds when NATS is away.
+proxy. Each tick: one IdleReport, one UsageReport and one DemandReport. The HTTP side starts before
+the bus is reached and keeps serving from what it holds when NATS is away.
 """
 
 from __future__ import annotations
@@ -19,22 +19,29 @@ from aiohttp import web
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from llmgw_common import bus
 from llmgw_common.codec import DecodeError, decode, encode
-from llmgw_common.messages import LoadReport, RoutingCatalog, RoutingEndpoints, WakeReply, WakeRequest
-from llmgw_common.runtime import PassGuard, cancel_and_wait, until_stopped
-from llmgw_common.settings import RouterSettings
+from llmgw_common.messages import LoadReport, RoutingCatalog, RoutingEndpoints
+from llmgw_common.router_messages import UsageReport, WakeReply, WakeRequest
 from llmgw_common.subjects import ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
+from llmgw_common.tenancy import month_bounds
 from llmgw_router.admin import build_admin_app
 from llmgw_router.app import build_app
 from llmgw_router.auth import Exemptions
 from llmgw_router.connections import ConnectionGuard, ConnectionMetrics, fit_to_fd_limit
 from llmgw_router.context import Limits, RouterContext
+from llmgw_router.demand import DemandMeter
 from llmgw_router.endpoints import Pool
-from llmgw_router.failover import abort_withdrawn
 from llmgw_router.http_server import HttpServer
+from llmgw_router.keymetrics import KeyUsageMetrics
 from llmgw_router.keys import KeyTable
+from llmgw_router.ledger import Ledger
+from llmgw_router.migration import abort_withdrawn
+from llmgw_router.settings import RouterSettings
 from llmgw_router.static import load_static
+from llmgw_runtime import bus
+from llmgw_runtime.kv_follower import KvFollower
+from llmgw_runtime.runtime import PassGuard, cancel_and_wait, until_stopped
+from llmgw_runtime.usage_ledger import read_hours
 
 log = logging.getLogger("llmgw.router")
 _ADMIN_LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -42,7 +49,7 @@ _ADMIN_LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 class Router:
     """One router: ``await start()``, then ``port``/``admin_port`` are bound; ``await run(stop)`` (which
-    raises :class:`~llmgw_common.runtime.TaskDied` if a loop of the router ends); ``await stop()``."""
+    raises :class:`~llmgw_runtime.runtime.TaskDied` if a loop of the router ends); ``await stop()``."""
 
     def __init__(
         self, settings: RouterSettings, *, follow_bus: bool | None = None, reuse_port: bool = False
@@ -75,9 +82,13 @@ class Router:
                 connect_timeout_s=settings.connect_timeout_s,
                 read_timeout_s=settings.read_timeout_s,
                 stream_stall_s=settings.stream_stall_s,
+                withdrawn_silence_s=settings.withdrawn_silence_s,
+                # A router on a static table gets no next one to wait for.
+                refused_wait_s=settings.refused_wait_s if self.follow_bus else 0.0,
                 body_timeout_s=settings.body_timeout_s,
                 prefix_affinity=settings.prefix_affinity,
                 prefix_load_factor=settings.prefix_load_factor,
+                tick_s=settings.tick_s,
             ),
             started=time.time(),
         )
@@ -89,18 +100,22 @@ class Router:
         self._runners: list[web.AppRunner] = []
         self.http: HttpServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._followers: list[bus.KvFollower] = []
+        self._followers: list[KvFollower] = []
         self.synced = asyncio.Event()
         self.connections = ConnectionGuard(
             fit_to_fd_limit(settings.max_connections), settings.header_timeout_s, settings.write_timeout_s
         )
         self.ctx.metrics.registry.register(ConnectionMetrics(self.connections))
+        self.ctx.metrics.registry.register(KeyUsageMetrics(self.ctx.usage, self.ctx.keys))
         # A failing tick is logged and counted, never the tick's end: the router goes on serving.
         self.tick_guard = PassGuard("router tick", log)
         self._closing = asyncio.Event()
         # On stop, requests in flight (streams included) get this long to finish.
         self.shutdown_grace_s = 10.0
         self.ctx.holding.ask = self._ask_wake
+        self.demand = DemandMeter(self.ctx)
+        # Usage kept durably (KV <prefix>_usage), once the bus is reached.
+        self.ledger: Ledger | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -110,7 +125,13 @@ class Router:
             raise ValueError(f"admin listener must be on loopback, not {s.admin_host}")
         self.ctx.upstream = self.ctx.new_upstream()
         # The router's own HTTP/1.1 server (http_server.py), with the deadlines and cap of connections.py.
-        self.http = HttpServer(build_app(self.ctx), self.connections, s.max_body_bytes, s.idle_timeout_s)
+        self.http = HttpServer(
+            build_app(self.ctx),
+            self.connections,
+            s.max_body_bytes,
+            s.idle_timeout_s,
+            trusted_proxies=s.trusted_proxies,
+        )
         self.port = await self.http.listen(s.host, s.port, backlog=4096, reuse_port=self.reuse_port)
         if s.admin_port:
             admin = web.AppRunner(build_admin_app(self.ctx), access_log=None)
@@ -130,6 +151,11 @@ class Router:
         await until_stopped(stop, self._tasks)
 
     async def stop(self) -> None:
+        # The grace first, with the bus and the ledger's writer still up: a request that ends in it
+        # waits for its usage's write (ledger.py) like any other, then the last flush, then the drain.
+        if self.http is not None:
+            await self.http.shutdown(self.shutdown_grace_s)
+            self.http = None
         self._closing.set()
         # A loop that died was reported by run(); stopping goes on regardless. Not one cancel: the
         # tick's flush can swallow it (see cancel_and_wait).
@@ -141,12 +167,11 @@ class Router:
         self._followers = []
         if self.nc is not None:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
+                if self.ledger is not None and self.nc.is_connected:
+                    await self.ledger.flush()
                 await self._publish_reports()
                 await self.nc.drain()
             self.nc = None
-        if self.http is not None:
-            await self.http.shutdown(self.shutdown_grace_s)
-            self.http = None
         for r in self._runners:
             await r.shutdown()
             await r.cleanup()
@@ -164,23 +189,43 @@ class Router:
         js = nc.jetstream()
         routing_kv = await bus.ensure_kv(js, self.subjects.bucket_routing, replicas=s.kv_replicas)
         keys_kv = await bus.ensure_kv(js, self.subjects.bucket_keys, replicas=s.kv_replicas)
+        usage_kv = await bus.ensure_kv(js, self.subjects.bucket_usage, replicas=s.kv_replicas)
         await bus.subscribe(nc, self.subjects.all_nodes("load"), LoadReport, self._on_load, self.drops)
-        routing = bus.KvFollower(
-            routing_kv, self._on_routing, name="router-routing", resync_s=max(s.tick_s, 2.0)
-        )
-        keyf = bus.KvFollower(keys_kv, self._on_key, name="router-keys", resync_s=max(s.tick_s, 2.0))
+        # Peers' usage reports: their use of limited keys, from which each router's share is computed.
+        await bus.subscribe(nc, self.subjects.all_usage(), UsageReport, self._on_usage, self.drops)
+        routing = KvFollower(routing_kv, self._on_routing, name="router-routing", resync_s=max(s.tick_s, 2.0))
+        keyf = KvFollower(keys_kv, self._on_key, name="router-keys", resync_s=max(s.tick_s, 2.0))
         self._followers = [routing, keyf]
         await routing.start()
         await keyf.start()
+        # Day and month budgets spent before this start (by former routers, or ourselves before a
+        # restart) stay spent: read from the ledger once, before the writer adds our own.
+        now = self.ctx.clock()
+        try:
+            self.ctx.quota.load_spent(await read_hours(usage_kv, month_bounds(now)[0]), now)
+        except (nats.errors.Error, TimeoutError) as e:
+            log.warning("usage ledger not read (budgets count from this start only): %s", e)
+        ledger = Ledger(self.ctx.usage, usage_kv, s.router_id, lambda: nc.is_connected, self.ctx.clock)
+        self.ledger = ledger
+        writer = asyncio.create_task(ledger.run(), name="router-ledger")
         self.synced.set()
         # From here this task stands for the followers: one of their loops ending is the router's death.
-        await until_stopped(self._closing, [*routing.tasks, *keyf.tasks])
+        try:
+            await until_stopped(self._closing, [*routing.tasks, *keyf.tasks, writer])
+        finally:
+            await cancel_and_wait([writer])
 
     async def _tick(self) -> None:
         """Once per tick: close idle upstream connections, publish the idle and usage reports."""
+        tick = self.settings.tick_s
         while True:
-            await asyncio.sleep(self.settings.tick_s)
+            # On the wall clock's multiples of the tick: every router recomputes its quota shares at
+            # the same instant from the same reports (the last round's), so the shares add up.
+            await asyncio.sleep(tick - self.ctx.clock() % tick)
             try:
+                # Before the report: this tick's demand moved on and the shares recomputed from what
+                # peers reported, with NATS away too (peers then fall silent and are forgotten).
+                self.ctx.quota.tick(self.ctx.clock())
                 if self.ctx.upstream is not None:
                     self.ctx.upstream.sweep()
                 await self._publish_reports()
@@ -199,7 +244,11 @@ class Router:
         idle = self.ctx.idle.report(rid, now, self.ctx.pool.breakers_not_closed(), self.ctx.pool.busy())
         await self.nc.publish(self.subjects.idle(rid), encode(idle))
         await self.nc.publish(self.subjects.usage(rid), encode(self.ctx.usage.report(rid, now)))
+        await self.nc.publish(self.subjects.demand(rid), encode(self.demand.report(rid, now)))
         await self.nc.flush(timeout=2)
+
+    def _on_usage(self, report: UsageReport, _: Msg) -> None:
+        self.ctx.quota.on_report(report, self.ctx.clock())
 
     def _on_load(self, report: LoadReport, _: Msg) -> None:
         self.ctx.pool.apply_load(report, self.ctx.clock())
@@ -216,7 +265,10 @@ class Router:
                 self.ctx.pool.set_catalog(cat.catalog, cat.version)
                 self.ctx.refresh_gates()
             elif key == ROUTING_ENDPOINTS:
-                abort_withdrawn(self.ctx.pool.set_endpoints(decode(value, RoutingEndpoints)))
+                abort_withdrawn(
+                    self.ctx.pool.set_endpoints(decode(value, RoutingEndpoints)),
+                    self.ctx.limits.withdrawn_silence_s,
+                )
         except DecodeError as e:
             self.drops.drop(where, str(e))
             return

@@ -2,9 +2,10 @@
 
 Why not aiohttp's client: in the router's profile ``ClientSession._request`` and its helpers (tracing,
 cookies, redirects, auth, proxies, header merging) were about 40% of the CPU per proxied request, for
-features the router never uses. This client is an ``asyncio.Protocol`` with httptools' parser (what
-uvicorn uses), keep-alive connections pooled per endpoint, flow control on the read side, and typed
-errors that say whether anything came back. Bodies arrive de-chunked, as the bytes the engine wrote.
+features the router never uses. This client is keep-alive connections pooled per endpoint (each an
+``asyncio.Protocol`` with httptools' parser, what uvicorn uses: ``upstream_connection.py``), flow control
+on the read side, and typed errors that say whether anything came back. Bodies arrive de-chunked, as
+the bytes the engine wrote.
 """
 
 from __future__ import annotations
@@ -13,175 +14,19 @@ import asyncio
 import collections
 import ssl
 import time
-from typing import Protocol, cast
 from urllib.parse import urlsplit
 
-import httptools
-
-from llmgw_common.errors import Unavailable
-
-# Pause reading from an engine while this much of its answer is buffered and not yet relayed.
-_HIGH_WATER = 256 * 1024
-
-
-class UpstreamError(Unavailable):
-    """The exchange with the engine failed. ``responded``: whether any byte of an answer arrived."""
-
-    responded = False
+from llmgw_router.upstream_connection import (
+    HIGH_WATER,
+    Abortable,
+    Aborted,
+    ConnectFailed,
+    Disconnected,
+    UpstreamConnection,
+)
 
 
-class ConnectFailed(UpstreamError):
-    """No connection: refused, unreachable, or the connect timed out."""
-
-
-class Disconnected(UpstreamError):
-    """The engine closed the connection (or sent bytes that are not HTTP)."""
-
-
-class ReadTimeout(UpstreamError):
-    """The engine sent nothing for ``read_timeout_s`` (or, once its answer had started, ``stall_timeout_s``)."""
-
-
-class Aborted(UpstreamError):
-    """The router gave up on the answer (:meth:`Response.abort`): its endpoint left the routing table."""
-
-
-class Abortable(Protocol):
-    """What an attempt in flight to an endpoint can be given up by (a :class:`Response`, or its connection
-    while the answer's head is awaited)."""
-
-    def abort(self, reason: str) -> None: ...
-
-
-class _Conn(asyncio.Protocol):
-    __slots__ = (
-        "_buffered",
-        "_chunks",
-        "_exc",
-        "_paused",
-        "_waiter",
-        "closed",
-        "complete",
-        "headers",
-        "idle_since",
-        "keep_alive",
-        "loop",
-        "parser",
-        "responded",
-        "status",
-        "transport",
-    )
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.closed = False
-        self.idle_since = 0.0
-        self._reset()
-
-    def _reset(self) -> None:
-        self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.complete = False
-        self.responded = False
-        self.keep_alive = True
-        self._chunks: collections.deque[bytes] = collections.deque()
-        self._buffered = 0
-        self._paused = False
-        self._exc: UpstreamError | None = None
-        self._waiter: asyncio.Future[None] | None = None
-
-    # ------------------------------------------------------------ asyncio.Protocol
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
-        self.transport = cast(asyncio.Transport, transport)
-
-    def data_received(self, data: bytes) -> None:
-        self.responded = True
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as e:
-            self._fail(Disconnected(f"not an HTTP answer: {e}"))
-            self.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if self.complete:
-            return
-        if self.status and not self.keep_alive and exc is None:
-            # An answer without a length ends when the connection does.
-            self.complete = True
-            self._wake()
-            return
-        self._fail(Disconnected("the engine closed the connection" + (f": {exc}" if exc else "")))
-
-    # ------------------------------------------------------------ httptools callbacks
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
-        self.keep_alive = self.parser.should_keep_alive()
-        self._wake()
-
-    def on_body(self, body: bytes) -> None:
-        self._chunks.append(body)
-        self._buffered += len(body)
-        if self._buffered > _HIGH_WATER and not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
-        self._wake()
-
-    def on_message_complete(self) -> None:
-        self.complete = True
-        self._wake()
-
-    # ------------------------------------------------------------ waiting
-
-    def _wake(self) -> None:
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    def _fail(self, exc: UpstreamError) -> None:
-        exc.responded = self.responded
-        self._exc = exc
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_exception(exc)
-
-    async def wait(self, timeout: float) -> None:
-        if self._exc is not None:
-            raise self._exc
-        w = self._waiter = self.loop.create_future()
-        h = self.loop.call_later(timeout, self._timeout, w, timeout)
-        try:
-            await w
-        finally:
-            h.cancel()
-            self._waiter = None
-
-    def _timeout(self, w: asyncio.Future[None], timeout: float) -> None:
-        if not w.done():
-            e = ReadTimeout(f"no answer for {timeout:g}s")
-            e.responded = self.responded
-            w.set_exception(e)
-
-    def close(self) -> None:
-        self.closed = True
-        if self.transport is not None:
-            self.transport.close()
-
-    def abort(self, reason: str) -> None:
-        """Give up on the answer awaited (its endpoint was withdrawn): the wait raises :class:`Aborted`."""
-        self._fail(Aborted(reason))
-        self.close()
-
-
-class Response:
+class UpstreamResponse:
     """An engine's answer: status and headers now, the body by :meth:`readany` or :meth:`read`."""
 
     __slots__ = (
@@ -200,7 +45,7 @@ class Response:
         self,
         client: UpstreamClient,
         key: tuple[str, int, bool],
-        conn: _Conn,
+        conn: UpstreamConnection,
         read_timeout: float,
         stall_timeout: float,
     ) -> None:
@@ -245,7 +90,7 @@ class Response:
         c._buffered -= len(data)
         # The answer has started: from here a silence is a stall, not a prefill.
         self._read_timeout = self._stall_timeout
-        if c._paused and c._buffered < _HIGH_WATER // 4 and c.transport is not None:
+        if c._paused and c._buffered < HIGH_WATER // 4 and c.transport is not None:
             c._paused = False
             c.transport.resume_reading()
         if c.complete and not c._chunks:
@@ -301,6 +146,12 @@ class Response:
         self._conn._fail(e)
         self._conn.close()
 
+    def withdraw(self, reason: str, silence_s: float) -> None:
+        """Its endpoint left the routing table: :meth:`abort` once the engine has been silent for
+        ``silence_s`` (:meth:`UpstreamConnection.withdraw`); an answer still flowing finishes."""
+        if not self._done:
+            self._conn.withdraw(reason, silence_s, self.abort)
+
 
 def _drain(chunks: collections.deque[bytes]) -> list[bytes]:
     out = list(chunks)
@@ -309,7 +160,7 @@ def _drain(chunks: collections.deque[bytes]) -> list[bytes]:
 
 
 class UpstreamClient:
-    """Keep-alive connections per endpoint; ``post()`` sends a body and returns the :class:`Response`."""
+    """Keep-alive connections per endpoint; ``post()`` sends a body and returns the :class:`UpstreamResponse`."""
 
     def __init__(
         self,
@@ -326,7 +177,7 @@ class UpstreamClient:
         self.idle_timeout_s = idle_timeout_s
         # A burst opens as many connections as it needs; only this many wait for reuse afterwards.
         self.max_idle_per_endpoint = max_idle_per_endpoint
-        self._idle: dict[tuple[str, int, bool], list[_Conn]] = {}
+        self._idle: dict[tuple[str, int, bool], list[UpstreamConnection]] = {}
         self._targets: dict[str, tuple[tuple[str, int, bool], bytes, bytes]] = {}
         # (base URL, path, content type) -> its connection key and request head up to the length's value.
         self._heads: dict[tuple[str, str, bytes], tuple[tuple[str, int, bool], bytes]] = {}
@@ -343,10 +194,13 @@ class UpstreamClient:
             t = self._targets[base_url] = ((host, port, tls), host_header, u.path.rstrip("/").encode())
         return t
 
-    def _head_of(self, base_url: str, path: str, content_type: bytes) -> tuple[tuple[str, int, bool], bytes]:
+    def _head_of(
+        self, base_url: str, path: str, content_type: bytes, method: bytes = b"POST"
+    ) -> tuple[tuple[str, int, bool], bytes]:
         key, host_header, prefix = self._target(base_url)
         start = (
-            b"POST "
+            method
+            + b" "
             + prefix
             + path.encode()
             + b" HTTP/1.1\r\nHost: "
@@ -355,6 +209,8 @@ class UpstreamClient:
             + content_type
             + b"\r\nAccept-Encoding: identity\r\nContent-Length: "
         )
+        if method != b"POST" or content_type.startswith(b"multipart/"):
+            return key, start  # a GET's path carries an id, a form's type a boundary: one use each
         if len(self._heads) >= 1024:  # endpoints come and go: never more than this many remembered
             self._heads.clear()
         self._heads[(base_url, path, content_type)] = (key, start)
@@ -367,14 +223,16 @@ class UpstreamClient:
         body: bytes,
         content_type: bytes = b"application/json",
         held: set[Abortable] | None = None,
-    ) -> Response:
+        method: bytes = b"POST",
+    ) -> UpstreamResponse:
         """POST ``body`` to ``base_url + path``; raises an :class:`UpstreamError` before any answer.
 
         ``held``: while the answer's head is awaited its connection is in this set, to be aborted.
+        ``method``: another method (a stored response is read with GET; ``path`` may carry a query).
         """
-        t = self._heads.get((base_url, path, content_type))
+        t = self._heads.get((base_url, path, content_type)) if method == b"POST" else None
         if t is None:
-            t = self._head_of(base_url, path, content_type)
+            t = self._head_of(base_url, path, content_type, method)
         key, head_start = t
         head = b"%b%d\r\n\r\n" % (head_start, len(body))
         conn, reused = self._take(key)
@@ -392,17 +250,25 @@ class UpstreamClient:
     async def _exchange(
         self,
         key: tuple[str, int, bool],
-        conn: _Conn,
+        conn: UpstreamConnection,
         head: bytes,
         body: bytes,
         held: set[Abortable] | None,
-    ) -> Response:
+    ) -> UpstreamResponse:
         assert conn.transport is not None
         conn._reset()
+        conn.last_data_at = conn.loop.time()
         if held is not None:
             held.add(conn)
         try:
-            conn.transport.writelines((head, body))
+            if conn.transport.is_closing():
+                # Closed under us before the protocol was told (an engine killed: the connection
+                # lost on this turn of the loop, connection_lost on a later one).
+                raise Disconnected("the engine closed the connection")
+            try:
+                conn.transport.writelines((head, body))
+            except RuntimeError as e:  # uvloop: "unable to perform operation ...; the handler is closed"
+                raise Disconnected(f"the engine closed the connection: {e}") from None
             while not conn.status:
                 await conn.wait(self.read_timeout_s)
         except BaseException:
@@ -411,21 +277,27 @@ class UpstreamClient:
         finally:
             if held is not None:
                 held.discard(conn)
-        return Response(self, key, conn, self.read_timeout_s, self.stall_timeout_s)
+        return UpstreamResponse(self, key, conn, self.read_timeout_s, self.stall_timeout_s)
 
-    def _take(self, key: tuple[str, int, bool]) -> tuple[_Conn | None, bool]:
+    def _take(self, key: tuple[str, int, bool]) -> tuple[UpstreamConnection | None, bool]:
         idle = self._idle.get(key)
         if not idle:
             return None, False
         now = time.monotonic()
         while idle:
             c = idle.pop()
-            if not c.closed and now - c.idle_since < self.idle_timeout_s:
+            t = c.transport
+            if (
+                not c.closed
+                and t is not None
+                and not t.is_closing()
+                and now - c.idle_since < self.idle_timeout_s
+            ):
                 return c, True
             c.close()
         return None, False
 
-    def _release(self, key: tuple[str, int, bool], conn: _Conn) -> None:
+    def _release(self, key: tuple[str, int, bool], conn: UpstreamConnection) -> None:
         idle = self._idle.setdefault(key, [])
         if len(idle) >= self.max_idle_per_endpoint:
             conn.close()
@@ -433,14 +305,16 @@ class UpstreamClient:
         conn.idle_since = time.monotonic()
         idle.append(conn)
 
-    async def _connect(self, key: tuple[str, int, bool]) -> _Conn:
+    async def _connect(self, key: tuple[str, int, bool]) -> UpstreamConnection:
         host, port, tls = key
         loop = asyncio.get_running_loop()
         if tls and self._ssl is None:
             self._ssl = ssl.create_default_context()
         try:
             _, proto = await asyncio.wait_for(
-                loop.create_connection(lambda: _Conn(loop), host, port, ssl=self._ssl if tls else None),
+                loop.create_connection(
+                    lambda: UpstreamConnection(loop), host, port, ssl=self._ssl if tls else None
+                ),
                 self.connect_timeout_s,
             )
         except TimeoutError:

@@ -13,22 +13,22 @@ import contextlib
 import itertools
 import json
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from llmgw_sim import openai_api as oai
-from llmgw_sim.cluster import JOIN_PATH, Membership, follow
-from llmgw_sim.metrics import LoadSnapshot, render
+from llmgw_sim import errors
+from llmgw_sim import openai_bodies as bodies
+from llmgw_sim.cluster import Membership, follow
+from llmgw_sim.metrics import LoadSnapshot, sim_registry
 from llmgw_sim.options import SimOptions
 from llmgw_sim.slots import Slots
 
-__all__ = ["FAULT_EXIT_CODE", "FaultExit", "Listening", "SimOptions", "build_app", "serve", "start"]
+__all__ = ["ENGINE_KEY", "FAULT_EXIT_CODE", "Engine", "FaultExit", "SimOptions", "sse_response"]
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +46,8 @@ class FaultExit(Exception):
         self.code = code
 
 
-def _error(
-    status: int, message: str, type_: str, code: str | int | None = None, param: str | None = None
-) -> web.Response:
-    return web.Response(status=status, body=oai.error_body(message, type_, code, param), content_type=_JSON)
+def _error(status: int, message: str, type_: str, param: str | None = None) -> web.Response:
+    return errors.error(status, message, type_, param)
 
 
 class Engine:
@@ -75,12 +73,15 @@ class Engine:
         self._kv_used = 0
         # Handler tasks of generation requests, cancelled at shutdown so that a stop is prompt.
         self._inflight: set[asyncio.Task[Any]] = set()
+        # Work that outlives its request (a background Responses API answer), cancelled likewise.
+        self._background: set[asyncio.Task[Any]] = set()
         self._prompt_tokens = 0
         self._gen_tokens = 0
         self._prompt_s = 0.0
         self._gen_s = 0.0
         self._ttft_s = 0.0 if opts.zero else opts.ttft_ms / 1000.0
         self._tpot_s = 0.0 if opts.zero else 1.0 / opts.tokens_per_s
+        self.registry = sim_registry(opts.metrics_style, opts.model, self.snapshot, created=wall())
 
     # ------------------------------------------------------------ readiness
 
@@ -133,28 +134,25 @@ class Engine:
         self._kv_used -= kv_tokens
         self.slots.release()
 
-    def _rid(self, kind: str) -> str:
-        return f"{kind}-{self._id_prefix}{next(self._ids):x}"
-
     # ------------------------------------------------------------ handlers
 
     async def health(self, request: web.Request) -> web.Response:
         if self.opts.fail_health:
-            return _error(503, "fault injected: fail_health", "unavailable_error", 503)
+            return _error(503, "fault injected: fail_health", "ServiceUnavailableError")
         reason = self.not_ready_reason()
         if reason is not None:
-            return _error(503, reason, "unavailable_error", 503)
-        return web.Response(body=b'{"status":"ok"}', content_type=_JSON)
+            return _error(503, reason, "ServiceUnavailableError")
+        # vLLM's /health is a bare 200.
+        return web.Response(status=200)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        text = render(self.opts.metrics_style, self.snapshot(), self.opts.model)
-        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+        # The content type vLLM serves (prometheus_client's CONTENT_TYPE_LATEST).
+        return web.Response(
+            body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
 
     async def models(self, request: web.Request) -> web.Response:
-        body = {
-            "object": "list",
-            "data": [{"id": self.opts.model, "object": "model", "created": 0, "owned_by": "llmgw-sim"}],
-        }
+        body = bodies.model_list(self.opts.model, self.opts.max_model_len, self.instance, self.now())
         return web.Response(body=json.dumps(body).encode(), content_type=_JSON)
 
     async def join(self, request: web.Request) -> web.Response:
@@ -165,43 +163,75 @@ class Engine:
             body = None
         refused = self.membership.join(body)
         if refused is not None:
-            return _error(409 if body is not None else 400, refused, "invalid_request_error")
+            return _error(409 if body is not None else 400, refused, "BadRequestError")
         return web.Response(body=json.dumps({"world": self.opts.world}).encode(), content_type=_JSON)
 
-    async def _body(self, request: web.Request) -> dict[str, Any]:
-        raw = await request.read()
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise oai.BadRequest(f"request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise oai.BadRequest("request body must be a JSON object")
-        return body
+    async def read_json(self, request: web.Request) -> dict[str, Any]:
+        """The request's JSON object; refused as vLLM refuses a body that is not one."""
+        if request.content_type != "application/json":
+            raise errors.UNSUPPORTED_MEDIA
+        return errors.json_object(await request.read())
 
-    def _refusal(self, model: str) -> web.Response | None:
+    def refusal(self, model: str, param: str | None = "model") -> web.Response | None:
+        """Why this engine will not serve ``model`` now ("" is its own model, as in vLLM), or None.
+
+        ``param`` of an unknown model's 404: vLLM's pooling endpoints leave it null.
+        """
         reason = self.not_ready_reason()
         if reason is not None:
-            return _error(503, reason, "unavailable_error", 503)
-        if model != self.opts.model:
-            return _error(
-                404,
-                f"The model `{model}` does not exist. This engine serves `{self.opts.model}`.",
-                "invalid_request_error",
-                "model_not_found",
-                "model",
-            )
+            return _error(503, reason, "ServiceUnavailableError")
+        if model and model != self.opts.model:
+            status, message, type_, _ = errors.model_not_found(model, self.opts.model)
+            return _error(status, message, type_, param)
         return None
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._tracked(self._generate(request, chat=True))
+    # ------------------------------------------------------------ the work of one request
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._tracked(self._generate(request, chat=False))
+    @contextlib.asynccontextmanager
+    async def slot(self, kv_tokens: int) -> AsyncIterator[None]:
+        """Hold a slot (after the queue) and ``kv_tokens`` of KV cache while the body runs."""
+        await self._take(kv_tokens)
+        try:
+            yield
+        finally:
+            self._give(kv_tokens)
 
-    async def embeddings(self, request: web.Request) -> web.StreamResponse:
-        return await self._tracked(self._embed(request))
+    async def decode(self, n: int) -> None:
+        """The time of a whole answer of ``n`` tokens: the first after ttft, then one per 1/tokens_per_s."""
+        delay = self._ttft_s + max(n - 1, 0) * self._tpot_s
+        if delay > 0:
+            await asyncio.sleep(delay)
 
-    async def _tracked(self, work: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+    async def prefill(self) -> None:
+        """The time of reading a prompt, all a pooling request takes."""
+        if self._ttft_s > 0:
+            await asyncio.sleep(self._ttft_s)
+
+    async def timed(self, n: int) -> AsyncIterator[range]:
+        """Indexes of ``n`` tokens as they come due: one at a time, or all at once without delays."""
+        if self._ttft_s == 0 and self._tpot_s == 0:
+            yield range(n)
+            return
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        for i in range(n):
+            wait = start + self._ttft_s + i * self._tpot_s - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            yield range(i, i + 1)
+
+    def done(self, prompt: int, completion: int) -> None:
+        """Count a finished request in the metrics (and in the ``exit_after`` fault)."""
+        self._done(prompt, completion)
+
+    def rid(self, kind: str, sep: str = "-") -> str:
+        return f"{kind}{sep}{self._id_prefix}{next(self._ids):x}"
+
+    def now(self) -> int:
+        return int(self._wall())
+
+    async def tracked(self, work: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+        """Run a request's work as one the shutdown aborts."""
         task = asyncio.current_task()
         assert task is not None
         self._inflight.add(task)
@@ -214,95 +244,30 @@ class Engine:
         """Abort generations in progress, as an engine does when it stops, instead of waiting them out."""
         if self._inflight:
             log.info("stopping: aborting %d request(s) in progress", len(self._inflight))
-        for task in self._inflight:
+        for task in (*self._inflight, *self._background):
             task.cancel()
 
-    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        try:
-            body = await self._body(request)
-            read = oai.read_chat if chat else oai.read_completion
-            req = read(body, self.opts.default_max_tokens)
-        except oai.BadRequest as e:
-            return _error(400, str(e), "invalid_request_error", None, e.param)
-        refusal = self._refusal(req.model)
-        if refusal is not None:
-            return refusal
-        rid = self._rid("chatcmpl" if chat else "cmpl")
-        created = int(self._wall())
-        tokens = oai.completion_tokens(req)
-        if req.stream:
-            return await self._stream(request, req, rid, created, tokens, chat)
-        kv = req.prompt_tokens + len(tokens)
-        await self._take(kv)
-        try:
-            delay = self._ttft_s + max(len(tokens) - 1, 0) * self._tpot_s
-            if delay > 0:
-                await asyncio.sleep(delay)
-        finally:
-            self._give(kv)
-        build = oai.chat_response if chat else oai.completion_response
-        resp = web.Response(body=json.dumps(build(rid, created, req, tokens)).encode(), content_type=_JSON)
-        return await self._finish(request, resp, req.prompt_tokens, len(tokens))
+    def spawn(self, work: Awaitable[None], name: str) -> asyncio.Task[None]:
+        """Run ``work`` after its request has been answered; a shutdown cancels it."""
 
-    async def _finish(
+        async def run() -> None:
+            await work
+
+        task = asyncio.create_task(run(), name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def finish(
         self, request: web.Request, resp: web.Response, prompt: int, completion: int
     ) -> web.Response:
+        """Send a whole answer and count it."""
         if self.opts.exit_after is not None:
             # Send the answer before this count may stop the process.
             await resp.prepare(request)
             await resp.write_eof()
         self._done(prompt, completion)
         return resp
-
-    async def _stream(
-        self,
-        request: web.Request,
-        req: oai.GenRequest,
-        rid: str,
-        created: int,
-        tokens: list[str],
-        chat: bool,
-    ) -> web.StreamResponse:
-        w = oai.ChunkWriter(rid, created, req, chat)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        # Headers go out at once, as vLLM's do; the first chunk waits for a slot and the first token.
-        await resp.prepare(request)
-        kv = req.prompt_tokens + len(tokens)
-        await self._take(kv)
-        try:
-            if self._ttft_s == 0 and self._tpot_s == 0:
-                await resp.write((w.first() + "".join(map(w.token, tokens)) + w.end(len(tokens))).encode())
-            else:
-                loop = asyncio.get_running_loop()
-                start = loop.time()
-                for i, tok in enumerate(tokens):
-                    wait = start + self._ttft_s + i * self._tpot_s - loop.time()
-                    if wait > 0:
-                        await asyncio.sleep(wait)
-                    await resp.write(((w.first() if i == 0 else "") + w.token(tok)).encode())
-                await resp.write(w.end(len(tokens)).encode())
-        finally:
-            self._give(kv)
-        await resp.write_eof()
-        self._done(req.prompt_tokens, len(tokens))
-        return resp
-
-    async def _embed(self, request: web.Request) -> web.Response:
-        try:
-            req = oai.read_embeddings(await self._body(request), self.opts.embedding_dims)
-        except oai.BadRequest as e:
-            return _error(400, str(e), "invalid_request_error", None, e.param)
-        refusal = self._refusal(req.model)
-        if refusal is not None:
-            return refusal
-        await self._take(req.prompt_tokens)
-        try:
-            if self._ttft_s > 0:
-                await asyncio.sleep(self._ttft_s)
-        finally:
-            self._give(req.prompt_tokens)
-        resp = web.Response(body=json.dumps(oai.embeddings_response(req)).encode(), content_type=_JSON)
-        return await self._finish(request, resp, req.prompt_tokens, 0)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -350,74 +315,5 @@ class Engine:
 ENGINE_KEY = web.AppKey("engine", Engine)
 
 
-def build_app(opts: SimOptions, clock: Callable[[], float] = time.monotonic) -> web.Application:
-    """The engine's aiohttp application; followers serve ``/health`` only."""
-    engine = Engine(opts, clock=clock)
-    app = web.Application(client_max_size=64 * 1024**2)
-    app[ENGINE_KEY] = engine
-    app.cleanup_ctx.append(engine.lifecycle)
-    app.on_shutdown.append(engine.on_shutdown)
-    app.router.add_get("/health", engine.health)
-    if opts.is_follower:
-        return app
-    app.router.add_get("/metrics", engine.metrics)
-    app.router.add_get("/v1/models", engine.models)
-    app.router.add_post("/v1/chat/completions", engine.chat)
-    app.router.add_post("/v1/completions", engine.completions)
-    app.router.add_post("/v1/embeddings", engine.embeddings)
-    if opts.world > 1:
-        app.router.add_post(JOIN_PATH, engine.join)
-    return app
-
-
-@dataclass(frozen=True, slots=True)
-class Listening:
-    """A started engine: its runner (``cleanup()`` stops it), state and bound address."""
-
-    runner: web.AppRunner
-    engine: Engine
-    host: str
-    port: int
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-
-async def start(opts: SimOptions) -> Listening:
-    """Bind and start serving; the caller owns the returned runner and must ``cleanup()`` it."""
-    app = build_app(opts)
-    # handler_cancellation: a client that hangs up frees its slot, as vLLM aborts such a request.
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, opts.host, opts.port, backlog=2048)
-        await site.start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    host, port = runner.addresses[0][:2]
-    return Listening(runner, app[ENGINE_KEY], host, port)
-
-
-async def serve(opts: SimOptions, stop: asyncio.Event) -> None:
-    """Serve until ``stop`` is set. Raises :class:`FaultExit` when the ``exit_after`` fault fired."""
-    srv = await start(opts)
-    engine = srv.engine
-    try:
-        role = f"rank {opts.rank}/{opts.world}" if opts.world > 1 else "single node"
-        # One line on stdout that a parent process can read the bound port from.
-        print(f"sim-engine listening on {srv.url} model={opts.model} ({role})", flush=True)
-        log.info("serving %s on %s (pid %d)", opts.model, srv.url, os.getpid())
-        stop_wait = asyncio.create_task(stop.wait(), name="sim-stop")
-        exit_wait = asyncio.create_task(engine.exit_requested.wait(), name="sim-exit")
-        try:
-            await asyncio.wait({stop_wait, exit_wait}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in (stop_wait, exit_wait):
-                t.cancel()
-            await asyncio.gather(stop_wait, exit_wait, return_exceptions=True)
-    finally:
-        await srv.runner.cleanup()
-    if engine.exit_requested.is_set() and not stop.is_set():
-        raise FaultExit()
+def sse_response() -> web.StreamResponse:
+    return web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

@@ -1,15 +1,25 @@
-"""Prometheus text of the simulated engine, in the names a real vLLM or llama-server exposes.
+"""Prometheus exposition of the simulated engine, in the names a real vLLM or llama-server exposes.
 
 vLLM (v1 engine, ``vllm/v1/metrics/loggers.py``): gauges ``vllm:num_requests_running``,
 ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (0..1) labelled
-``engine="0",model_name="<served name>"``, and token and request counters.
-llama-server (``--metrics``): ``llamacpp:requests_processing``, ``llamacpp:requests_deferred`` and
-token counters, unlabelled; a current build has no KV-cache metric, so neither has this one.
+``engine="0",model_name="<served name>"``, and token and request counters, each with the ``_created``
+series ``prometheus_client`` adds (vLLM 0.32 leaves them on: its /metrics has one per counter series).
+llama-server (``--metrics``, not prometheus_client): ``llamacpp:requests_processing``,
+``llamacpp:requests_deferred`` and token counters, unlabelled, no ``_created``; a current build has no
+KV-cache metric, so neither has this one.
+
+The engine counts in plain integers on its request path; a :class:`SimCollector` reads them only when
+``/metrics`` is scraped, so a request pays nothing for the exposition.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,48 +45,45 @@ class LoadSnapshot:
         return min(1.0, self.running / self.slots) if self.slots else 0.0
 
 
-def _label_escape(s: str) -> str:
-    return s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _num(v: float) -> str:
-    return repr(float(v))
-
-
-def render_vllm(s: LoadSnapshot, model: str) -> str:
-    labels = f'{{engine="0",model_name="{_label_escape(model)}"}}'
-    items = (
-        ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", s.running),
-        ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", s.waiting),
-        ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", s.kv_usage),
-        ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", s.prompt_tokens_total),
-        (
-            "vllm:generation_tokens_total",
-            "counter",
-            "Number of generation tokens processed.",
-            s.generation_tokens_total,
-        ),
+def vllm_families(s: LoadSnapshot, model: str, created: float) -> Iterator[Metric]:
+    names, values = ["engine", "model_name"], ["0", model]
+    gauges = (
+        ("vllm:num_requests_running", "Number of requests in model execution batches.", s.running),
+        ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.waiting),
+        ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_usage),
     )
-    out: list[str] = []
-    for name, kind, doc, value in items:
-        out.append(f"# HELP {name} {doc}\n# TYPE {name} {kind}\n{name}{labels} {_num(value)}\n")
-    name = "vllm:request_success_total"
-    out.append(
-        f"# HELP {name} Count of successfully processed requests.\n# TYPE {name} counter\n"
-        f'{name}{{engine="0",finished_reason="length",model_name="{_label_escape(model)}"}} '
-        f"{_num(s.requests_total)}\n"
-    )
-    return "".join(out)
-
-
-def render_llamacpp(s: LoadSnapshot) -> str:
+    for name, doc, value in gauges:
+        g = GaugeMetricFamily(name, doc, labels=names)
+        g.add_metric(values, value)
+        yield g
     counters = (
-        ("prompt_tokens_total", "Number of prompt tokens processed.", s.prompt_tokens_total),
-        ("prompt_seconds_total", "Prompt process time", s.prompt_seconds_total),
-        ("tokens_predicted_total", "Number of generation tokens processed.", s.generation_tokens_total),
-        ("tokens_predicted_seconds_total", "Predict process time", s.generation_seconds_total),
-        ("n_decode_total", "Total number of llama_decode() calls", s.generation_tokens_total),
+        ("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens_total),
+        ("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens_total),
     )
+    for name, doc, value in counters:
+        c = CounterMetricFamily(name, doc, labels=names)
+        c.add_metric(values, value, created=created)
+        yield c
+    # Every simulated answer ends at its length: the one finished_reason it can have.
+    ok = CounterMetricFamily(
+        "vllm:request_success",
+        "Count of successfully processed requests.",
+        labels=["engine", "finished_reason", "model_name"],
+    )
+    ok.add_metric(["0", "length", model], s.requests_total, created=created)
+    yield ok
+
+
+def llamacpp_families(s: LoadSnapshot) -> Iterator[Metric]:
+    counters = (
+        ("prompt_tokens", "Number of prompt tokens processed.", s.prompt_tokens_total),
+        ("prompt_seconds", "Prompt process time", s.prompt_seconds_total),
+        ("tokens_predicted", "Number of generation tokens processed.", s.generation_tokens_total),
+        ("tokens_predicted_seconds", "Predict process time", s.generation_seconds_total),
+        ("n_decode", "Total number of llama_decode() calls", s.generation_tokens_total),
+    )
+    for name, doc, value in counters:
+        yield CounterMetricFamily("llamacpp:" + name, doc, value=value)
     prompt_rate = s.prompt_tokens_total / s.prompt_seconds_total if s.prompt_seconds_total else 0.0
     gen_rate = s.generation_tokens_total / s.generation_seconds_total if s.generation_seconds_total else 0.0
     gauges = (
@@ -85,13 +92,36 @@ def render_llamacpp(s: LoadSnapshot) -> str:
         ("requests_processing", "Number of requests processing.", s.running),
         ("requests_deferred", "Number of requests deferred.", s.waiting),
     )
-    out: list[str] = []
-    for kind, items in (("counter", counters), ("gauge", gauges)):
-        for name, doc, value in items:
-            full = "llamacpp:" + name
-            out.append(f"# HELP {full} {doc}\n# TYPE {full} {kind}\n{full} {_num(value)}\n")
-    return "".join(out)
+    for name, doc, value in gauges:
+        yield GaugeMetricFamily("llamacpp:" + name, doc, value=value)
 
 
-def render(style: str, s: LoadSnapshot, model: str) -> str:
-    return render_vllm(s, model) if style == "vllm" else render_llamacpp(s)
+class SimCollector(Collector):
+    """The engine's metrics in ``style`` ("vllm" or "llamacpp"), read from ``snapshot`` at each scrape."""
+
+    def __init__(self, style: str, model: str, snapshot: Callable[[], LoadSnapshot], created: float) -> None:
+        self.style = style
+        self.model = model
+        self.snapshot = snapshot
+        self.created = created
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot()
+        if self.style == "vllm":
+            return vllm_families(s, self.model, self.created)
+        return llamacpp_families(s)
+
+
+def sim_registry(
+    style: str, model: str, snapshot: Callable[[], LoadSnapshot], created: float
+) -> CollectorRegistry:
+    """A registry of this engine's own (not the process-wide default: tests run many engines in one);
+    ``created``: the wall time its counters started from."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SimCollector(style, model, snapshot, created))
+    return registry
+
+
+def render(style: str, s: LoadSnapshot, model: str, created: float = 0.0) -> str:
+    """The exposition text of one snapshot."""
+    return generate_latest(sim_registry(style, model, lambda: s, created)).decode()

@@ -1,7 +1,7 @@
-"""OpenAI wire shapes for the simulated engine: request reading, deterministic text, response bodies.
+"""OpenAI wire shapes for the simulated engine, the request side: request reading and the deterministic
+text it gets (the bodies the text is sent in: :mod:`llmgw_sim.openai_bodies`).
 
-Everything here is pure and cheap: the simulator must never be the bottleneck of a router benchmark,
-so streaming chunks are rendered from a pre-built prefix with one ``json.dumps`` per token.
+Everything here is pure and cheap: the simulator must never be the bottleneck of a router benchmark.
 A token is a whitespace-separated word; the completion continues the prompt's words (its last
 ``MAX_SOURCE_WORDS``, cycled by their shortest repeating pattern). The answer is a function of the text
 so far, so an answer continued from any point (a final assistant message with vLLM's
@@ -11,30 +11,17 @@ rest of the uninterrupted answer: what a router's mid-stream failover is checked
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import json
-import struct
 from dataclasses import dataclass
 from typing import Any
 
-from llmgw_common.errors import InvalidInput
+from llmgw_sim.errors import BadRequest, invalid, missing
 
 FILLER = ("lorem", "ipsum", "dolor", "sit", "amet")
 # Words of the prompt that the completion cycles through: enough for variety, bounded for cost.
 MAX_SOURCE_WORDS = 64
 
 
-class BadRequest(InvalidInput):
-    """The request body is not something this endpoint accepts; the message names what was wrong."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def error_body(message: str, type_: str, code: str | int | None = None, param: str | None = None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
+__all__ = ["BadRequest", "GenRequest", "read_chat", "read_completion"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +46,13 @@ class GenRequest:
         return len(self.prompt_words)
 
 
-def _model(body: dict[str, Any]) -> str:
+def model_of(body: dict[str, Any]) -> str:
+    """The body's model, "" when absent: vLLM then serves its own model, as the engine does."""
     model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("'model' is required and must be a string", "model")
+    if model is None:
+        return ""
+    if not isinstance(model, str):
+        raise invalid("model", "string_type", "Input should be a valid string", model)
     return model
 
 
@@ -71,8 +61,11 @@ def _max_tokens(body: dict[str, Any], default: int) -> tuple[int, bool]:
         value = body.get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise BadRequest(f"'{key}' must be a positive integer, got {value!r}", key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise invalid(key, "int_type", "Input should be a valid integer", value)
+        if value < 1:
+            # vLLM's sampling parameters refuse it, after validation.
+            raise BadRequest(f"max_tokens must be at least 1, got {value}.", key)
         return value, True
     return default, False
 
@@ -81,7 +74,7 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     stream = bool(body.get("stream") or False)
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
-        raise BadRequest("'stream_options' must be an object", "stream_options")
+        raise invalid("stream_options", "model_type", "Input should be a valid dictionary", opts)
     include_usage = bool(stream and opts and opts.get("include_usage"))
     return stream, include_usage
 
@@ -97,7 +90,7 @@ def _content_words(content: Any, where: str) -> list[str]:
             if isinstance(part, dict) and isinstance(part.get("text"), str):
                 words += part["text"].split()
         return words
-    raise BadRequest(f"{where} must be a string or a list of content parts", "messages")
+    raise invalid(where, "string_type", "Input should be a valid string", content)
 
 
 def _continued_text(body: dict[str, Any], messages: list[Any]) -> str | None:
@@ -119,16 +112,27 @@ def _continued_text(body: dict[str, Any], messages: list[Any]) -> str | None:
     return content if isinstance(content, str) else ""
 
 
-def read_chat(body: dict[str, Any], default_max_tokens: int) -> GenRequest:
-    model = _model(body)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' is required and must be a non-empty list", "messages")
+def message_words(messages: Any, field: str = "messages") -> list[str]:
+    """The words of a chat's messages (OpenAI's shape, which Anthropic's content blocks share)."""
+    if not isinstance(messages, list):
+        raise invalid(field, "list_type", "Input should be a valid list", messages)
+    if not messages:
+        # vLLM's chat template has nothing to render.
+        raise BadRequest("messages must not be empty", field)
     words: list[str] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest(f"messages[{i}] must be an object with a 'role'", "messages")
-        words += _content_words(m.get("content"), f"messages[{i}].content")
+            raise invalid(f"{field}.{i}.role", "missing", "Field required", m)
+        words += _content_words(m.get("content"), f"{field}.{i}.content")
+    return words
+
+
+def read_chat(body: dict[str, Any], default_max_tokens: int) -> GenRequest:
+    model = model_of(body)
+    messages = body.get("messages")
+    if messages is None:
+        raise missing("messages", body)
+    words = message_words(messages)
     continued = _continued_text(body, messages)
     max_tokens, capped = _max_tokens(body, default_max_tokens)
     stream, include_usage = _stream(body)
@@ -147,7 +151,7 @@ def read_chat(body: dict[str, Any], default_max_tokens: int) -> GenRequest:
 
 
 def read_completion(body: dict[str, Any], default_max_tokens: int) -> GenRequest:
-    model = _model(body)
+    model = model_of(body)
     prompt = body.get("prompt")
     words: list[str]
     if isinstance(prompt, str):
@@ -157,8 +161,10 @@ def read_completion(body: dict[str, Any], default_max_tokens: int) -> GenRequest
     elif isinstance(prompt, list) and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
         # Token ids: count them, and speak in filler words.
         words = [FILLER[t % len(FILLER)] for t in prompt]
+    elif prompt is None:
+        raise BadRequest("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
     else:
-        raise BadRequest("'prompt' is required: a string, a list of strings or a list of token ids", "prompt")
+        raise invalid("prompt", "string_type", "Input should be a valid string", prompt)
     max_tokens, capped = _max_tokens(body, default_max_tokens)
     stream, include_usage = _stream(body)
     # A text prompt that ends in a word is continued after a space, as a real model's next token is.
@@ -200,166 +206,3 @@ def completion_tokens(req: GenRequest) -> list[str]:
 
 def finish_reason(req: GenRequest) -> str:
     return "length" if req.capped else "stop"
-
-
-def usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def chat_response(rid: str, created: int, req: GenRequest, tokens: list[str]) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": req.model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": "".join(tokens)},
-                "logprobs": None,
-                "finish_reason": finish_reason(req),
-            }
-        ],
-        "usage": usage(req.prompt_tokens, len(tokens)),
-    }
-
-
-def completion_response(rid: str, created: int, req: GenRequest, tokens: list[str]) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": req.model,
-        "choices": [
-            {"index": 0, "text": "".join(tokens), "logprobs": None, "finish_reason": finish_reason(req)}
-        ],
-        "usage": usage(req.prompt_tokens, len(tokens)),
-    }
-
-
-class ChunkWriter:
-    """Renders the SSE events of one streamed answer, chat or text completion.
-
-    Each event is ``data: <json>\\n\\n``; the stream ends with ``data: [DONE]``. With
-    ``include_usage`` every chunk carries ``"usage": null`` and a last chunk with empty choices
-    carries the usage, as OpenAI does.
-    """
-
-    __slots__ = ("_cache", "_chat", "_head", "_req", "_tail", "_tok_post", "_tok_pre")
-
-    def __init__(self, rid: str, created: int, req: GenRequest, chat: bool) -> None:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        head = {"id": rid, "object": obj, "created": created, "model": req.model}
-        # The constant part of every chunk, rendered once: '{"id":...,"model":"m","choices":'.
-        self._head = "data: " + json.dumps(head)[:-1] + ', "choices": '
-        self._tail = ', "usage": null}\n\n' if req.include_usage else "}\n\n"
-        self._req = req
-        self._chat = chat
-        # A token's event is this prefix, the JSON string of its text, and this suffix; the answer
-        # repeats a few words, so each distinct token is rendered once per stream.
-        field = '"delta": {"content": ' if chat else '"text": '
-        self._tok_pre = self._head + '[{"index": 0, ' + field
-        close = "}" if chat else ""
-        self._tok_post = close + ', "logprobs": null, "finish_reason": null}]' + self._tail
-        self._cache: dict[str, str] = {}
-
-    def _event(self, choice: dict[str, Any]) -> str:
-        return self._head + "[" + json.dumps(choice) + "]" + self._tail
-
-    def first(self) -> str:
-        """The role announcement a chat stream opens with; nothing for text completions."""
-        if not self._chat:
-            return ""
-        return self._event(
-            {
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-        )
-
-    def token(self, text: str) -> str:
-        event = self._cache.get(text)
-        if event is None:
-            event = self._cache[text] = self._tok_pre + json.dumps(text) + self._tok_post
-        return event
-
-    def end(self, completion: int) -> str:
-        """The finishing chunk, the usage chunk when asked for, and ``[DONE]``."""
-        reason = finish_reason(self._req)
-        if self._chat:
-            last: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
-        else:
-            last = {"index": 0, "text": "", "logprobs": None, "finish_reason": reason}
-        out = self._event(last)
-        if self._req.include_usage:
-            u = json.dumps(usage(self._req.prompt_tokens, completion))
-            out += self._head + '[], "usage": ' + u + "}\n\n"
-        return out + "data: [DONE]\n\n"
-
-
-# ---------------------------------------------------------------- embeddings
-
-
-@dataclass(frozen=True, slots=True)
-class EmbedRequest:
-    model: str
-    inputs: tuple[str, ...]
-    dims: int
-    base64: bool
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(s.split()) for s in self.inputs)
-
-
-def read_embeddings(body: dict[str, Any], default_dims: int) -> EmbedRequest:
-    model = _model(body)
-    raw = body.get("input")
-    inputs: list[str]
-    if isinstance(raw, str):
-        inputs = [raw]
-    elif isinstance(raw, list) and raw and all(isinstance(s, str) for s in raw):
-        inputs = list(raw)
-    elif isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
-        inputs = [" ".join(str(t) for t in raw)]
-    elif (
-        isinstance(raw, list)
-        and raw
-        and all(isinstance(x, list) and all(isinstance(t, int) for t in x) for x in raw)
-    ):
-        inputs = [" ".join(str(t) for t in x) for x in raw]
-    else:
-        raise BadRequest("'input' is required: a string, a list of strings or token ids", "input")
-    dims = body.get("dimensions", default_dims)
-    if isinstance(dims, bool) or not isinstance(dims, int) or not 1 <= dims <= 65536:
-        raise BadRequest(f"'dimensions' must be an integer in 1..65536, got {dims!r}", "dimensions")
-    fmt = body.get("encoding_format") or "float"
-    if fmt not in ("float", "base64"):
-        raise BadRequest(f"'encoding_format' must be 'float' or 'base64', got {fmt!r}", "encoding_format")
-    return EmbedRequest(model, tuple(inputs), dims, fmt == "base64")
-
-
-def embedding_vector(text: str, dims: int) -> list[float]:
-    """A unit vector that depends only on ``text`` and ``dims``."""
-    raw = hashlib.shake_256(text.encode()).digest(2 * dims)
-    vec = [(v - 32767.5) / 32767.5 for v in struct.unpack(f"<{dims}H", raw)]
-    norm = sum(x * x for x in vec) ** 0.5 or 1.0
-    return [x / norm for x in vec]
-
-
-def embeddings_response(req: EmbedRequest) -> dict[str, Any]:
-    data: list[dict[str, Any]] = []
-    for i, text in enumerate(req.inputs):
-        vec = embedding_vector(text, req.dims)
-        emb: list[float] | str = (
-            base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode() if req.base64 else vec
-        )
-        data.append({"object": "embedding", "index": i, "embedding": emb})
-    return {
-        "object": "list",
-        "data": data,
-        "model": req.model,
-        "usage": {"prompt_tokens": req.prompt_tokens, "total_tokens": req.prompt_tokens},
-    }

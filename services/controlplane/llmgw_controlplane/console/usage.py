@@ -5,7 +5,7 @@ newest report and sums across routers, so a report lost or repeated changes noth
 restarts comes back under a new id; its old report stays counted (it is what that process served).
 
 A report whose times are not finite or lie in the future by our clock is dropped with one log line, and
-a kept report outranks the router's later ones only by when it arrived (:mod:`llmgw_common.clockcheck`):
+a kept report outranks the router's later ones only by when it arrived (:mod:`llmgw_runtime.clockcheck`):
 one forged ``sent_at`` cannot make every genuine report after it look old.
 
 What is kept is bounded by entries (key/model pairs), not only by routers: a forger with the router role
@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from llmgw_common.clockcheck import Doubts, distrust, order_time
-from llmgw_common.messages import UsageReport
+from llmgw_common.router_messages import UsageReport
+from llmgw_runtime.clockcheck import Doubts, distrust, order_time
 
 # Routers remembered at most; past it the one heard from longest ago is forgotten first.
 MAX_ROUTERS = 1024

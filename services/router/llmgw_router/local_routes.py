@@ -1,0 +1,52 @@
+"""The GET routes the router answers itself, without an engine: the catalog as the key sees it
+(``/v1/models``, ``/v1/models/{model}``), the landing page and health."""
+
+from __future__ import annotations
+
+import json
+
+from llmgw_router import landing
+from llmgw_router.context import RouterContext
+from llmgw_router.errors import error_response
+from llmgw_router.http_request import Request
+from llmgw_router.http_response import Response
+from llmgw_router.keycheck import Handler, request_record
+from llmgw_router.keys import allows_model
+from llmgw_router.refusals import not_found_message
+
+
+async def health(_: Request) -> Response:
+    return Response(text='{"status":"ok"}', content_type="application/json")
+
+
+async def landing_page(request: Request) -> Response:
+    base = landing.display_base_url(request.headers, request.scheme, request.host)
+    # The page's URL comes from request headers: never kept by a shared cache for another client.
+    return Response(
+        text=landing.render(base), content_type="text/html", headers={"Cache-Control": "no-store"}
+    )
+
+
+def make_models_handler(ctx: RouterContext) -> Handler:
+    async def models(request: Request) -> Response:
+        rec = request_record(request)
+        created = int(ctx.started)
+        data = [
+            {"id": name, "object": "model", "created": created, "owned_by": "llmgw"}
+            for name in ctx.pool.profiles
+            if allows_model(rec, name)
+        ]
+        return Response(text=json.dumps({"object": "list", "data": data}), content_type="application/json")
+
+    return models
+
+
+def make_model_handler(ctx: RouterContext) -> Handler:
+    async def model(request: Request) -> Response:
+        name = request.match_info["model"]
+        if name not in ctx.pool.profiles or not allows_model(request_record(request), name):
+            return error_response(404, not_found_message(name), param="model")
+        body = {"id": name, "object": "model", "created": int(ctx.started), "owned_by": "llmgw"}
+        return Response(text=json.dumps(body), content_type="application/json")
+
+    return model

@@ -1,0 +1,56 @@
+"""The stored-response routes: ``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``,
+sent to the replica storing the response (its id names it: ``stored.py``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+from llmgw_router.context import RouterContext
+from llmgw_router.errors import CLIENT_GONE, error_response
+from llmgw_router.http_request import Request
+from llmgw_router.http_response import StreamResponse
+from llmgw_router.keycheck import ANONYMOUS, authenticate, request_record
+from llmgw_router.keys import allows_model
+from llmgw_router.proxy import Outbound, forward
+from llmgw_router.refusals import gone
+from llmgw_router.routes import CANCEL_SUFFIX, STORED_PREFIX
+from llmgw_router.stored import untag
+
+
+def make_stored_handler(ctx: RouterContext) -> Callable[[Request, bool], Awaitable[StreamResponse]]:
+    """GET /v1/responses/{id} and POST /v1/responses/{id}/cancel, sent to the replica storing the
+    response (its id names it: stored.py)."""
+
+    async def handle(request: Request, cancel: bool) -> StreamResponse:
+        t0 = time.perf_counter()
+        refused = authenticate(ctx, request)
+        if refused is not None:
+            return refused
+        rec = request_record(request)
+        response_id = request.match_info["response_id"]
+        found = untag(response_id)
+        if found is None:
+            return error_response(
+                404,
+                f"response {response_id!r} not found: llmgw's response ids name the replica that "
+                "stores them, and this one names none",
+                code="response_not_found",
+            )
+        ep = ctx.pool.by_tag.get(found[0])
+        if ep is None or not allows_model(rec, ep.model):
+            return gone(response_id)
+        path = STORED_PREFIX + found[1] + (CANCEL_SUFFIX if cancel else "")
+        if request.query_string:
+            path += "?" + request.query_string
+        key_id = rec.id if rec is not None else ANONYMOUS
+        out = Outbound(path, b"", ep.model, key_id, False, pin=ep, stores=True)
+        out.method = b"POST" if cancel else b"GET"
+        status = CLIENT_GONE
+        try:
+            resp, status = await forward(ctx, request, out)
+            return resp
+        finally:
+            ctx.metrics.request(ep.model, status, time.perf_counter() - t0)
+
+    return handle
