@@ -52,13 +52,7 @@ class Leadership:
         desired: DesiredState,
     ) -> None:
         self.lease = lease
-        self.state = tables.state
-        self.settling = tables.settling
-        self.records = tables.records
-        self.assignments = tables.assignments
-        self.routing = tables.routing
-        self.clock = tables.clock
-        self.dirty = tables.dirty
+        self.tables = tables
         self.nc = nc
         self.api = api
         # Wakes are answered only while leading, like the ctl verbs (issue 13).
@@ -104,30 +98,32 @@ class Leadership:
 
     async def take_over(self) -> None:
         """Load what the previous leader (or this process before a restart) wrote, then act."""
-        now = self.clock()
-        records = await self.records.load()
-        current = await self.assignments.load()
+        now = self.tables.clock()
+        records = await self.tables.records.load()
+        current = await self.tables.assignments.load()
         adopted = adopt_from_assignments(records, current, now)
         if adopted:
             log.info("adopted %d replica(s) found only in assignments", len(adopted))
             records.update(adopted)
         for rec in records.values():
             for sp in rec.shards:
-                self.state.know_node(sp.node, now)
+                self.tables.state.know_node(sp.node, now)
         await self.desired.reload_catalog()
-        self.state.set_replicas(pin_specs(records, self.state.catalog))
+        self.tables.state.set_replicas(pin_specs(records, self.tables.state.catalog))
         for forget in self.on_new_tenure:
             forget()
-        await self.routing.load()
+        await self.tables.routing.load()
         await self.desired.load_marks()
-        await self.routing.publish_catalog(self.state.catalog)
-        self.state.catalog_version = max(self.state.catalog_version, self.routing.catalog_version)
-        self.settling.from_start()
-        self.state.set_observed_from(self.settling.started_at)
+        await self.tables.routing.publish_catalog(self.tables.state.catalog)
+        self.tables.state.catalog_version = max(
+            self.tables.state.catalog_version, self.tables.routing.catalog_version
+        )
+        self.tables.settling.from_start()
+        self.tables.state.set_observed_from(self.tables.settling.started_at)
         # A stored table names the previous writer's endpoints, which nothing here may have confirmed
         # (issue 25: a warm `compose up` answered 502): rewritten by rewrite_taken_table, not at the
         # first pass settle_s on.
-        self.table_due = self.routing.stored_cold
+        self.table_due = self.tables.routing.stored_cold
         self.leader = True
         await self.api.start(self.nc)
         await self.wakes.start(self.nc)
@@ -136,9 +132,9 @@ class Leadership:
             self.lease.fence,
             len(records),
             len(current),
-            max(0.0, self.settling.until - now),
+            max(0.0, self.tables.settling.until - now),
         )
-        self.dirty.set()
+        self.tables.dirty.set()
 
     async def rewrite_taken_table(self, now: float, listen_s: float) -> bool:
         """The takeover's rewrite of the stored table, once this process has listened ``listen_s``
@@ -146,9 +142,9 @@ class Leadership:
         report to this process yet: a clean restart (the lease released, taken at once) routed nothing
         and routers held every request until the first pass, settle_s on."""
         cold = self.table_due
-        if cold is None or now - self.settling.started_at < listen_s:
+        if cold is None or now - self.tables.settling.started_at < listen_s:
             return False
-        await self.routing.publish_endpoints(*takeover_content(self.state.snapshot(now), cold))
+        await self.tables.routing.publish_endpoints(*takeover_content(self.tables.state.snapshot(now), cold))
         self.table_due = None
         return True
 

@@ -69,13 +69,7 @@ class ReconcileLoop:
         events: EventPublisher,
     ) -> None:
         self.s = s
-        self.state = tables.state
-        self.settling = tables.settling
-        self.records = tables.records
-        self.assignments = tables.assignments
-        self.routing = tables.routing
-        self.clock = tables.clock
-        self.dirty = tables.dirty
+        self.tables = tables
         self.leadership = leadership
         self.ingest = ingest
         self.idle = idle
@@ -111,12 +105,12 @@ class ReconcileLoop:
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.dirty.wait(), self.s.tick_s)
-            self.dirty.clear()
+                await asyncio.wait_for(self.tables.dirty.wait(), self.s.tick_s)
+            self.tables.dirty.clear()
             if stop.is_set():
                 return
             try:
-                await self.tick(self.clock())
+                await self.tick(self.tables.clock())
             except (nats.errors.Error, TimeoutError) as e:
                 log.warning("reconcile pass could not write (%s): retrying next tick", e)
             except Exception as e:  # one bad input must not stop reconciling; the guard gives up at its limit
@@ -126,25 +120,25 @@ class ReconcileLoop:
 
     async def tick(self, now: float) -> None:
         """One turn of the loop: judge nodes; the leader, once settled, also announces and passes."""
-        if not self.settling.bus_up:
+        if not self.tables.settling.bus_up:
             return
         # Transitions only mark work here: node events come from the announced state (announce_nodes),
         # so that one judged while no control plane led is not lost with this process's memory.
-        self.state.judge(now)
-        for name in self.state.forget_silent(now, self.s.node_forget_s):
+        self.tables.state.judge(now)
+        for name in self.tables.state.forget_silent(now, self.s.node_forget_s):
             self.ingest.forget(name)
             log.warning(
                 "node %s forgotten: lost for over %gs with no replica on it", name, self.s.node_forget_s
             )
         self.idle.prune(now)
-        self.state.prune_reports()
+        self.tables.state.prune_reports()
         lead = self.leadership
         if not lead.leader:
             return
         if not lead.lease.held():
             await lead.step_down()
             return
-        if now < self.settling.until:
+        if now < self.tables.settling.until:
             # Once a tenure, when agents had a heartbeat period to report since this process started.
             await lead.rewrite_taken_table(now, TAKEOVER_LISTEN_HEARTBEATS * self.s.heartbeat_interval_s)
             return
@@ -189,7 +183,7 @@ class ReconcileLoop:
 
     async def announce_nodes(self, now: float) -> None:
         """Announce every difference between the announced node state and ours, under the fence."""
-        nodes, lost_s = self.state.nodes, self.s.node_lost_s
+        nodes, lost_s = self.tables.state.nodes, self.s.node_lost_s
 
         def reporting(n: str) -> bool:
             r = nodes[n]
@@ -214,7 +208,7 @@ class ReconcileLoop:
 
     async def pass_once(self, now: float) -> Plan:
         t0 = time.perf_counter()
-        snap = self.state.snapshot(now)
+        snap = self.tables.state.snapshot(now)
         t1 = time.perf_counter()
         look = idle_lookup(self.idle, now)
         scale = self.autoscale.decide(snap, look)
@@ -230,11 +224,11 @@ class ReconcileLoop:
         stops = len(plan.stop)
         plan = self.autoscale.evict(plan, snap, look)
         if len(plan.stop) > stops:
-            self.dirty.set()  # the room is freed: place the wanted replica on the next pass
+            self.tables.dirty.set()  # the room is freed: place the wanted replica on the next pass
         self.last_reconcile_ms = (time.perf_counter() - t1) * 1000
         self.memo = plan.memo
         if await self.apply_plan(plan, now):
-            snap = self.state.snapshot(now)
+            snap = self.tables.state.snapshot(now)
         v = self.verdicts
         v.unplaceable = {m: u.summary for m, u in plan.unplaceable.items()}
         v.backoff = {
@@ -245,7 +239,7 @@ class ReconcileLoop:
         why = {**v.unplaceable, **v.backoff}
         waking, cold = self.autoscale.waking(), self.autoscale.cold()
         wanted = tuple(sorted(scale.wanted.items()))
-        key = (self.state.version, why, waking, cold, wanted)
+        key = (self.tables.state.version, why, waking, cold, wanted)
         events: list[Event] = []
         if key != self._routing_key:
             # Only when the snapshot or the reasons changed: a steady pass skips this entirely.
@@ -255,7 +249,7 @@ class ReconcileLoop:
                 p = snap.catalog.get(m)
                 unavailable[m] = cold_reason(p.idle_after if p is not None else None)
             v.reasons = unavailable
-            await self.routing.publish_endpoints(endpoints, unavailable, coming, cold_now)
+            await self.tables.routing.publish_endpoints(endpoints, unavailable, coming, cold_now)
             self._routing_key = key
         # Every pass, not only on change: a model becomes down by time alone (its watch budget).
         ready, budgets, silent = watch_inputs(snap)
@@ -272,7 +266,7 @@ class ReconcileLoop:
 
     async def apply_plan(self, plan: Plan, now: float) -> bool:
         """Records, then assignments (only those that changed), under the lease. True when tables changed."""
-        st = self.state
+        st = self.tables.state
         for nr in plan.place:
             st.put_replica(
                 ReplicaRecord(
@@ -300,24 +294,24 @@ class ReconcileLoop:
         if st.generation == self._synced_generation:
             return plan.changes
         desired = self.desired_assignments()
-        pending = self.assignments.pending(desired)
+        pending = self.tables.assignments.pending(desired)
         lease = self.leadership.lease
         if not await lease.confirm():
             raise Fenced("the lease was lost before writing")
-        await self.records.sync(st.replicas)
+        await self.tables.records.sync(st.replicas)
         items = list(pending.items())
         for i in range(0, len(items), WRITE_BATCH):
             batch = items[i : i + WRITE_BATCH]
-            await asyncio.gather(*(self.assignments.write(n, sh, lease.fence, now) for n, sh in batch))
+            await asyncio.gather(*(self.tables.assignments.write(n, sh, lease.fence, now) for n, sh in batch))
         self._synced_generation = st.generation
         return True
 
     def desired_assignments(self) -> dict[str, NodeShards]:
-        gen = self.state.generation
+        gen = self.tables.state.generation
         if self._desired_cache is None or self._desired_cache[0] != gen:
-            addresses = {n: r.address for n, r in self.state.nodes.items()}
+            addresses = {n: r.address for n, r in self.tables.state.nodes.items()}
             self._desired_cache = (
                 gen,
-                compute_assignments(self.state.replicas, self.state.catalog, addresses),
+                compute_assignments(self.tables.state.replicas, self.tables.state.catalog, addresses),
             )
         return self._desired_cache[1]
