@@ -90,7 +90,10 @@ class _Transport(asyncio.Transport):
 async def run(conc: int, per_round: int, rounds: int) -> list[float]:
     from llmgw_router.http_connection import Connection
     from llmgw_router.service import Router
-    from llmgw_router.settings import RouterSettings
+    try:
+        from llmgw_router.settings import RouterSettings
+    except ImportError:  # a revision from before each service owned its settings (--old)
+        from llmgw_common.settings import RouterSettings  # type: ignore[no-redef]
 
     try:
         from llmgw_router.upstream_connection import UpstreamConnection
@@ -174,6 +177,10 @@ def instructions(pythonpath: str | None, conc: int, tmp: Path) -> float:
     counts = []
     for p in procs:
         _, err = p.communicate()
+        # A child that failed (an --old tree this script cannot drive) must not print a count: its
+        # start-up alone once gave "315 instructions/request".
+        if p.returncode != 0 or "Collected : " not in err:
+            raise SystemExit(f"callgrind run failed ({p.returncode}):\n{err[-2000:]}")
         counts.append(int(err.split("Collected : ")[1].split()[0]))
     return (counts[1] - counts[0]) / 2000
 
