@@ -90,6 +90,7 @@ class _Transport(asyncio.Transport):
 async def run(conc: int, per_round: int, rounds: int) -> list[float]:
     from llmgw_router.http_connection import Connection
     from llmgw_router.service import Router
+
     try:
         from llmgw_router.settings import RouterSettings
     except ImportError:  # a revision from before each service owned its settings (--old)

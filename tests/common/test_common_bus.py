@@ -261,3 +261,31 @@ async def test_leader_reads_go_to_the_stream_leader_and_read_what_was_written(
         assert await bus.kv_keys(empty) == []
     finally:
         await nc.close()
+
+
+async def test_a_forgotten_key_leaves_no_marker_for_a_leaders_keys(
+    nats_server: NatsServer, prefix: str
+) -> None:
+    """bus.forget_key: a deleted key stays listed by LeaderReads (its marker is a message), a forgotten
+    one is gone from the stream, so a takeover that lists the replica records reads no key twice and
+    none for ever."""
+    s = BusSettings(nats_urls=[nats_server.url], prefix=prefix)
+    nc = await bus.connect(s, "t", wait=False)
+    try:
+        plain = await bus.ensure_kv(nc.jetstream(), f"{prefix}_fk")
+        kv = bus.leader_reads(plain)
+        for k in ("kept", "deleted", "forgotten"):
+            await plain.put(k, b"v1")
+            await plain.put(k, b"v2")
+        await plain.delete("deleted")
+        await bus.forget_key(kv, "forgotten")
+        assert sorted(await kv.keys()) == ["deleted", "kept"]
+        with pytest.raises(nats.js.errors.KeyNotFoundError):
+            await kv.get("forgotten")
+        info = await nc.jetstream().stream_info(f"KV_{prefix}_fk")
+        assert info.state.messages == 2, info.state  # kept's v2 and deleted's marker (history 1)
+        # The key may be written again, as a new replica id never is but a test's could be.
+        await plain.put("forgotten", b"v3")
+        assert (await kv.get("forgotten")).value == b"v3"
+    finally:
+        await nc.close()

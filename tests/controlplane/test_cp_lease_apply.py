@@ -124,6 +124,9 @@ async def test_replica_store_syncs_puts_and_deletes(bus_nc: NATS, prefix: str) -
     assert await s.sync({"r1": r1, "r2": r2}) == 0
     assert await s.sync({"r1": r1}) == 1
     assert set(await ReplicaStore(kv, drops).load()) == {"r1"}
+    # A takeover lists the keys from the stream's leader: a stopped replica leaves nothing to list
+    # (a delete marker would be listed and read once more at every takeover, for ever).
+    assert await bus.leader_reads(kv).keys() == ["r1"]
 
 
 def test_multi_node_assignment_names_the_leader_address() -> None:

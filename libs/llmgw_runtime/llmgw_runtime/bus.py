@@ -182,6 +182,13 @@ class LeaderReads(KeyValue):
         return keys
 
 
+async def forget_key(kv: KeyValue, key: str) -> None:
+    """Remove every message of ``key`` from its bucket's stream, leaving no delete marker. For a bucket
+    nobody watches and whose keys a reader lists (:class:`LeaderReads` lists a deleted key, since its
+    marker is a message): a marker per deleted key would grow for ever, one more get at each takeover."""
+    await kv._js.purge_stream(kv._stream, subject=f"{kv._pre}{key}")
+
+
 def leader_reads(kv: KeyValue) -> KeyValue:
     """``kv`` read from its stream's leader (:class:`LeaderReads`)."""
     return LeaderReads(name=kv._name, stream=kv._stream, pre=kv._pre, js=kv._js, direct=False)

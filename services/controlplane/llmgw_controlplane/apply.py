@@ -29,7 +29,7 @@ from llmgw_common.messages import (
     ShardAssignment,
 )
 from llmgw_common.subjects import ROUTING_CATALOG, ROUTING_ENDPOINTS
-from llmgw_runtime.bus import DropLog, kv_get, kv_keys
+from llmgw_runtime.bus import DropLog, forget_key, kv_get, kv_keys
 
 log = logging.getLogger("llmgw.controlplane.apply")
 
@@ -180,7 +180,9 @@ class ReplicaStore:
                 n += 1
         for rid in [r for r in self.written if r not in records]:
             try:
-                await self.kv.delete(rid)
+                # Forgotten, not deleted: only a takeover reads this bucket, by listing its keys, and a
+                # delete marker per replica ever stopped (every autoscaling step makes one) is listed too.
+                await forget_key(self.kv, rid)
             except nats.errors.Error as e:
                 log.warning("could not delete replica record %s: %s", rid, e)
                 continue
