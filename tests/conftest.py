@@ -40,6 +40,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(mark)
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Why each rerun test failed its first run: the rerun summary names it only, and a CI log is often
+    all there is to find a load-dependent failure's cause from."""
+    reruns = terminalreporter.stats.get("rerun", [])
+    if not reruns:
+        return
+    terminalreporter.section("why each rerun test failed its first run")
+    for rep in reruns:
+        text = getattr(rep, "longreprtext", "") or "(no failure text)"
+        lines = text.splitlines()
+        terminalreporter.write_line(f"{rep.nodeid} ({rep.when}):")
+        for line in lines[-40:]:
+            terminalreporter.write_line(f"    {line}")
+
+
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
     """One real nats-server with JetStream for the session (per xdist worker)."""

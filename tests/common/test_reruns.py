@@ -47,7 +47,7 @@ TESTS = textwrap.dedent(
 
 def test_e2e_and_slow_tests_are_rerun_once_and_the_fast_tier_is_not(tmp_path: Path) -> None:
     (tmp_path / "conftest.py").write_text(
-        "from tests.conftest import pytest_collection_modifyitems  # noqa: F401\n"
+        "from tests.conftest import pytest_collection_modifyitems, pytest_terminal_summary  # noqa: F401\n"
     )
     (tmp_path / "test_flaky_kinds.py").write_text(TESTS)
     env = {k: v for k, v in os.environ.items() if k != "LLMGW_TEST_RERUNS"}
@@ -61,3 +61,8 @@ def test_e2e_and_slow_tests_are_rerun_once_and_the_fast_tier_is_not(tmp_path: Pa
     # test that fails every time (after its one rerun).
     assert "2 failed, 2 passed" in out and "3 rerun" in out, out
     assert "FAILED" in out and "test_fast_once" in out and "test_e2e_always" in out, out
+    # Each rerun's first failure is shown, not only its name.
+    why = out.split("why each rerun test failed its first run", 1)
+    assert len(why) == 2 and "e2e: the first run fails" in why[1] and "slow: the first run fails" in why[1], (
+        out
+    )
