@@ -18,7 +18,7 @@ from llmgw_common.codec import encode
 from llmgw_common.messages import ReplicaRecord, RoutingEndpoints, ShardPlacement, ShardState
 from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
 from llmgw_controlplane.scheduler.phase import ReplicaPhase, replica_status, serving
-from llmgw_controlplane.scheduler.routing import takeover_content
+from llmgw_controlplane.scheduler.routing import FIRST_PLACEMENT, takeover_content
 from llmgw_controlplane.service import ControlPlane
 from llmgw_controlplane.state import ClusterState
 from llmgw_runtime import bus
@@ -243,3 +243,26 @@ def test_the_takeover_table_routes_only_reported_replicas_and_keeps_what_is_cold
     assert [e.replica_id for e in endpoints["m"]] == ["r1"]
     # z has a replica again (placed by the previous run, not yet reported): on its way, not cold.
     assert cold == () and coming == {"z": "1 replica starting on a"}
+
+
+def test_the_takeover_table_holds_a_model_whose_first_replica_the_first_pass_places() -> None:
+    """A new cluster (or a catalog applied while no control plane led): nothing placed yet. Until the
+    first pass, once settled, routers hold its requests rather than refuse them for those seconds (a cold
+    compose up answered 11 requests 503 "no replica placed yet" before its first chat). A model that
+    starts cold (floor 0), asks for no replica, or was placed already is left as before."""
+    models = [
+        profile("new", replicas=2),
+        profile("z", replicas=1, min_replicas=0, idle_after=60.0),
+        profile("none", replicas=0),
+        profile("m", replicas=1),
+    ]
+    unreported = replica("r1", "m", [("a", (0,))], created=990.0, state=None, port=20000)
+    endpoints, unavailable, coming, cold = takeover_content(snap([node("a")], [unreported], models), ())
+    assert endpoints == {}
+    assert coming == {"new": FIRST_PLACEMENT, "m": "1 replica starting on a"}
+    assert cold == ()
+    # What a router says if the first pass takes it off the way (it could not be placed): the pass's
+    # own table then carries the reconciler's reason instead.
+    assert unavailable["new"] == "no replica placed yet"
+    assert unavailable["none"] == "the catalog asks for 0 replicas of this model"
+    assert "z" not in coming and "none" not in coming

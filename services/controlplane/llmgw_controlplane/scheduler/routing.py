@@ -17,6 +17,8 @@ from llmgw_controlplane.scheduler.snapshot import NodeState, ReplicaView, Snapsh
 # The most of one model's "why not" that routers (and events) are given.
 REASON_CHARS = 2000
 _ON_LOST = "on a lost node"
+# On its way, in the takeover table, for a model nothing is placed for yet: the first pass places it.
+FIRST_PLACEMENT = "the control plane is starting: its first pass places this model"
 
 
 def endpoint_url(snap: Snapshot, r: ReplicaView) -> str | None:
@@ -168,6 +170,13 @@ def takeover_content(
     for m in cold:
         p = snap.catalog.get(m)
         unavailable[m] = cold_reason(p.idle_after if p is not None else None)
+    # Nothing placed yet (a new cluster, a catalog applied while none led): the first pass, once settled,
+    # places it, so routers hold its requests for those seconds rather than refuse them. If that pass
+    # cannot place it, its table takes the model off the way with the reconciler's reason, and routers
+    # refuse the held requests with it. A model that starts cold (floor 0) waits for a wake instead.
+    for p in snap.catalog.models:
+        if p.replicas > 0 and p.floor > 0 and p.name not in placed and p.name not in cold:
+            coming[p.name] = FIRST_PLACEMENT
     return endpoints, unavailable, coming, cold
 
 
