@@ -502,14 +502,16 @@ async def node_events(nc: NATS, prefix: str, node: str, since_wall: float) -> li
 async def get_timeouts(topo: PartitionTopology, servers: list[str], n: int = 12) -> dict[str, int]:
     """From a client of ``servers``, ``n`` reads of one assignment key each way: a direct get (what
     ``kv.get`` does on these buckets: any replica may answer) and a get through the stream's leader;
-    how many of each timed out (1 s). A replica on a server cut from its peers still holds its direct
-    get subscription in their interest graph until the route between them is noticed dead."""
+    how many of each timed out (1 s), and how many JetStream refused with 503 (a stream electing its
+    leader right after the cut: a figure too, never the test's failure). A replica on a server cut from
+    its peers still holds its direct get subscription in their interest graph until the route between
+    them is noticed dead."""
     assert isinstance(topo.natscluster, NetnsNatsCluster)
     urls = [topo.natscluster.urls[NATS_HOSTS.index(s)] for s in servers]
     nc = await bus.connect(BusSettings(nats_urls=urls, prefix=topo.prefix), "partition-gets", wait=False)
     stream = f"KV_{Subjects(topo.prefix).bucket_assign}"
     subject = f"$KV.{Subjects(topo.prefix).bucket_assign}.{NODES[0]}"
-    out = {"direct": 0, "leader": 0, "n": n}
+    out = {"direct": 0, "leader": 0, "direct_503": 0, "leader_503": 0, "n": n}
     try:
         js = nc.jetstream(timeout=1.0)
         for _ in range(n):
@@ -518,6 +520,8 @@ async def get_timeouts(topo: PartitionTopology, servers: list[str], n: int = 12)
                     await js.get_msg(stream, subject=subject, direct=direct)
                 except (TimeoutError, nats.errors.TimeoutError):
                     out[way] += 1
+                except nats.js.errors.ServiceUnavailableError:
+                    out[f"{way}_503"] += 1
                 except nats.js.errors.NotFoundError:
                     pass
     finally:
