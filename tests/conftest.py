@@ -74,7 +74,11 @@ def prefix(request: pytest.FixtureRequest) -> str:
     # and a leader lease when one worker runs both.
     name = re.sub(r"[^A-Za-z0-9]", "", request.node.name)[-20:]
     tag = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:8]
-    return f"t{os.getpid()}{name}{tag}".lower()
+    # A rerun (rerun_marker) gets a prefix of its own: with the first run's, it read that run's
+    # assignment and heard its agent's last status messages (an agent test failed its rerun so).
+    run = getattr(request.node, "execution_count", 1)
+    again = f"r{run}" if run > 1 else ""
+    return f"t{os.getpid()}{name}{tag}{again}".lower()
 
 
 @pytest.fixture

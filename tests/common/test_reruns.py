@@ -41,13 +41,21 @@ TESTS = textwrap.dedent(
     @pytest.mark.e2e
     def test_e2e_always() -> None:
         raise AssertionError("broken for good")
+
+    @pytest.mark.e2e
+    def test_e2e_rerun_gets_a_prefix_of_its_own(prefix: str) -> None:
+        seen = pathlib.Path(__file__).with_name("prefix.seen")
+        if not seen.exists():
+            seen.write_text(prefix)
+            raise AssertionError("prefix: the first run fails")
+        assert prefix != seen.read_text(), "the rerun shares the first run's subjects and buckets"
     """
 )
 
 
 def test_e2e_and_slow_tests_are_rerun_once_and_the_fast_tier_is_not(tmp_path: Path) -> None:
     (tmp_path / "conftest.py").write_text(
-        "from tests.conftest import pytest_collection_modifyitems, pytest_terminal_summary  # noqa: F401\n"
+        "from tests.conftest import prefix, pytest_collection_modifyitems, pytest_terminal_summary  # noqa: F401\n"
     )
     (tmp_path / "test_flaky_kinds.py").write_text(TESTS)
     env = {k: v for k, v in os.environ.items() if k != "LLMGW_TEST_RERUNS"}
@@ -57,9 +65,9 @@ def test_e2e_and_slow_tests_are_rerun_once_and_the_fast_tier_is_not(tmp_path: Pa
     )  # fmt: skip
     out = got.stdout
     assert got.returncode == 1, out + got.stderr
-    # Passed on their rerun: the e2e and the slow test. Failed: the fast one (no rerun) and the e2e
-    # test that fails every time (after its one rerun).
-    assert "2 failed, 2 passed" in out and "3 rerun" in out, out
+    # Passed on their rerun: the e2e and the slow test, and the rerun that got a new prefix. Failed: the
+    # fast one (no rerun) and the e2e test that fails every time (after its one rerun).
+    assert "2 failed, 3 passed" in out and "4 rerun" in out, out
     assert "FAILED" in out and "test_fast_once" in out and "test_e2e_always" in out, out
     # Each rerun's first failure is shown, not only its name.
     why = out.split("why each rerun test failed its first run", 1)
