@@ -29,7 +29,11 @@ from tests.kit.poll import eventually
 
 pytestmark = [pytest.mark.xdist_group("chaos"), pytest.mark.e2e, pytest.mark.slow]
 
-SETTINGS = {**AGGRESSIVE, "LLMGW_NODE_LOST_S": "6"}
+# node_lost_s bounds how long an agent restart may take before the node counts as lost and its replicas
+# move (by design): then the new agent stops the old engines instead of re-adopting them. A new agent
+# process (imports, connect, inventory, first beat) took over 6 s (the value before) on a loaded 2-core
+# CI box, twice in one run; an idle box takes 1.5 s. 20 s leaves the restart test its premise.
+SETTINGS = {**AGGRESSIVE, "LLMGW_NODE_LOST_S": "20"}
 NODE_LOST_S = float(SETTINGS["LLMGW_NODE_LOST_S"])
 
 
@@ -94,9 +98,12 @@ async def test_agent_restart_readopts_engines(cluster: tuple[ChaosCluster, str],
             hb = await _hb_after(view, node, old_boot)
             return view.engine_pids(node) or None if hb is not None else None
 
-        # 60 s: a new agent process on a loaded 2-core box (imports, connect, inventory, first beat) took
-        # over 30 s in two full runs; what is tested is the re-adoption, and `took` is reported.
-        after, took = await timed(f"{node}'s new agent to report its engines ready", readopted, 60)
+        # What is tested is the re-adoption, and `took` is reported; a failure shows the agent's own account
+        # (a restart slower than node_lost_s reads "no longer assigned": the node was declared lost).
+        try:
+            after, took = await timed(f"{node}'s new agent to report its engines ready", readopted, 60)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{c.procs[f'agent-{node}'].tail(15)}") from None
         await traffic.run_for(1.0)
         await traffic.stop()
         all_ = traffic.all("all requests")
