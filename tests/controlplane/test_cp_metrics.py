@@ -76,6 +76,11 @@ async def test_metrics_follow_passes_phases_nodes_lease_and_unplaceable(
         # The histogram is fed by the same passes the counter counts (both in one synchronous step).
         assert value(text, "llmgw_controlplane_reconcile_pass_seconds_count") == passes
         assert value(text, "llmgw_controlplane_reconcile_failed_passes_total") == 0
+        # Why passes were asked for early: this tenure's start, and the agent's reports; every reason is
+        # exported, 0 when never asked (no bus loss here).
+        assert value(text, "llmgw_controlplane_pass_requests_total", reason="tenure") == 1
+        assert (value(text, "llmgw_controlplane_pass_requests_total", reason="report") or 0) >= 1
+        assert value(text, "llmgw_controlplane_pass_requests_total", reason="bus_back") == 0
 
         rid = next(iter(cp.state.replicas))  # the one placed: "small"
         await agent.report(rid, 0, "small", ShardState.READY, 20000)

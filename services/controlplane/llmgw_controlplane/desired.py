@@ -26,6 +26,7 @@ from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.errors import Conflict
 from llmgw_common.messages import ClusterSettings, Marks
 from llmgw_common.subjects import DESIRED_CATALOG, DESIRED_MARKS, DESIRED_SETTINGS
+from llmgw_controlplane.pass_requests import PassReason, PassRequests
 from llmgw_runtime import bus
 from llmgw_runtime.bus import DropLog
 
@@ -136,14 +137,14 @@ class DesiredState:
         *,
         state: ClusterState,
         routing: RoutingPublisher,
-        dirty: asyncio.Event,
+        passes: PassRequests,
         drops: DropLog,
     ) -> None:
         self.kv = kv
         self.store = store
         self.state = state
         self.routing = routing
-        self.dirty = dirty
+        self.passes = passes
         self.drops = drops
         self._marks_revision = 0
 
@@ -180,7 +181,7 @@ class DesiredState:
         self.state.set_catalog(catalog, self.state.catalog_version + 1)
         await self.routing.publish_catalog(catalog)
         log.info("catalog v%d applied: %d model(s)", self.state.catalog_version, len(catalog.models))
-        self.dirty.set()
+        self.passes.request(PassReason.DESIRED)
         return old or Catalog(), self.state.catalog_version
 
     async def change_marks(self, change: Callable[[Marks | None], Marks]) -> Marks:
@@ -190,7 +191,7 @@ class DesiredState:
             # Verbs finish in any order: never step back to a value an overlapping verb has superseded.
             self._marks_revision = ch.revision
             self.state.marks = ch.new
-        self.dirty.set()
+        self.passes.request(PassReason.DESIRED)
         return ch.new
 
     async def read_settings(self) -> ClusterSettings:

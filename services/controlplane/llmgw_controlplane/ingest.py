@@ -9,7 +9,6 @@ the leader does, so its tables are warm when it takes over. What a report claims
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 
@@ -21,6 +20,7 @@ from llmgw_common.messages import Heartbeat, Inventory, ShardStatus
 from llmgw_common.router_messages import DemandReport, IdleReport, UsageReport
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane.console.usage import UsageBook
+from llmgw_controlplane.pass_requests import PassReason, PassRequests
 from llmgw_controlplane.scheduler.demand import DemandBook
 from llmgw_controlplane.scheduler.idle import IdleMerger
 from llmgw_controlplane.state import ClusterState
@@ -42,7 +42,7 @@ class Ingest:
         usage: UsageBook,
         drops: bus.DropLog,
         clock: Callable[[], float],
-        dirty: asyncio.Event,
+        passes: PassRequests,
         heartbeat_interval_s: float,
         demand: DemandBook | None = None,
     ) -> None:
@@ -53,7 +53,7 @@ class Ingest:
         self.usage = usage
         self.drops = drops
         self.clock = clock
-        self.dirty = dirty
+        self.passes = passes
         self.heartbeat_interval_s = heartbeat_interval_s
         self.demand = demand
         # node -> when we last asked it for its inventory (own clock).
@@ -89,7 +89,7 @@ class Ingest:
             return
         now = self.clock()
         if self.state.on_heartbeat(hb, now):
-            self.dirty.set()
+            self.passes.request(PassReason.REPORT)
         if self.state.wants_inventory(hb.node):
             # Its inventory went out before we listened (our restart, or a start race), or it claims a
             # new boot that only an inventory proves: ask, at most once per few heartbeats, instead of
@@ -101,11 +101,11 @@ class Ingest:
 
     def on_inventory(self, inv: Inventory, msg: Msg) -> None:
         if self._from_its_subject(msg, inv.node) and self.state.on_inventory(inv, self.clock()):
-            self.dirty.set()
+            self.passes.request(PassReason.REPORT)
 
     def on_status(self, st: ShardStatus, msg: Msg) -> None:
         if self._from_its_subject(msg, st.node) and self.state.on_status(st, self.clock()):
-            self.dirty.set()
+            self.passes.request(PassReason.REPORT)
 
     def on_usage(self, rep: UsageReport, msg: Msg) -> None:
         if self._from_its_subject(msg, rep.router, "router"):

@@ -28,6 +28,7 @@ from llmgw_common.messages import ShardPlacement as RecordShard
 from llmgw_controlplane.apply import pin_specs
 from llmgw_controlplane.desired import DesiredState
 from llmgw_controlplane.leader import Lease, LeaseLost
+from llmgw_controlplane.pass_requests import PassReason
 from llmgw_controlplane.scheduler.routing import takeover_content
 from llmgw_controlplane.tables import Tables
 
@@ -134,7 +135,7 @@ class Leadership:
             len(current),
             max(0.0, self.tables.settling.until - now),
         )
-        self.tables.dirty.set()
+        self.tables.passes.request(PassReason.TENURE)
 
     async def rewrite_taken_table(self, now: float, listen_s: float) -> bool:
         """The takeover's rewrite of the stored table, once this process has listened ``listen_s``

@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from llmgw_controlplane.pass_requests import PassReason, PassRequests
 from llmgw_controlplane.pass_verdicts import Verdicts
 from llmgw_controlplane.scheduler.event_detection import EventDetector
 from llmgw_controlplane.scheduler.phase import ReplicaPhase, replica_status
@@ -48,6 +49,8 @@ class MetricsSource(Protocol):
     @property
     def verdicts(self) -> Verdicts: ...
     @property
+    def pass_requests(self) -> PassRequests: ...
+    @property
     def detector(self) -> EventDetector: ...
     def snapshot(self) -> Snapshot: ...
 
@@ -68,6 +71,14 @@ class _StateCollector(Collector):
             "Reconcile passes that raised (a bug or bad input, not the bus).",
             value=src.guard.failed,
         )
+        asked = CounterMetricFamily(
+            "llmgw_controlplane_pass_requests",
+            "Requests for a pass before the tick, by what changed (many may lead to one pass).",
+            labels=["reason"],
+        )
+        for reason in PassReason:
+            asked.add_metric([reason.value], src.pass_requests.counts[reason])
+        yield asked
         yield GaugeMetricFamily(
             "llmgw_controlplane_leader",
             "1 while this control plane holds the lease, 0 on standby.",

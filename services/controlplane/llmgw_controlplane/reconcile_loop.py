@@ -11,7 +11,6 @@ pass that raises is counted by a :class:`PassGuard`; too many in a row end the l
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -28,6 +27,7 @@ from llmgw_controlplane.events import EventPublisher
 from llmgw_controlplane.failures import FailureBook, failed_replica
 from llmgw_controlplane.ingest import Ingest
 from llmgw_controlplane.leadership import Leadership
+from llmgw_controlplane.pass_requests import PassReason
 from llmgw_controlplane.pass_verdicts import Verdicts
 from llmgw_controlplane.scheduler.autoscale import Autoscaler, idle_lookup
 from llmgw_controlplane.scheduler.event_detection import EventDetector, watch_inputs
@@ -104,9 +104,7 @@ class ReconcileLoop:
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.tables.dirty.wait(), self.s.tick_s)
-            self.tables.dirty.clear()
+            await self.tables.passes.wait(self.s.tick_s)
             if stop.is_set():
                 return
             try:
@@ -224,7 +222,7 @@ class ReconcileLoop:
         stops = len(plan.stop)
         plan = self.autoscale.evict(plan, snap, look)
         if len(plan.stop) > stops:
-            self.tables.dirty.set()  # the room is freed: place the wanted replica on the next pass
+            self.tables.passes.request(PassReason.ROOM_FREED)  # place the wanted replica on the next pass
         self.last_reconcile_ms = (time.perf_counter() - t1) * 1000
         self.memo = plan.memo
         if await self.apply_plan(plan, now):

@@ -42,6 +42,7 @@ from llmgw_controlplane.ingest import Ingest
 from llmgw_controlplane.leader import Lease
 from llmgw_controlplane.leadership import Leadership
 from llmgw_controlplane.metrics import ControlPlaneMetrics, add_metrics_route
+from llmgw_controlplane.pass_requests import PassReason, PassRequests
 from llmgw_controlplane.pass_verdicts import Verdicts
 from llmgw_controlplane.reconcile_loop import MAX_FAILED_PASSES, ReconcileLoop
 from llmgw_controlplane.scheduler.autoscale import Autoscaler, idle_lookup
@@ -109,7 +110,7 @@ class ControlPlane:
         # Routers' token counts, for the console's Usage page.
         self.usage = UsageBook(doubts=self.doubts)
         self.failures = FailureBook()
-        self.dirty = asyncio.Event()
+        self.pass_requests = PassRequests()
         self.settling = Settling(s.settle_s, started_at=0.0)
         self.settling.listening_from(clock())
         self.ingest = Ingest(
@@ -120,7 +121,7 @@ class ControlPlane:
             usage=self.usage,
             drops=self.drops,
             clock=clock,
-            dirty=self.dirty,
+            passes=self.pass_requests,
             heartbeat_interval_s=s.heartbeat_interval_s,
             demand=self.demand,
         )
@@ -152,7 +153,7 @@ class ControlPlane:
             DesiredStore(self.kv_desired, self.drops),
             state=self.state,
             routing=self.routing,
-            dirty=self.dirty,
+            passes=self.pass_requests,
             drops=self.drops,
         )
         self.api = CtlApi(self, self.desired, sub, self.s)
@@ -163,7 +164,7 @@ class ControlPlane:
             assignments=self.assignments,
             routing=self.routing,
             clock=self.clock,
-            dirty=self.dirty,
+            passes=self.pass_requests,
         )
         self.leadership = Leadership(
             Lease(leader_kv, self.holder, self.s.lease_ttl_s),
@@ -233,7 +234,7 @@ class ControlPlane:
         self.state.excuse_silence(now)
         self.settling.bus_back(now)
         log.info("bus back: waiting %.1fs for agents to report before reconciling", self.s.settle_s)
-        self.dirty.set()
+        self.pass_requests.request(PassReason.BUS_BACK)
 
     # ------------------------------------------------------------ what tests and the ctl verbs read
 
@@ -273,7 +274,7 @@ class ControlPlane:
         look = idle_lookup(self.idle, snap.now)
         reply = self.autoscale.answer(req, snap, look, self.loop.verdicts.backoff, settling)
         if reply.state is WakeState.WAKING:
-            self.dirty.set()
+            self.pass_requests.request(PassReason.WAKE)
         return reply
 
     def unplaceable_since(self, model: str) -> float | None:

@@ -8,11 +8,11 @@ and handed to both, so that neither constructor repeats the other's list.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmgw_controlplane.apply import AssignmentWriter, ReplicaStore, RoutingPublisher
+from llmgw_controlplane.pass_requests import PassRequests
 from llmgw_controlplane.settling import Settling
 from llmgw_controlplane.state import ClusterState
 
@@ -31,5 +31,5 @@ class Tables:
     routing: RoutingPublisher
     # Our own clock, which every judgement uses.
     clock: Callable[[], float]
-    # Set when something changed that a pass must see: the loop turns before its tick.
-    dirty: asyncio.Event
+    # Asked when something changed that a pass must see: the loop turns before its tick.
+    passes: PassRequests
