@@ -304,6 +304,39 @@ async def test_all_endpoints_draining_with_a_replacement_coming_is_held_until_it
     assert status == 200
 
 
+async def test_before_any_routing_table_a_catalog_model_is_held_and_served_by_the_first_table(
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory, engines: EngineFactory
+) -> None:
+    # A cluster coming up: the router has the catalog before any control plane led and wrote a table.
+    # Its requests wait for the first table instead of a 503 (`docker compose up` answered ten of them).
+    eng = await engines("m1")
+    routing = Routing(nc, prefix)
+    await routing.catalog(queue_timeout_s=30.0)
+    r = await _router(routers, nats_server.url, prefix)
+    assert not r.ctx.pool.table_read
+    client = asyncio.create_task(_post(f"http://127.0.0.1:{r.port}/v1/chat/completions", CHAT))
+    await eventually(lambda: _held(r) == 1, timeout=10.0, what="one request to be held")
+    await routing.endpoints((eng.url,))
+    status, _ = await asyncio.wait_for(client, 10.0)
+    assert status == 200
+
+
+async def test_no_routing_table_within_the_queue_timeout_is_a_503_that_says_so(
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory
+) -> None:
+    routing = Routing(nc, prefix)
+    await routing.catalog(queue_timeout_s=1.0)
+    r = await _router(routers, nats_server.url, prefix)
+    t0 = time.monotonic()
+    status, body = await _post(f"http://127.0.0.1:{r.port}/v1/chat/completions", CHAT)
+    assert status == 503
+    assert "no control plane published a routing table within 1s" in body["error"]["message"]
+    assert time.monotonic() - t0 >= 1.0
+    # An unknown model is still refused at once: only the catalog's models are held.
+    status, body = await _post(f"http://127.0.0.1:{r.port}/v1/chat/completions", {**CHAT, "model": "nope"})
+    assert status == 404
+
+
 async def test_held_requests_are_bounded_by_max_queue_and_a_client_that_leaves_frees_its_place(
     nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory
 ) -> None:

@@ -102,6 +102,9 @@ class Pool:
         # From the control plane: what is on its way per model, and the models scaled to zero.
         self.coming: dict[str, str] = {}
         self.cold: frozenset[str] = frozenset()
+        # False until the first routing endpoints arrive (a static file's included): until then a
+        # catalog model's requests are held, not refused (a cluster starting: no control plane led yet).
+        self.table_read = False
         self._breaker_threshold = breaker_threshold
         self._breaker_cooldown_s = breaker_cooldown_s
 
@@ -119,6 +122,7 @@ class Pool:
         self.coming = dict(routing.coming)
         self.cold = frozenset(routing.cold)
         self.endpoints_version = routing.version
+        self.table_read = True
         return [st for k, st in old.items() if k not in self.by_key and st.answers]
 
     def _apply(self, groups: Iterable[Iterable[Endpoint]], unavailable: dict[str, str]) -> None:

@@ -1,9 +1,10 @@
 """Requests held, not refused, while a replica of their model is on its way (issues 13 and 14).
 
 A request for a model without a ready endpoint is held when the routing endpoints say a replica is
-coming (``RoutingEndpoints.coming``: starting, replacing a drained or failed one) or the model is cold
-(scaled to zero, ``RoutingEndpoints.cold``), and refused at once (503, the control plane's reason) when
-nothing is coming. For a cold model the router asks the control plane to wake it: one WakeRequest in
+coming (``RoutingEndpoints.coming``: starting, replacing a drained or failed one), when the model is cold
+(scaled to zero, ``RoutingEndpoints.cold``), or when no routing endpoints were read yet (a cluster coming
+up: the router knows the catalog before a control plane leads), and refused at once (503, the control
+plane's reason) when nothing is coming. For a cold model the router asks the control plane to wake it: one WakeRequest in
 flight per model, asked again every ``wake_every_s`` while requests are held (a leader change may lose
 a wake). Held requests are released by the routing update that brings an endpoint (:meth:`Holding.update`,
 called by the routing KV follower), not by polling.
@@ -60,7 +61,9 @@ def prospect(pool: Pool, model: str) -> Prospect:
         return Prospect.READY
     if model in pool.cold:
         return Prospect.COLD
-    if model in pool.coming:
+    if model in pool.coming or not pool.table_read:
+        # No table yet: the router started before a control plane led (a cluster coming up). The first
+        # table settles the hold; none within queue_timeout_s is a 503 that says so.
         return Prospect.COMING
     return Prospect.NOTHING
 
@@ -272,7 +275,9 @@ class Holding:
         if fut.done():
             return
         what = self.pool.coming.get(model)
-        if waking:
+        if not self.pool.table_read:
+            problem = f"model {model!r} has no ready replica: no control plane published a routing table within {limit:g}s"
+        elif waking:
             if state.reply is None:
                 problem = (
                     f"model {model!r} is scaled to zero and the control plane did not answer the wake "
