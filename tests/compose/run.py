@@ -58,7 +58,7 @@ LOST_SERVICE, LOST_NODE = "agent-b", "gpu-b1"
 # A key is "llmgw-" and URL-safe base64 ('-' and '_' included), alone on its log line.
 KEY_RE = re.compile(r"(?:^|\s)(llmgw-[A-Za-z0-9_-]{20,})\s*$", re.MULTILINE)
 # Generous: a loaded 2-core box builds and starts eight containers; the router holds requests while
-# replicas start and answers 503 model_unavailable for a few seconds after it is healthy.
+# replicas start (a 503 only after a model's queue_timeout_s, 30 s; the tally printed shows any).
 FIRST_CHAT_TIMEOUT_S = 240.0
 # node_lost_s is 30 s by default (the compose file leaves it): lost, then delivered, within this.
 NODE_LOST_TIMEOUT_S = 150.0
