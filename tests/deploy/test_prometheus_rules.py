@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from llmgw_common import event_details
 from llmgw_controlplane.metrics import ControlPlaneMetrics
+from llmgw_controlplane.pass_requests import PassRequests
 from llmgw_controlplane.pass_verdicts import Verdicts
 from llmgw_controlplane.scheduler.event_detection import EventDetector
 from llmgw_controlplane.scheduler.snapshot import Snapshot
@@ -57,6 +58,7 @@ class _Leader:
     guard: PassGuard = field(default_factory=lambda: PassGuard("reconcile", logging.getLogger(__name__)))
     verdicts: Verdicts = field(default_factory=Verdicts)
     detector: EventDetector = field(default_factory=lambda: EventDetector(60.0))
+    pass_requests: PassRequests = field(default_factory=PassRequests)
 
     def snapshot(self) -> Snapshot:
         return Snapshot(now=0.0, nodes={})
