@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy
-	PYTHONASYNCIODEBUG=1 $(PY) -X dev -m pytest -n 3 --dist loadgroup -q -rfER
+	PYTHONASYNCIODEBUG=1 $(PY) -X dev -m pytest -n 3 --dist loadgroup -q -rfER --durations=20
 
 # The inner loop: everything but the tests that start whole clusters or real engines (e2e) or take
 # long (slow); lint and types are `make lint typecheck`.

@@ -1,7 +1,14 @@
-"""The vLLM tests' inputs: the ``make vllm`` install (skipped, saying what is missing, without it) and
-an llmgw cluster around real vLLM for each module that asks for one: nats-server, a control plane, a
-router and two agents (nodes ``node-a`` and ``node-b``, a core each) serving the module's ``CATALOG``
-(default: gemma on two replicas and minilm on one)."""
+"""The vLLM tests' inputs: the ``make vllm`` install (skipped, saying what is missing, without it), an
+llmgw cluster around real vLLM for each module that asks for one (nats-server, a control plane, a
+router and two agents, nodes ``node-a`` and ``node-b``, a core each, serving the module's ``CATALOG``;
+default: gemma on two replicas and minilm on one), and one gemma server shared by the modules that ask
+vLLM directly.
+
+The modules run on one worker (the ``vllm`` xdist group), in name order: argv, cluster, fidelity,
+fidelity_sdks, lifecycle. The shared gemma is started by fidelity, used again by fidelity_sdks (a vLLM
+start costs 30-100 s of both cores on the suite's longest chain), and stopped before a cluster boots:
+each gemma takes 5.3 GB and a cluster runs up to three.
+"""
 
 from __future__ import annotations
 
@@ -17,12 +24,21 @@ import yaml
 
 from tests.chaos.chaos_harness import mint_key
 from tests.vllm.vllm_cluster import CATALOG, SETTINGS, VllmCluster, endpoints
-from tests.vllm.vllm_kit import VllmInstall, describe, require_vllm
+from tests.vllm.vllm_kit import SharedGemma, VllmInstall, describe, require_vllm
 
 
 @pytest.fixture(scope="session")
 def vllm_install() -> VllmInstall:
     return require_vllm()
+
+
+@pytest.fixture(scope="session")
+def shared_gemma(
+    vllm_install: VllmInstall, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SharedGemma]:
+    shared = SharedGemma(vllm_install, Path(tmp_path_factory.mktemp("vllm-shared-gemma")))
+    yield shared
+    shared.close()
 
 
 @contextlib.contextmanager
@@ -52,9 +68,14 @@ def vllm_cluster(install: VllmInstall, root: Path, catalog: str) -> Iterator[tup
 
 @pytest.fixture(scope="module")
 def cluster(
-    request: pytest.FixtureRequest, vllm_install: VllmInstall, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    vllm_install: VllmInstall,
+    tmp_path_factory: pytest.TempPathFactory,
+    shared_gemma: SharedGemma,
 ) -> Iterator[tuple[VllmCluster, str]]:
-    """One cluster per module (its ``CATALOG``), never two at once: each gemma replica takes 5.3 GB."""
+    """One cluster per module (its ``CATALOG``), never two at once and never beside the shared gemma:
+    each gemma replica takes 5.3 GB."""
+    shared_gemma.close()
     catalog = getattr(request.module, "CATALOG", CATALOG)
     with vllm_cluster(vllm_install, Path(tmp_path_factory.mktemp("vllm-cluster")), catalog) as got:
         yield got

@@ -29,12 +29,12 @@ import pytest
 from llmgw_sim.options import SimOptions
 from tests.kit.poll import eventually_sync
 from tests.llama.llama_kit import free_port
-from tests.vllm.vllm_kit import MAX_MODEL_LEN, VllmInstall, VllmServer, engine_env, start_vllm
+from tests.vllm.vllm_kit import MAX_MODEL_LEN, SharedGemma, VllmInstall, VllmServer, engine_env, start_vllm
 
 # A real vLLM takes 35 s to start on an idle box, several times that on a loaded one.
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]
 
-GEN = "gemma"
+GEN = SharedGemma.NAME  # "gemma"
 POOL = "minilm"
 # A prompt that a base model continues with words, and enough room for a few of them.
 PROMPT = "The capital of France is Paris. The capital of Italy is"
@@ -102,48 +102,53 @@ def start_sim(opts: SimOptions, log: Path) -> SimProcess:
     return SimProcess(proc, m.group(1))
 
 
-def _serve(install: VllmInstall, log_dir: Path, *, pooling: bool) -> Iterator[Pair]:
-    model_dir, name = (install.minilm, POOL) if pooling else (install.gemma, GEN)
+def _sim(name: str, max_len: int, pooling: bool, log: Path) -> SimProcess:
+    opts = SimOptions(
+        port=free_port(),
+        model=name,
+        runner="pooling" if pooling else "generate",
+        ttft_ms=5,
+        tokens_per_s=1000,
+        max_model_len=max_len,
+        default_max_tokens=8,
+    )
+    return start_sim(opts, log)
+
+
+@pytest.fixture(scope="module")
+def gen(shared_gemma: SharedGemma, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    # The session's gemma (conftest.py: the SDK module asks it again): served as GEN, with the response
+    # store on and BASE_ARGS' --max-model-len, as the simulator beside it.
+    server = shared_gemma.get()
+    sim = _sim(GEN, MAX_MODEL_LEN, False, tmp_path_factory.mktemp("vllm-gen") / "sim.log")
+    try:
+        yield Pair(real=server.url, sim=sim.url)
+    finally:
+        sim.stop()
+
+
+@pytest.fixture(scope="module")
+def pool(vllm_install: VllmInstall, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    log_dir = tmp_path_factory.mktemp("vllm-pool")
     # all-MiniLM-L6-v2 has 256 positions: vLLM refuses a longer --max-model-len.
-    max_len = 256 if pooling else MAX_MODEL_LEN
-    env = engine_env("1" if pooling else "0", VLLM_ENABLE_RESPONSES_API_STORE="1")
+    max_len = 256
+    env = engine_env("1", VLLM_ENABLE_RESPONSES_API_STORE="1")
     server: VllmServer = start_vllm(
-        install,
-        model_dir,
+        vllm_install,
+        vllm_install.minilm,
         log_dir,
-        name=name,
-        pooling=pooling,
+        name=POOL,
+        pooling=True,
         env=env,
         args=("--max-model-len", str(max_len)),
     )
-    sim = start_sim(
-        SimOptions(
-            port=free_port(),
-            model=name,
-            runner="pooling" if pooling else "generate",
-            ttft_ms=5,
-            tokens_per_s=1000,
-            max_model_len=max_len,
-            default_max_tokens=8,
-        ),
-        log_dir / "sim.log",
-    )
+    sim = _sim(POOL, max_len, True, log_dir / "sim.log")
     try:
         server.wait_ready()
         yield Pair(real=server.url, sim=sim.url)
     finally:
         sim.stop()
         server.stop()
-
-
-@pytest.fixture(scope="module")
-def gen(vllm_install: VllmInstall, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    yield from _serve(vllm_install, tmp_path_factory.mktemp("vllm-gen"), pooling=False)
-
-
-@pytest.fixture(scope="module")
-def pool(vllm_install: VllmInstall, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    yield from _serve(vllm_install, tmp_path_factory.mktemp("vllm-pool"), pooling=True)
 
 
 # ---------------------------------------------------------------- what a client sees

@@ -240,6 +240,36 @@ def start_vllm(
     return VllmServer(proc=proc, port=port, model=served, log=log, started=time.monotonic())
 
 
+class SharedGemma:
+    """Gemma served as ``gemma`` with vLLM's response store on (core 0), started on first use: the server
+    the modules that ask vLLM directly share (tests/vllm/conftest.py)."""
+
+    NAME = "gemma"
+
+    def __init__(self, install: VllmInstall, log_dir: Path) -> None:
+        self.install, self.log_dir = install, log_dir
+        self.server: VllmServer | None = None
+
+    def get(self) -> VllmServer:
+        if self.server is not None and self.server.proc.poll() is None:
+            return self.server
+        self.close()  # one that died: its group is ended before another starts
+        env = engine_env("0", VLLM_ENABLE_RESPONSES_API_STORE="1")
+        server = start_vllm(self.install, self.install.gemma, self.log_dir, name=self.NAME, env=env)
+        try:
+            server.wait_ready()
+        except BaseException:
+            server.stop()
+            raise
+        self.server = server
+        return server
+
+    def close(self) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            server.stop()
+
+
 @contextlib.contextmanager
 def running_vllm(
     install: VllmInstall,

@@ -1,7 +1,8 @@
 """The official SDKs through llmgw's router in front of a real vLLM: the openai SDK's Responses API
 (plain, streamed, ``previous_response_id``, retrieve) and the anthropic SDK's Messages (plain and
-streamed), as the issue's clients send them. One gemma server with vLLM's response store on, a
-router process in static mode (the routing is the same code the cluster tests drive)."""
+streamed), as the issue's clients send them. The session's gemma server (vLLM's response store on;
+shared with the fidelity module, which runs just before: tests/vllm/conftest.py), a router process in
+static mode (the routing is the same code the cluster tests drive)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ import yaml
 from llmgw_router.stored import untag
 from tests.kit.poll import eventually_sync
 from tests.llama.llama_kit import free_port
-from tests.vllm.vllm_kit import GEMMA, VllmInstall, engine_env, start_vllm
+from tests.vllm.vllm_kit import SharedGemma
+
+MODEL = SharedGemma.NAME
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group("vllm"), pytest.mark.timeout(1200)]
 
@@ -36,14 +39,12 @@ def _router_serving(url: str, proc: subprocess.Popen[bytes], timeout: float = 60
 
 
 @pytest.fixture(scope="module")
-def router_url(vllm_install: VllmInstall, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def router_url(shared_gemma: SharedGemma, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     d = Path(tmp_path_factory.mktemp("vllm-sdks"))
-    env = engine_env("0", VLLM_ENABLE_RESPONSES_API_STORE="1")
-    server = start_vllm(vllm_install, vllm_install.gemma, d, name=GEMMA, env=env)
+    server = shared_gemma.get()
     router: subprocess.Popen[bytes] | None = None
     try:
-        server.wait_ready(900)
-        static = {"models": [{"name": GEMMA, "engine": "vllm", "endpoints": [server.url]}]}
+        static = {"models": [{"name": MODEL, "engine": "vllm", "endpoints": [server.url]}]}
         (d / "static.yaml").write_text(yaml.safe_dump(static))
         port = free_port()
         with (d / "router.log").open("wb") as log:
@@ -59,22 +60,21 @@ def router_url(vllm_install: VllmInstall, tmp_path_factory: pytest.TempPathFacto
         if router is not None:
             router.terminate()
             router.wait(30)
-        server.stop()
 
 
 async def test_openai_responses_through_the_router(router_url: str) -> None:
     client = openai.AsyncOpenAI(base_url=router_url + "/v1", api_key="-", max_retries=0, timeout=300)
-    first = await client.responses.create(model=GEMMA, input="Name a colour.", max_output_tokens=8)
+    first = await client.responses.create(model=MODEL, input="Name a colour.", max_output_tokens=8)
     assert first.output_text.strip() and untag(first.id) is not None, first
     nxt = await client.responses.create(
-        model=GEMMA, input="And another.", previous_response_id=first.id, max_output_tokens=8
+        model=MODEL, input="And another.", previous_response_id=first.id, max_output_tokens=8
     )
     assert nxt.previous_response_id == first.id and nxt.output_text.strip(), nxt
     assert (await client.responses.retrieve(first.id)).output_text == first.output_text
     kinds: list[str] = []
     done_id = ""
     stream = await client.responses.create(
-        model=GEMMA, input="Count to three.", max_output_tokens=8, stream=True
+        model=MODEL, input="Count to three.", max_output_tokens=8, stream=True
     )
     async for ev in stream:
         kinds.append(ev.type)
@@ -88,11 +88,11 @@ async def test_openai_responses_through_the_router(router_url: str) -> None:
 async def test_anthropic_messages_through_the_router(router_url: str) -> None:
     client = anthropic.AsyncAnthropic(base_url=router_url, api_key="-", max_retries=0, timeout=300)
     msg = await client.messages.create(
-        model=GEMMA, max_tokens=8, messages=[{"role": "user", "content": "Name a colour."}]
+        model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Name a colour."}]
     )
     assert msg.type == "message" and msg.content and msg.usage.output_tokens > 0, msg
     async with client.messages.stream(
-        model=GEMMA, max_tokens=8, messages=[{"role": "user", "content": "Count to three."}]
+        model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Count to three."}]
     ) as stream:
         text = "".join([t async for t in stream.text_stream])
         final = await stream.get_final_message()
