@@ -18,7 +18,7 @@ from llmgw_controlplane.scheduler.snapshot import NodeState, ReplicaView, Snapsh
 REASON_CHARS = 2000
 _ON_LOST = "on a lost node"
 # On its way, in the takeover table, for a model nothing is placed for yet: the first pass places it.
-FIRST_PLACEMENT = "the control plane is starting: its first pass places this model"
+FIRST_PLACEMENT = "its first replica (placed by the new leader's first pass)"
 
 
 def endpoint_url(snap: Snapshot, r: ReplicaView) -> str | None:
