@@ -1,12 +1,12 @@
 """Requests held, not refused, while a replica of their model is on its way (issues 13 and 14).
 
 A request for a model without a ready endpoint is held when the routing endpoints say a replica is
-coming (``RoutingEndpoints.coming``: starting, replacing a drained or failed one), when the model is cold
-(scaled to zero, ``RoutingEndpoints.cold``), or when no routing endpoints were read yet (a cluster coming
-up: the router knows the catalog before a control plane leads), and refused at once (503, the control
-plane's reason) when nothing is coming. For a cold model the router asks the control plane to wake it: one WakeRequest in
-flight per model, asked again every ``wake_every_s`` while requests are held (a leader change may lose
-a wake). Held requests are released by the routing update that brings an endpoint (:meth:`Holding.update`,
+coming (``RoutingEndpoints.coming``: starting, replacing a drained or failed one), when the model is
+cold (scaled to zero, ``RoutingEndpoints.cold``), or when no routing endpoints were read yet (a cluster
+coming up: the router knows the catalog before a control plane leads); it is refused at once (503, the
+control plane's reason) when nothing is coming. For a cold model the router asks the control plane to
+wake it: one WakeRequest in flight per model, asked again every ``wake_every_s`` while requests are
+held (a leader change may lose a wake). Held requests are released by the routing update that brings an endpoint (:meth:`Holding.update`,
 called by the routing KV follower), not by polling.
 
 Bounds: held requests take places in the model's admission queue (``max_queue``; beyond it 429), and a
