@@ -55,6 +55,15 @@ models:
     options: {startup_s: 0.3, ttft_ms: 15, tokens_per_s: 300, slots: 64}
 """
 
+# For tests that must catch streams mid-flight on a node they break: at 60 tokens/s a 200-token stream
+# lasts over 3 s on the engine. At 300 tokens/s (0.7 s) a loaded CI box (the test's own loop stalled
+# 1.4-1.6 s) let the victim finish every stream it was running before the kill or freeze landed: the
+# bytes still reached the router and nothing was left to continue ("streams continued on another
+# replica: 0" in three CI runs, node loss and node freeze).
+STREAMING_TOKENS_PER_S = 60
+STREAMING_CATALOG = CATALOG.replace("tokens_per_s: 300", f"tokens_per_s: {STREAMING_TOKENS_PER_S}")
+assert STREAMING_CATALOG != CATALOG
+
 
 @dataclass
 class Proc:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.chaos.chaos_bus import BUS_ERRORS, BusView, timed
-from tests.chaos.chaos_harness import ChaosCluster, boot
+from tests.chaos.chaos_harness import STREAMING_CATALOG, ChaosCluster, boot
 from tests.chaos.chaos_traffic import Traffic, streams_on, wait_serving
 from tests.kit.poll import eventually
 
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.xdist_group("chaos"), pytest.mark.e2e, pytest.mark.slo
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ChaosCluster, str]]:
-    c, key = boot(Path(tmp_path_factory.mktemp("chaos-node-freeze")))
+    c, key = boot(Path(tmp_path_factory.mktemp("chaos-node-freeze")), catalog=STREAMING_CATALOG)
     yield c, key
     c.close()  # resumes stopped processes before it kills them
 

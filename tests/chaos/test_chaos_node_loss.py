@@ -19,24 +19,16 @@ from pathlib import Path
 import pytest
 
 from tests.chaos.chaos_bus import BUS_ERRORS, BusView, timed
-from tests.chaos.chaos_harness import CATALOG, ChaosCluster, boot
+from tests.chaos.chaos_harness import STREAMING_CATALOG, ChaosCluster, boot
 from tests.chaos.chaos_traffic import Traffic, streams_on, wait_serving
 from tests.kit.poll import eventually
 
 pytestmark = [pytest.mark.xdist_group("chaos"), pytest.mark.e2e, pytest.mark.slow]
 
-# 60 tokens/s: a 200-token stream lasts over 3 s on the engine. At 300 tokens/s (0.7 s) a loaded box
-# (the test's own loop stalled 1.4 s in a CI run) let every stream the victim was running finish on the
-# engine between the /metrics read and the kill: its bytes still reached the router, and nothing was
-# left to continue (two CI runs, "streams continued on another replica: 0").
-TOKENS_PER_S = 60
-SLOW_CATALOG = CATALOG.replace("tokens_per_s: 300", f"tokens_per_s: {TOKENS_PER_S}")
-assert SLOW_CATALOG != CATALOG
-
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ChaosCluster, str]]:
-    c, key = boot(Path(tmp_path_factory.mktemp("chaos-node-loss")), catalog=SLOW_CATALOG)
+    c, key = boot(Path(tmp_path_factory.mktemp("chaos-node-loss")), catalog=STREAMING_CATALOG)
     yield c, key
     c.close()
 
