@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -320,6 +321,29 @@ class ChaosCluster:
                     m.kill()
             psutil.wait_procs(left, timeout=3)
         self.stop_nats()
+
+
+def holder(p: Proc) -> str:
+    """The name a control plane process holds the lease under."""
+    return f"{socket.gethostname()}-{p.pid}"
+
+
+async def controlplane_up(p: Proc, timeout: float = 60.0) -> None:
+    """Wait until this control plane process (not an earlier one under its name: the log is appended)
+    says it is up. A standby started beside vLLM starts took 11 s to get there in a CI run: a leader
+    killed before then is replaced only once the standby's own start is over."""
+    line = f" {holder(p)} up on prefix "
+
+    def up() -> bool:
+        try:
+            return line in p.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return False
+
+    try:
+        await eventually(up, timeout=timeout, every=0.2, what=f"{p.name} to say it is up")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{p.tail()}") from None
 
 
 def mint_key(cluster: ChaosCluster, name: str = "chaos") -> str:

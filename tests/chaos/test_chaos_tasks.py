@@ -8,7 +8,6 @@ ends exits so that its supervisor restarts it. Faults are armed in the real proc
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from pathlib import Path
 
@@ -17,17 +16,13 @@ import pytest
 from llmgw_common.ctl import DebugStatsReply
 from llmgw_runtime.runtime import EXIT_TASK_DIED
 from tests.chaos.chaos_bus import BUS_ERRORS, BusView
-from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, Proc
+from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, Proc, controlplane_up, holder
 from tests.chaos.faults import launcher
 from tests.kit.poll import eventually, eventually_sync
 
 pytestmark = [pytest.mark.xdist_group("chaos"), pytest.mark.e2e, pytest.mark.slow]
 
 LEASE_TTL_S = 12.0
-
-
-def holder(p: Proc) -> str:
-    return f"{socket.gethostname()}-{p.pid}"
 
 
 def wait_exit(p: Proc, timeout: float) -> int:
@@ -60,6 +55,7 @@ async def test_a_leader_whose_passes_keep_failing_exits_and_gives_the_lease_up(t
         )
         b = c.start_controlplane("cp-b")
         # The standby is up and listening (past its settling window) before the fault fires.
+        await controlplane_up(b)
         await asyncio.sleep(float(AGGRESSIVE["LLMGW_SETTLE_S"]) + 1.0)
         assert b.alive()
         lease, _ = await view.lease()
