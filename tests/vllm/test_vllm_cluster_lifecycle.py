@@ -1,6 +1,7 @@
 """Drain and scale to zero with real vLLM: its real start time is what a drain and a wake wait for.
 
-On the session's cluster (conftest.py). A drained node's replicas are replaced on the other node
+On the session's cluster (vllm_stage.py), with gemma alone on it (the catalog the cluster module's last
+tests leave: no new cluster and no start between them). A drained node's replicas are replaced on the other node
 before they stop, and requests meanwhile all succeed; a model gone cold is woken by a request that the
 router holds for vLLM's whole start, streams getting ``: waking`` comments while they wait.
 """
@@ -21,11 +22,17 @@ from tests.kit.poll import eventually
 from tests.vllm.vllm_cluster import GEMMA_PAIR, VllmCluster, catalog_yaml, endpoints, profile
 from tests.vllm.vllm_kit import GEMMA
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group("vllm"), pytest.mark.timeout(2400)]
-
-# This module's cluster (conftest.py): gemma on two replicas, one per node. Both tests start a third
-# gemma for a while (the replacement before the drained one stops; the cold model): 5.3 GB each.
+# Gemma on two replicas, one per node. Both tests start a third gemma for a while (the replacement
+# before the drained one stops; the cold model): 5.3 GB each.
 CATALOG = catalog_yaml(GEMMA_PAIR)
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.slow,
+    pytest.mark.xdist_group("vllm"),
+    pytest.mark.timeout(2400),
+    pytest.mark.vllm_catalog(CATALOG),
+]
 
 
 async def _chat(http: httpx.AsyncClient, base: str, key: str, model: str) -> httpx.Response:

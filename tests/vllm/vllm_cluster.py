@@ -28,7 +28,15 @@ from llmgw_runtime.settings import BusSettings
 from tests.chaos.chaos_bus import BUS_ERRORS
 from tests.chaos.chaos_harness import ChaosCluster, Proc
 from tests.kit.poll import eventually
-from tests.vllm.vllm_kit import BASE_ARGS, GEMMA, MINILM, READY_TIMEOUT_S, VllmInstall
+from tests.vllm.vllm_kit import (
+    BASE_ARGS,
+    GEMMA,
+    MINILM,
+    ONE_WORKER_ARGS,
+    ONE_WORKER_ENV,
+    READY_TIMEOUT_S,
+    VllmInstall,
+)
 
 # Heartbeats and ticks faster than the defaults (a killed replica is replaced sooner); a stop gives
 # vLLM 10 s to shut down cleanly. A node is lost after the default 30 s of silence: a restarted agent
@@ -63,9 +71,20 @@ def profile(
         "startup_timeout_s": READY_TIMEOUT_S,
         "args": list(args),
         "options": {"device": "cpu", **(options or {})},
-        "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"},
+        "env": {
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            # The in-process Worker (vllm_kit.ONE_WORKER_ARGS) needs it; without those args vLLM would
+            # still pick it on CPU with this set, so it comes only with them.
+            **(ONE_WORKER_ENV if _has(args, ONE_WORKER_ARGS) else {}),
+        },
         **extra,
     }
+
+
+def _has(args: tuple[str, ...], part: tuple[str, ...]) -> bool:
+    return any(args[i : i + len(part)] == part for i in range(len(args)))
 
 
 def catalog_yaml(*models: dict[str, object]) -> str:
@@ -74,7 +93,8 @@ def catalog_yaml(*models: dict[str, object]) -> str:
 
 GEMMA_PAIR = profile("gemma", GEMMA, replicas=2)
 NODES = ("node-a", "node-b")
-# all-MiniLM-L6-v2 has 256 positions: vLLM refuses a longer --max-model-len.
+# all-MiniLM-L6-v2 has 256 positions: vLLM refuses a longer --max-model-len. Its Worker is a process of
+# its own, as vLLM runs by default: the stop test sees a whole three-process group go.
 MINILM_ONE = profile(
     "minilm", MINILM, args=("--max-model-len", "256", "--enforce-eager", "--runner", "pooling")
 )
@@ -86,6 +106,12 @@ class VllmCluster(ChaosCluster):
     """A :class:`ChaosCluster` whose agents run real vLLM from ``install``."""
 
     install: VllmInstall | None = None
+    # The catalog it serves: the one it started with, then the last one applied.
+    applied: str = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.applied = self.applied or self.catalog
 
     def start_real_agent(self, node: str, cores: str) -> Proc:
         assert self.install is not None
@@ -122,7 +148,9 @@ class VllmCluster(ChaosCluster):
     async def apply(self, catalog: str) -> str:
         path = self.root / "catalog-applied.yaml"
         path.write_text(catalog)
-        return await self.ctl("catalog", "apply", str(path))
+        said = await self.ctl("catalog", "apply", str(path))
+        self.applied = catalog
+        return said
 
 
 async def endpoints(

