@@ -34,6 +34,7 @@ from tests.vllm.vllm_cluster import (
     LoadWatch,
     VllmCluster,
     catalog_yaml,
+    chat_stream,
     endpoints,
     engine_log_tails,
     profile,
@@ -176,12 +177,8 @@ async def test_stream_cut_by_sigkill_continues_on_the_other_replica(cluster: tup
     victim: str | None = None
     try:
         async with async_client(timeout=httpx.Timeout(180, connect=5)) as http:
-            hdrs = {"Authorization": f"Bearer {key}"}
-            async with http.stream(
-                "POST", f"{c.router_url()}/v1/chat/completions", json=body, headers=hdrs
-            ) as r:
-                assert r.status_code == 200, await r.aread()
-                async for line in r.aiter_lines():
+            async with chat_stream(http, c, key, body) as lines:
+                async for line in lines:
                     if not line.startswith("data: "):
                         continue
                     if line == "data: [DONE]":

@@ -19,7 +19,7 @@ from llmgw_common.messages import RoutingEndpoints
 from tests.chaos.chaos_bus import BusView
 from tests.http_clients import async_client
 from tests.kit.poll import eventually
-from tests.vllm.vllm_cluster import GEMMA_PAIR, VllmCluster, catalog_yaml, endpoints, profile
+from tests.vllm.vllm_cluster import GEMMA_PAIR, VllmCluster, catalog_yaml, chat_stream, endpoints, profile
 from tests.vllm.vllm_kit import GEMMA
 
 # Gemma on two replicas, one per node. Both tests start a third gemma for a while (the replacement
@@ -122,12 +122,8 @@ async def test_a_cold_vllm_model_wakes_for_a_held_request(cluster: tuple[VllmClu
                 "stream": True,
             }
             plain = asyncio.create_task(_chat(http, c.router_url(), key, "cold"))
-            hdrs = {"Authorization": f"Bearer {key}"}
-            async with http.stream(
-                "POST", f"{c.router_url()}/v1/chat/completions", json=body, headers=hdrs
-            ) as r:
-                assert r.status_code == 200, await r.aread()
-                async for line in r.aiter_lines():
+            async with chat_stream(http, c, key, body) as lines:
+                async for line in lines:
                     if line.startswith(":"):
                         comments.append(line)
                     elif line.startswith("data: ") and line != "data: [DONE]":

@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import psutil
 import yaml
 from nats.aio.client import Client as NATS
@@ -182,6 +184,17 @@ async def endpoints(
         return got
     finally:
         await nc.close()
+
+
+@contextlib.asynccontextmanager
+async def chat_stream(
+    http: httpx.AsyncClient, c: ChaosCluster, key: str, body: dict[str, object]
+) -> AsyncIterator[AsyncIterator[str]]:
+    """A streamed chat completion through the cluster's router (asserted 200): its lines."""
+    hdrs = {"Authorization": f"Bearer {key}"}
+    async with http.stream("POST", f"{c.router_url()}/v1/chat/completions", json=body, headers=hdrs) as r:
+        assert r.status_code == 200, await r.aread()
+        yield r.aiter_lines()
 
 
 def engine_log_tails(c: ChaosCluster, lines: int = 30) -> str:
