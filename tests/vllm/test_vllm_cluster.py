@@ -3,7 +3,7 @@
 The session's one cluster (vllm_stage.py: a vLLM start costs 30-100 s of both cores) serves ``gemma``
 on two replicas and ``minilm`` (embeddings) on one, from the argv the agent's adapter builds. A test
 that needs other models says so (``vllm_catalog``) and the stage applies them; tests run in any
-order, and in this one no model starts twice.
+order, and in this one no model is restarted only to bring a catalog back.
 
 Skipped, saying why, without ``make vllm``.
 """

@@ -30,6 +30,7 @@ from llmgw_sim.options import SimOptions
 from tests.kit.poll import eventually_sync
 from tests.llama.llama_kit import free_port
 from tests.vllm.vllm_kit import MAX_MODEL_LEN, SharedGemma, VllmInstall, VllmServer, engine_env, start_vllm
+from tests.vllm.vllm_stage import ClusterStage
 
 # A real vLLM takes 35 s to start on an idle box, several times that on a loaded one.
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]
@@ -128,7 +129,14 @@ def gen(shared_gemma: SharedGemma, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.fixture(scope="module")
-def pool(vllm_install: VllmInstall, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+def pool(
+    vllm_install: VllmInstall,
+    vllm_slots: tuple[ClusterStage, SharedGemma],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Pair]:
+    # Not beside the session's cluster (its gemmas take 5.3 GB each): in a whole run `gen` has stopped
+    # it already; run alone (-k), this does.
+    vllm_slots[0].close()
     log_dir = tmp_path_factory.mktemp("vllm-pool")
     # all-MiniLM-L6-v2 has 256 positions: vLLM refuses a longer --max-model-len.
     max_len = 256

@@ -3,8 +3,9 @@
 A vLLM start costs 30-100 s of both cores, and a new cluster costs three of them; a catalog apply
 costs only the starts of what is new. So a test names the catalog it needs (the ``vllm_catalog``
 marker, else its module's ``CATALOG``, else the default) and the stage applies it when the cluster
-serves another, then waits until every model in it has its replicas and every other has none. A test
-that ends in another catalog (one that stopped a model) leaves it: the next test asks for its own.
+serves another, then waits until the routing table lists every model in it with its replicas and
+every model it dropped with none. A test that ends in another catalog (one that stopped a model)
+leaves it: the next test asks for its own.
 
 The stage never runs beside the shared gemma (each gemma takes 5.3 GB): starting either stops the
 other. A test that fails leaves the cluster in a state nobody knows; the next test gets a new one.
@@ -51,7 +52,8 @@ class ClusterStage:
             asyncio.run(self._bring(catalog))
             print(f"vllm stage: brought to {replica_counts(catalog)} in {time.monotonic() - t0:.1f} s")
         else:
-            # The same catalog, and every replica back (a test that killed one waits, or this does).
+            # The same catalog: the routing table lists every replica again (a test that killed one
+            # waits for its replacement itself: the killed one may still be listed for a moment).
             asyncio.run(self._wait(replica_counts(catalog)))
         assert self.cluster is not None
         return self.cluster, self.key
@@ -84,7 +86,8 @@ class ClusterStage:
         before = replica_counts(self.cluster.applied)
         await self.cluster.apply(catalog)
         counts = replica_counts(catalog)
-        # A model the catalog drops is waited out too: its engines' memory is free for the next test.
+        # A model the catalog drops is waited out of the routing table too (its engines stop within the
+        # cluster's stop grace, 10 s).
         await self._wait({**dict.fromkeys(before, 0), **counts})
 
     async def _wait(self, counts: dict[str, int]) -> None:
