@@ -7,7 +7,6 @@ here that answers WakeRequest; engines are real (a sim engine process for the bu
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import os
 import re
@@ -237,9 +236,10 @@ async def test_a_control_plane_that_never_answers_is_asked_again_until_the_wake_
     status, body = await _post(f"http://127.0.0.1:{r.port}/v1/chat/completions", CHAT)
     assert status == 503
     assert "the control plane did not answer the wake request within 2s" in body["error"]["message"]
-    assert len(asked) >= 3
-    # One at a time: each ask begins after the previous one's timeout and the pause.
-    assert all(b - a >= 0.45 for a, b in itertools.pairwise(asked))
+    # One at a time: each ask begins after the previous one's timeout (0.3 s) and the pause (0.2 s), so
+    # the 2 s hold has room for at most 5; asks sent without waiting would be 10 or more. Counted, not
+    # timed: when this process's loop stalled, two asks reached it under 0.45 s apart (a CI run).
+    assert 3 <= len(asked) <= 5, asked
 
 
 @pytest.mark.slow
