@@ -6,8 +6,8 @@ cold (scaled to zero, ``RoutingEndpoints.cold``), or when no routing endpoints w
 coming up: the router knows the catalog before a control plane leads); it is refused at once (503, the
 control plane's reason) when nothing is coming. For a cold model the router asks the control plane to
 wake it: one WakeRequest in flight per model, asked again every ``wake_every_s`` while requests are
-held (a leader change may lose a wake). Held requests are released by the routing update that brings an endpoint (:meth:`Holding.update`,
-called by the routing KV follower), not by polling.
+held (a leader change may lose a wake). Held requests are released by the routing update that brings
+an endpoint (:meth:`Holding.update`, called by the routing KV follower), not by polling.
 
 Bounds: held requests take places in the model's admission queue (``max_queue``; beyond it 429), and a
 hold lasts at most ``queue_timeout_s`` (a coming replica) or ``wake_timeout_s`` (a wake), then 503 naming
