@@ -15,8 +15,7 @@ from typing import Any
 
 def arm(fault: str, trigger: Path) -> None:
     if fault == "reconcile-raises":
-        from llmgw_controlplane import reconcile_loop
-        from llmgw_controlplane.scheduler import reconciler
+        from llmgw_controlplane.scheduler import reconciler, schedule
 
         real = reconciler.reconcile
 
@@ -25,9 +24,9 @@ def arm(fault: str, trigger: Path) -> None:
                 raise RuntimeError("injected fault: reconcile raises")
             return real(*a, **kw)
 
-        # The loop calls the name it imported: replace it there (by setattr: mypy refuses to assign a
-        # name the module does not export).
-        setattr(reconcile_loop, "reconcile", reconcile)  # noqa: B010
+        # The pass's stage calls the name its module imported: replace it there (by setattr: mypy refuses
+        # to assign a name the module does not export).
+        setattr(schedule, "reconcile", reconcile)  # noqa: B010
     elif fault == "router-tick-ends":
         from llmgw_router.service import Router
 

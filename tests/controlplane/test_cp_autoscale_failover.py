@@ -9,8 +9,9 @@ from dataclasses import replace
 
 from llmgw_common.messages import ReplicaSpec
 from llmgw_controlplane.scheduler.autoscale import MODEL_SCALED_DOWN, Autoscaler
+from llmgw_controlplane.scheduler.drains import load_drain
 from llmgw_controlplane.scheduler.idle import UNKNOWN
-from llmgw_controlplane.scheduler.plan import ReconcileMemo
+from llmgw_controlplane.scheduler.schedule import Policy, SchedulerMemo
 from tests.placement.placement_kit import node, profile, snap
 from tests.placement.test_loadscale import Fleet, following, reps
 
@@ -31,9 +32,9 @@ def _draining_fleet() -> tuple[Fleet, str]:
 
 def _fail_over(f: Fleet) -> None:
     # What a takeover keeps: the records (the snapshot) and the routers' reports; not the old leader's
-    # memory (its reconcile memo, its scale memo, the drains it chose).
+    # memory (its scheduler memo: targets, trends, the drains it chose).
     f.auto.new_tenure()
-    f.memo = ReconcileMemo()
+    f.memo = SchedulerMemo()
 
 
 def test_a_new_leader_continues_the_drain_it_finds_in_the_records() -> None:
@@ -45,7 +46,7 @@ def test_a_new_leader_continues_the_drain_it_finds_in_the_records() -> None:
     assert draining in {r.id for r in f.s.replicas}
     assert [r.id for r in f.s.replicas if r.draining] == [draining]
     assert len(f.s.replicas) == 3 and f.stopped_busy == []
-    assert f.auto.load_drains.draining == (draining,)
+    assert f.memo.drains.draining == (draining,)
     assert f.events == [MODEL_SCALED_DOWN]
     f.busy = set()  # the streams end
     for _ in range(5):
@@ -56,8 +57,9 @@ def test_a_new_leader_continues_the_drain_it_finds_in_the_records() -> None:
 
 def test_the_grace_counts_from_the_records_mark_not_from_the_takeover() -> None:
     f, draining = _draining_fleet()
-    f.auto = Autoscaler(min_residency_s=0.0, drain_grace_s=60.0, demand=f.auto.demand)
-    f.memo = ReconcileMemo()
+    f.auto = Autoscaler(min_residency_s=0.0, demand=f.auto.demand)
+    f.policy = Policy(drain_grace_s=60.0)
+    f.memo = SchedulerMemo()
     marked = next(r.draining_since for r in f.s.replicas if r.id == draining)
     assert marked is not None
     while f.now < marked + 59:
@@ -82,17 +84,16 @@ def test_unknown_idleness_is_not_free_a_new_leader_that_heard_no_router_waits() 
 def test_a_roll_or_a_node_drain_is_not_taken_for_a_load_drain() -> None:
     f, draining = _draining_fleet()
     _fail_over(f)
-    drains = f.auto.load_drains
     r = next(r for r in f.s.replicas if r.id == draining)
-    assert drains._adopt(r, f.s)
+    assert load_drain(r, f.s)
     # Started with what the catalog no longer asks for: a roll marked it, the reconciler's reasons stand.
     old = ReplicaSpec(engine=f.p.engine, weights=f.p.weights_name, options={"startup_s": 1})
-    assert not drains._adopt(replace(r, spec=old), f.s)
+    assert not load_drain(replace(r, spec=old), f.s)
     # On a node being drained: that drain's deadline stands.
     n1 = replace(f.s.nodes["n1"], draining=True)
-    assert not drains._adopt(r, replace(f.s, nodes={"n1": n1}))
+    assert not load_drain(r, replace(f.s, nodes={"n1": n1}))
     # A fixed-size model is never load-drained.
     fixed = profile("m", replicas=3)
-    assert not drains._adopt(r, replace(f.s, catalog=f.s.catalog.model_copy(update={"models": (fixed,)})))
+    assert not load_drain(r, replace(f.s, catalog=f.s.catalog.model_copy(update={"models": (fixed,)})))
     # Not marked draining: nothing to take up.
-    assert not drains._adopt(replace(r, draining=False), f.s)
+    assert not load_drain(replace(r, draining=False), f.s)

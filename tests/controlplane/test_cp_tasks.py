@@ -12,7 +12,7 @@ from nats.aio.client import Client as NATS
 from llmgw_common.ctl import LeaseRecord
 from llmgw_common.subjects import LEADER_KEY, Subjects
 from llmgw_controlplane import reconcile_loop
-from llmgw_controlplane.scheduler.reconciler import reconcile as real_reconcile
+from llmgw_controlplane.scheduler.schedule import schedule as real_schedule
 from llmgw_controlplane.service import MAX_FAILED_PASSES
 from llmgw_runtime import bus
 from llmgw_runtime.ctl_client import CtlClient
@@ -38,9 +38,9 @@ async def test_one_failing_pass_is_counted_and_reconciling_goes_on(
         calls[0] += 1
         if calls[0] == 1:
             raise ZeroDivisionError("one bad input")
-        return real_reconcile(*a, **kw)
+        return real_schedule(*a, **kw)
 
-    monkeypatch.setattr(reconcile_loop, "reconcile", flaky)
+    monkeypatch.setattr(reconcile_loop, "schedule", flaky)
     run = await start_cp(cp_settings(nats_server.url, prefix, lease_ttl_s=30.0))
     try:
         await eventually(lambda: run.cp.passes >= 3, what="three passes despite the failing one")
@@ -60,7 +60,7 @@ async def test_passes_that_keep_failing_end_the_run_and_release_the_lease(
     def broken(*a: Any, **kw: Any) -> Any:
         raise ZeroDivisionError("every pass")
 
-    monkeypatch.setattr(reconcile_loop, "reconcile", broken)
+    monkeypatch.setattr(reconcile_loop, "schedule", broken)
     s = cp_settings(nats_server.url, prefix, lease_ttl_s=3.0)
     a = await start_cp(s, holder="a")
     await eventually(lambda: a.cp.leader, what="a to lead")

@@ -16,9 +16,8 @@ from llmgw_controlplane.scheduler.autoscale import MODEL_SCALED_DOWN, MODEL_SCAL
 from llmgw_controlplane.scheduler.demand import DemandBook, Merged, merge
 from llmgw_controlplane.scheduler.idle import UNKNOWN, IdleKind, IdleKnowledge
 from llmgw_controlplane.scheduler.loadscale import LoadMemo, Step, Trend, follow_load, needed
-from llmgw_controlplane.scheduler.plan import ReconcileMemo
-from llmgw_controlplane.scheduler.reconciler import reconcile
 from llmgw_controlplane.scheduler.scaling import IdleLookup, ScaleMemo, decide
+from llmgw_controlplane.scheduler.schedule import Policy, SchedulerMemo, schedule
 from llmgw_controlplane.scheduler.snapshot import ReplicaView, Snapshot
 from tests.placement.placement_kit import apply, node, profile, replica, set_state, snap
 
@@ -217,8 +216,9 @@ class Fleet:
     p: ModelProfile
     start_s: float = 10.0
     now: float = NOW
-    auto: Autoscaler = field(default_factory=lambda: Autoscaler(min_residency_s=0.0, drain_grace_s=600.0))
-    memo: ReconcileMemo = field(default_factory=ReconcileMemo)
+    auto: Autoscaler = field(default_factory=lambda: Autoscaler(min_residency_s=0.0))
+    policy: Policy = field(default_factory=Policy)
+    memo: SchedulerMemo = field(default_factory=SchedulerMemo)
     busy: set[str] = field(default_factory=set)
     placed_at: dict[str, float] = field(default_factory=dict)
     stopped_busy: list[str] = field(default_factory=list)
@@ -249,10 +249,9 @@ class Fleet:
             self.now,
         )
         look = self.idle()
-        d = self.auto.decide(self.s, look)
-        plan = reconcile(self.s, self.memo, wanted=d.wanted, stop_first=d.stop_first)
-        plan = self.auto.evict(plan, self.s, look)
-        self.memo = plan.memo
+        sched = schedule(self.s, self.memo, self.auto.inputs(self.s, look), self.policy)
+        self.memo, plan = sched.memo, sched.plan
+        self.auto.record(sched, self.s)
         self.stopped_busy += [x.replica_id for x in plan.stop if x.replica_id in self.busy]
         for nr in plan.place:
             self.placed_at[nr.replica_id] = self.now
@@ -314,7 +313,7 @@ def test_a_load_step_takes_a_model_1_to_3_and_back_to_1_never_stopping_a_busy_re
 
 def test_a_drained_replica_is_stopped_after_the_drain_grace_even_if_a_router_still_holds_a_request() -> None:
     f = Fleet(following(replicas=2, max_replicas=3, in_flight_per_replica=4.0, down_after=10.0))
-    f.auto = Autoscaler(min_residency_s=0.0, drain_grace_s=60.0)
+    f.policy = Policy(drain_grace_s=60.0)
     f.s = snap([node("n1")], reps(3), [f.p], now=f.now)
     f.busy = {"m-0", "m-1", "m-2"}
     for _ in range(15):

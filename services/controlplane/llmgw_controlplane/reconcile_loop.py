@@ -3,7 +3,8 @@
 A turn judges node health by our own clock (leader or not: a standby's tables stay warm). The leader,
 once reports had time to arrive, announces node events from the cluster's announced state
 (:mod:`announcements`: what no leader said in a takeover's gap is said now, once) and passes: snapshot
--> :func:`reconcile` (pure) -> :meth:`ReconcileLoop.apply_plan` (the one writer of replica records and
+-> :func:`schedule` (pure: scale, follow the load, reconcile, hold drains, evict; one memo) ->
+:meth:`ReconcileLoop.apply_plan` (the one writer of replica records and
 assignments, under the lease) -> routing endpoints (only on change) -> model and placement events. A
 pass that raises is counted by a :class:`PassGuard`; too many in a row end the loop, and so the run.
 """
@@ -32,9 +33,9 @@ from llmgw_controlplane.pass_verdicts import Verdicts
 from llmgw_controlplane.scheduler.autoscale import Autoscaler, idle_lookup
 from llmgw_controlplane.scheduler.event_detection import EventDetector, watch_inputs
 from llmgw_controlplane.scheduler.idle import IdleMerger
-from llmgw_controlplane.scheduler.plan import Plan, ReconcileMemo
-from llmgw_controlplane.scheduler.reconciler import reconcile
+from llmgw_controlplane.scheduler.plan import Plan
 from llmgw_controlplane.scheduler.routing import cold_reason, coming_content, routing_content
+from llmgw_controlplane.scheduler.schedule import Policy, SchedulerMemo, schedule
 from llmgw_controlplane.scheduler.snapshot import NodeState
 from llmgw_controlplane.settings import ControlPlaneSettings
 from llmgw_controlplane.tables import Tables
@@ -77,7 +78,13 @@ class ReconcileLoop:
         self.autoscale = autoscale
         self.failures = failures
         self.events = events
-        self.memo = ReconcileMemo()
+        self.memo = SchedulerMemo()
+        self.policy = Policy(
+            backoff_base_s=s.backoff_base_s,
+            backoff_max_s=s.backoff_max_s,
+            drain_grace_s=s.drain_grace_s,
+            min_residency_s=s.eviction_min_residency_s,
+        )
         self.verdicts = Verdicts()
         self.guard = PassGuard("reconcile", log, limit=MAX_FAILED_PASSES, min_span_s=s.lease_ttl_s)
         self.passes = 0
@@ -100,6 +107,7 @@ class ReconcileLoop:
         self._desired_cache = None
         self._synced_generation = -1
         self._routing_key = None
+        self.memo = self.memo.new_tenure()
         self.announced.new_tenure()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -208,23 +216,13 @@ class ReconcileLoop:
         t0 = time.perf_counter()
         snap = self.tables.state.snapshot(now)
         t1 = time.perf_counter()
-        look = idle_lookup(self.idle, now)
-        scale = self.autoscale.decide(snap, look)
-        plan = reconcile(
-            snap,
-            self.memo,
-            backoff_base_s=self.s.backoff_base_s,
-            backoff_max_s=self.s.backoff_max_s,
-            drain_grace_s=self.s.drain_grace_s,
-            wanted=scale.wanted,
-            stop_first=scale.stop_first,
-        )
-        stops = len(plan.stop)
-        plan = self.autoscale.evict(plan, snap, look)
-        if len(plan.stop) > stops:
+        inputs = self.autoscale.inputs(snap, idle_lookup(self.idle, now))
+        sched = schedule(snap, self.memo, inputs, self.policy)
+        self.memo, plan, scale = sched.memo, sched.plan, sched.scale
+        self.autoscale.record(sched, snap)
+        if sched.evicted:
             self.tables.passes.request(PassReason.ROOM_FREED)  # place the wanted replica on the next pass
         self.last_reconcile_ms = (time.perf_counter() - t1) * 1000
-        self.memo = plan.memo
         if await self.apply_plan(plan, now):
             snap = self.tables.state.snapshot(now)
         v = self.verdicts

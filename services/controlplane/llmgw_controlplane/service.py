@@ -103,7 +103,7 @@ class ControlPlane:
         # Scale to zero, wakes and evictions (issue 13); wakes are answered only while leading.
         # Load following (issue 21): routers' demand reports, forgotten like their idle reports.
         self.demand = DemandBook(stale_s=max(IDLE_STALE_TICKS * s.tick_s, 5.0), doubts=self.doubts)
-        self.autoscale = Autoscaler(s.eviction_min_residency_s, s.drain_grace_s, self.demand)
+        self.autoscale = Autoscaler(s.eviction_min_residency_s, self.demand)
         self.wakes = WakeResponder(
             self.subjects.all_wake(), self._answer_wake, self.drops, version=lambda: self.state.version
         )

@@ -19,17 +19,22 @@ the candidates removed from the snapshot), so an eviction never frees room place
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 from llmgw_common.catalog import ModelProfile
 from llmgw_common.durations import format_duration
 from llmgw_controlplane.scheduler.placement import Placement, Unplaceable, place
+from llmgw_controlplane.scheduler.plan import Plan, StopReplica
 from llmgw_controlplane.scheduler.scaling import IdleLookup
 from llmgw_controlplane.scheduler.snapshot import ReplicaView, Snapshot
 
 # Candidates tried one by one: each try is one placement over the snapshot.
 MAX_TRIES = 32
+# Models that get an eviction search in one pass.
+SEARCHES_PER_PASS = 4
 
 
 def may_evict_any(snap: Snapshot, idle: IdleLookup, min_residency_s: float) -> bool:
@@ -202,3 +207,69 @@ def room_ever(profile: ModelProfile, snap: Snapshot) -> str | None:
             keep.extend(sorted(reps, key=lambda r: (r.created, r.id))[: p.floor])
     res = place(profile, replace(snap, replicas=tuple(keep)))
     return res.summary if isinstance(res, Unplaceable) else None
+
+
+@dataclass(frozen=True, slots=True)
+class Evicted:
+    victim: Victim
+    for_model: str
+
+
+@dataclass(frozen=True, slots=True)
+class Room:
+    """The eviction stage's outcome: the plan with its stops added, each scaling model's target with
+    its evicted replicas taken off (so they are not placed straight back), what was evicted, and what is
+    being done for each model that gets room (its eviction's one line)."""
+
+    plan: Plan
+    targets: Mapping[str, int]
+    evicted: tuple[Evicted, ...] = ()
+    making_room: Mapping[str, str] = field(default_factory=dict)
+
+
+def make_room(
+    plan: Plan,
+    snap: Snapshot,
+    idle: IdleLookup,
+    targets: Mapping[str, int],
+    *,
+    min_residency_s: float,
+    waking: AbstractSet[str],
+) -> Room:
+    """Stops that make room for the models ``plan`` could not place, if any may be made. A model whose
+    wake is not served yet (``waking``) is coming up: never evicted. One served is guarded by the
+    minimum residency only (else two models sharing one card could not swap within idle_after)."""
+    if not plan.unplaceable or not may_evict_any(snap, idle, min_residency_s):
+        return Room(plan, targets)
+    gone = {s.replica_id for s in plan.stop}
+    view = replace(snap, replicas=tuple(r for r in snap.replicas if r.id not in gone))
+    stops: list[StopReplica] = []
+    lowered = dict(targets)
+    evicted: list[Evicted] = []
+    room: dict[str, str] = {}
+    # Each search costs a placement per candidate: a few models per pass, those woken first (a fleet
+    # with many models that fit nowhere would otherwise search for all of them every pass).
+    order = sorted(plan.unplaceable, key=lambda m: (m not in waking, m))
+    for model in order[:SEARCHES_PER_PASS]:
+        p = snap.catalog.get(model)
+        if p is None:
+            continue
+        ev = plan_eviction(p, view, idle, min_residency_s=min_residency_s, protected=set(waking) | {model})
+        if not ev.victims:
+            continue
+        room[model] = ev.describe()
+        out = {v.replica_id for v in ev.victims}
+        view = replace(view, replicas=tuple(r for r in view.replicas if r.id not in out))
+        for v in ev.victims:
+            stops.append(StopReplica(v.replica_id, v.model, f"evicted for model {model}: {v.reason}"))
+            if v.model in lowered:
+                lowered[v.model] = max(0, lowered[v.model] - 1)
+            evicted.append(Evicted(v, model))
+    if not stops:
+        return Room(plan, targets, making_room=MappingProxyType(room))
+    return Room(
+        replace(plan, stop=plan.stop + tuple(stops)),
+        MappingProxyType(lowered),
+        tuple(evicted),
+        MappingProxyType(room),
+    )

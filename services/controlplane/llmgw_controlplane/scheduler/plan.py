@@ -53,6 +53,9 @@ class StopReplica:
     node_lost: bool = False
     # The replica failed (a shard failed or it never became ready): its model is backing off.
     failed: bool = False
+    # A drained or rolled replica whose replacement serves: it still serves what it holds, so it is
+    # stopped only once routers have seen it flagged and hold nothing on it (:mod:`drains`).
+    handover: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,9 +51,11 @@ def reconcile_model(
             elif keep > 0:
                 keep -= 1
             elif d.rolling:
-                p.stop.append(StopReplica(d.replica.id, name, "rolled: its replacement serves"))
+                p.stop.append(
+                    StopReplica(d.replica.id, name, "rolled: its replacement serves", handover=True)
+                )
             else:
-                p.stop.append(StopReplica(d.replica.id, name, "drained: a replacement serves"))
+                p.stop.append(StopReplica(d.replica.id, name, "drained: a replacement serves", handover=True))
 
     if len(active) > desired:
         # Stop what serves least: not ready first, then on an unreachable node, then outdated, then the newest.
