@@ -1,12 +1,14 @@
-"""The vLLM tests' inputs: the ``make vllm`` install (skipped, saying what is missing, without it), the
-session's one llmgw cluster around real vLLM (vllm_stage.py: nats-server, a control plane, a router and
-two agents, nodes ``node-a`` and ``node-b``, a core each), brought to each test's catalog (the
+"""The vLLM tests' inputs: the ``make vllm`` install (skipped, saying what is missing, without it) and
+the session's one llmgw cluster around real vLLM (vllm_stage.py: nats-server, a control plane, a router
+and two agents, nodes ``node-a`` and ``node-b``, a core each), brought to each test's catalog (the
 ``vllm_catalog`` marker, else the module's ``CATALOG``; default: gemma on two replicas and minilm on
-one), and one gemma server shared by the modules that ask vLLM directly.
+one, vLLM's response store on).
 
-The modules run on one worker (the ``vllm`` xdist group), in name order: argv, cluster,
-cluster_lifecycle (both on the stage), fidelity, fidelity_sdks (both on the shared gemma). The stage
-and the shared gemma never run at once: each gemma takes 5.3 GB and a cluster runs up to three.
+The modules run on one worker (the ``vllm`` xdist group), in name order, which is the order of what
+they need: ``api_fidelity`` and ``api_sdks`` ask the default catalog's engines directly and through
+the router; ``argv`` needs no cluster; ``cluster`` starts on the default catalog, kills a gemma and
+(while its replacement starts) fails two starts, then takes minilm away; ``cluster_lifecycle`` drains
+and wakes on gemma alone. Every start saved is 30-100 s of both cores.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import openai
 import pytest
 
 from tests.vllm.vllm_cluster import CATALOG, VllmCluster
-from tests.vllm.vllm_kit import SharedGemma, VllmInstall, require_vllm
+from tests.vllm.vllm_kit import VllmInstall, require_vllm
 from tests.vllm.vllm_stage import ClusterStage
 
 
@@ -28,30 +30,12 @@ def vllm_install() -> VllmInstall:
 
 
 @pytest.fixture(scope="session")
-def vllm_slots(
-    vllm_install: VllmInstall, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[ClusterStage, SharedGemma]]:
-    """The stage and the shared gemma, each stopping the other before it starts."""
-    gemma: SharedGemma | None = None
-
-    def stop_gemma() -> None:
-        if gemma is not None:
-            gemma.close()
-
-    stage = ClusterStage(vllm_install, lambda: Path(tmp_path_factory.mktemp("vllm-cluster")), stop_gemma)
-    gemma = SharedGemma(
-        vllm_install, Path(tmp_path_factory.mktemp("vllm-shared-gemma")), make_room=stage.close
-    )
+def vllm_stage(vllm_install: VllmInstall, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterStage]:
+    stage = ClusterStage(vllm_install, lambda: Path(tmp_path_factory.mktemp("vllm-cluster")))
     try:
-        yield stage, gemma
+        yield stage
     finally:
-        gemma.close()
         stage.close()
-
-
-@pytest.fixture(scope="session")
-def shared_gemma(vllm_slots: tuple[ClusterStage, SharedGemma]) -> SharedGemma:
-    return vllm_slots[1]
 
 
 @pytest.hookimpl(wrapper=True)
@@ -59,21 +43,22 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
-    slots = getattr(item, "funcargs", {}).get("vllm_slots")
-    if report.failed and slots is not None:
-        # What a failed test left on the cluster is unknown: the next test gets a new one.
-        slots[0].spoiled = True
+    funcargs: dict[str, object] = getattr(item, "funcargs", {})
+    stage = funcargs.get("vllm_stage")
+    # What a failed test that drove the cluster (its `cluster` fixture) left on it is unknown: the next
+    # test gets a new one. A test that only asked its engines (the fidelity modules) changed nothing.
+    if report.failed and isinstance(stage, ClusterStage) and "cluster" in funcargs:
+        stage.spoiled = True
     return report
 
 
 @pytest.fixture
-def cluster(
-    request: pytest.FixtureRequest, vllm_slots: tuple[ClusterStage, SharedGemma]
-) -> tuple[VllmCluster, str]:
+def cluster(request: pytest.FixtureRequest, vllm_stage: ClusterStage) -> tuple[VllmCluster, str]:
     """The stage serving this test's catalog."""
     marker = request.node.get_closest_marker("vllm_catalog")
     catalog = str(marker.args[0]) if marker is not None else getattr(request.module, "CATALOG", CATALOG)
-    return vllm_slots[0].serve(catalog)
+    waits = request.node.get_closest_marker("vllm_waits_for")
+    return vllm_stage.serve(catalog, None if waits is None else [str(m) for m in waits.args])
 
 
 @pytest.fixture

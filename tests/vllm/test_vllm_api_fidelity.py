@@ -6,10 +6,10 @@ shape and their ``type``/``param``, the SSE framing of a stream (the ``event:`` 
 shape of each event's data, ``[DONE]`` where vLLM sends it; a run of events of one shape, the
 tokens, counts once), and the metric names. Where they differ the simulator is wrong.
 
-Two real servers, started once for the module: Gemma 3 270M as a generate model (with vLLM's
-response store on, ``VLLM_ENABLE_RESPONSES_API_STORE=1``) and all-MiniLM-L6-v2 as a pooling model;
-each is paired with a simulator of the same runner and served name. Audio is not compared: the
-``make vllm`` install has no speech model.
+Two real engines, the session cluster's (vllm_stage.py), asked directly: Gemma 3 270M as a generate
+model (with vLLM's response store on, ``VLLM_ENABLE_RESPONSES_API_STORE=1``) and all-MiniLM-L6-v2 as a
+pooling model; each is paired with a simulator of the same runner and served name. Audio is not
+compared: the ``make vllm`` install has no speech model.
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ import pytest
 from llmgw_sim.options import SimOptions
 from tests.kit.poll import eventually_sync
 from tests.llama.llama_kit import free_port
-from tests.vllm.vllm_kit import MAX_MODEL_LEN, SharedGemma, VllmInstall, VllmServer, engine_env, start_vllm
+from tests.vllm.vllm_cluster import CATALOG
+from tests.vllm.vllm_kit import MAX_MODEL_LEN
 from tests.vllm.vllm_stage import ClusterStage
 
 # A real vLLM takes 35 s to start on an idle box, several times that on a loaded one.
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]
 
-GEN = SharedGemma.NAME  # "gemma"
+GEN = "gemma"
 POOL = "minilm"
 # A prompt that a base model continues with words, and enough room for a few of them.
 PROMPT = "The capital of France is Paris. The capital of Italy is"
@@ -117,46 +118,28 @@ def _sim(name: str, max_len: int, pooling: bool, log: Path) -> SimProcess:
 
 
 @pytest.fixture(scope="module")
-def gen(shared_gemma: SharedGemma, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    # The session's gemma (conftest.py: the SDK module asks it again): served as GEN, with the response
-    # store on and BASE_ARGS' --max-model-len, as the simulator beside it.
-    server = shared_gemma.get()
+def gen(vllm_stage: ClusterStage, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    # The session cluster's gemma (the default catalog's: BASE_ARGS' --max-model-len, the response
+    # store on), asked directly, and the simulator beside it.
+    vllm_stage.serve(CATALOG)
+    real = vllm_stage.engine_url(GEN)
     sim = _sim(GEN, MAX_MODEL_LEN, False, tmp_path_factory.mktemp("vllm-gen") / "sim.log")
     try:
-        yield Pair(real=server.url, sim=sim.url)
+        yield Pair(real=real, sim=sim.url)
     finally:
         sim.stop()
 
 
 @pytest.fixture(scope="module")
-def pool(
-    vllm_install: VllmInstall,
-    vllm_slots: tuple[ClusterStage, SharedGemma],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Pair]:
-    # Not beside the session's cluster (its gemmas take 5.3 GB each): in a whole run `gen` has stopped
-    # it already; run alone (-k), this does.
-    vllm_slots[0].close()
-    log_dir = tmp_path_factory.mktemp("vllm-pool")
-    # all-MiniLM-L6-v2 has 256 positions: vLLM refuses a longer --max-model-len.
-    max_len = 256
-    env = engine_env("1", VLLM_ENABLE_RESPONSES_API_STORE="1")
-    server: VllmServer = start_vllm(
-        vllm_install,
-        vllm_install.minilm,
-        log_dir,
-        name=POOL,
-        pooling=True,
-        env=env,
-        args=("--max-model-len", str(max_len)),
-    )
-    sim = _sim(POOL, max_len, True, log_dir / "sim.log")
+def pool(vllm_stage: ClusterStage, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    # The cluster's minilm: all-MiniLM-L6-v2 has 256 positions (vLLM refuses a longer --max-model-len).
+    vllm_stage.serve(CATALOG)
+    real = vllm_stage.engine_url(POOL)
+    sim = _sim(POOL, 256, True, tmp_path_factory.mktemp("vllm-pool") / "sim.log")
     try:
-        server.wait_ready()
-        yield Pair(real=server.url, sim=sim.url)
+        yield Pair(real=real, sim=sim.url)
     finally:
         sim.stop()
-        server.stop()
 
 
 # ---------------------------------------------------------------- what a client sees

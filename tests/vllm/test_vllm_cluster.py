@@ -2,8 +2,10 @@
 
 The session's one cluster (vllm_stage.py: a vLLM start costs 30-100 s of both cores) serves ``gemma``
 on two replicas and ``minilm`` (embeddings) on one, from the argv the agent's adapter builds. A test
-that needs other models says so (``vllm_catalog``) and the stage applies them; tests run in any
-order, and in this one no model is restarted only to bring a catalog back.
+that needs other models says so (``vllm_catalog``) and the stage applies them; one that needs only
+some models serving names them (``vllm_waits_for``). Tests run in any order, and in this one no model
+is restarted only to bring a catalog back, and the SIGKILLed gemma's replacement starts while the
+failed starts run.
 
 Skipped, saying why, without ``make vllm``.
 """
@@ -213,8 +215,8 @@ async def test_stream_cut_by_sigkill_continues_on_the_other_replica(cluster: tup
     ]
     assert after, "no text after the kill"
     print(f"vllm failover: first text {after[0] - killed_at:.2f} s after the SIGKILL of {victim}")
-    # The killed replica is replaced; the next test finds two again.
-    await endpoints(c, "gemma", 2)
+    # The killed replica's replacement starts while the next tests run (they need no second gemma); the
+    # first test that needs two waits for it, and fails if it never serves.
 
 
 def _text(events: list[tuple[float, dict[str, Any]]]) -> str:
@@ -236,6 +238,7 @@ async def _serving(loads: LoadWatch, ids: set[str]) -> str:
 # ------------------------------------------------------------------ failures and stops
 
 
+@pytest.mark.vllm_waits_for()
 async def test_a_failed_start_shows_vllms_own_error_in_ctl_replicas_failed(
     cluster: tuple[VllmCluster, str],
 ) -> None:
@@ -262,6 +265,7 @@ async def test_a_failed_start_shows_vllms_own_error_in_ctl_replicas_failed(
     assert "gemma-bad-path" in shown and "gemma-too-long" in shown, shown
 
 
+@pytest.mark.vllm_waits_for("minilm")
 async def test_stopping_a_replica_leaves_no_engine_process(cluster: tuple[VllmCluster, str]) -> None:
     """minilm leaves the catalog: its API server, EngineCore and Worker all go. The cluster is left
     serving gemma alone, which is what the tests after this one ask for."""

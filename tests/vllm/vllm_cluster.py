@@ -77,6 +77,8 @@ def profile(
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
+            # vLLM's response store: the fidelity modules compare stored responses on these engines.
+            "VLLM_ENABLE_RESPONSES_API_STORE": "1",
             # The in-process Worker (vllm_kit.ONE_WORKER_ARGS) needs it; without those args vLLM would
             # still pick it on CPU with this set, so it comes only with them.
             **(ONE_WORKER_ENV if _has(args, ONE_WORKER_ARGS) else {}),

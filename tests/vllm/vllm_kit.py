@@ -19,7 +19,7 @@ import contextlib
 import os
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -246,39 +246,6 @@ def start_vllm(
             start_new_session=True,
         )
     return VllmServer(proc=proc, port=port, model=served, log=log, started=time.monotonic())
-
-
-class SharedGemma:
-    """Gemma served as ``gemma`` with vLLM's response store on (core 0), started on first use: the server
-    the modules that ask vLLM directly share (tests/vllm/conftest.py)."""
-
-    NAME = "gemma"
-
-    def __init__(
-        self, install: VllmInstall, log_dir: Path, make_room: Callable[[], None] = lambda: None
-    ) -> None:
-        self.install, self.log_dir, self.make_room = install, log_dir, make_room
-        self.server: VllmServer | None = None
-
-    def get(self) -> VllmServer:
-        if self.server is not None and self.server.proc.poll() is None:
-            return self.server
-        self.close()  # one that died: its group is ended before another starts
-        self.make_room()
-        env = engine_env("0", VLLM_ENABLE_RESPONSES_API_STORE="1")
-        server = start_vllm(self.install, self.install.gemma, self.log_dir, name=self.NAME, env=env)
-        try:
-            server.wait_ready()
-        except BaseException:
-            server.stop()
-            raise
-        self.server = server
-        return server
-
-    def close(self) -> None:
-        server, self.server = self.server, None
-        if server is not None:
-            server.stop()
 
 
 @contextlib.contextmanager

@@ -7,15 +7,17 @@ serves another, then waits until the routing table lists every model in it with 
 every model it dropped with none. A test that ends in another catalog (one that stopped a model)
 leaves it: the next test asks for its own.
 
-The stage never runs beside the shared gemma (each gemma takes 5.3 GB): starting either stops the
-other. A test that fails leaves the cluster in a state nobody knows; the next test gets a new one.
+A test that needs only some models serving names them (``vllm_waits_for``): a replica still starting
+for another (the replacement of one a test killed) starts meanwhile and is waited for by the next
+test that needs it. A test that fails leaves the cluster in a state nobody knows; the next test gets
+a new one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import yaml
@@ -31,34 +33,34 @@ def replica_counts(catalog: str) -> dict[str, int]:
 
 
 class ClusterStage:
-    def __init__(
-        self, install: VllmInstall, new_root: Callable[[], Path], make_room: Callable[[], None]
-    ) -> None:
-        self.install, self.new_root, self.make_room = install, new_root, make_room
+    def __init__(self, install: VllmInstall, new_root: Callable[[], Path]) -> None:
+        self.install, self.new_root = install, new_root
         self.cluster: VllmCluster | None = None
         self.key = ""
         self.boots = 0
         self.spoiled = False
 
-    def serve(self, catalog: str) -> tuple[VllmCluster, str]:
-        """The cluster serving exactly ``catalog``, every replica ready."""
+    def serve(self, catalog: str, wait_for: Collection[str] | None = None) -> tuple[VllmCluster, str]:
+        """The cluster serving ``catalog``: every replica of the models in ``wait_for`` (default: all of
+        them) ready."""
         if self.cluster is not None and self.spoiled:
             self.close()
+        counts = replica_counts(catalog)
+        wanted = counts if wait_for is None else {m: counts[m] for m in wait_for}
         if self.cluster is None:
-            self.make_room()
-            self._boot(catalog)
+            self._boot(catalog, wanted)
         elif self.cluster.applied != catalog:
             t0 = time.monotonic()
-            asyncio.run(self._bring(catalog))
-            print(f"vllm stage: brought to {replica_counts(catalog)} in {time.monotonic() - t0:.1f} s")
+            asyncio.run(self._bring(catalog, wanted))
+            print(f"vllm stage: brought to {counts} in {time.monotonic() - t0:.1f} s")
         else:
-            # The same catalog: the routing table lists every replica again (a test that killed one
-            # waits for its replacement itself: the killed one may still be listed for a moment).
-            asyncio.run(self._wait(replica_counts(catalog)))
+            # The same catalog: the routing table lists the wanted replicas again (a killed one is
+            # replaced; the test after it that needs its model waits here).
+            asyncio.run(self._wait(wanted))
         assert self.cluster is not None
         return self.cluster, self.key
 
-    def _boot(self, catalog: str) -> None:
+    def _boot(self, catalog: str, wanted: dict[str, int]) -> None:
         c = VllmCluster(
             self.new_root(), prefix="vllm", settings=dict(SETTINGS), catalog=catalog, install=self.install
         )
@@ -72,7 +74,7 @@ class ClusterStage:
             c.start_real_agent("node-b", "1")
             self.key = mint_key(c)
             c.wait_router()
-            asyncio.run(self._wait(replica_counts(catalog)))
+            asyncio.run(self._wait(wanted))
         except BaseException:
             self.close()
             raise
@@ -81,14 +83,20 @@ class ClusterStage:
             f"vllm stage: cluster {self.boots} serving {replica_counts(catalog)} {time.monotonic() - t0:.1f} s after start"
         )
 
-    async def _bring(self, catalog: str) -> None:
+    def engine_url(self, model: str) -> str:
+        """One serving engine of ``model``, asked directly (not through the router)."""
+        assert self.cluster is not None
+        table = asyncio.run(endpoints(self.cluster, model, replica_counts(self.cluster.applied)[model]))
+        return min(e.url for e in table.endpoints[model])
+
+    async def _bring(self, catalog: str, wanted: dict[str, int]) -> None:
         assert self.cluster is not None
         before = replica_counts(self.cluster.applied)
         await self.cluster.apply(catalog)
-        counts = replica_counts(catalog)
         # A model the catalog drops is waited out of the routing table too (its engines stop within the
-        # cluster's stop grace, 10 s).
-        await self._wait({**dict.fromkeys(before, 0), **counts})
+        # cluster's stop grace, 10 s): its memory is free for what comes.
+        dropped = {m: 0 for m in before if m not in replica_counts(catalog)}
+        await self._wait({**dropped, **wanted})
 
     async def _wait(self, counts: dict[str, int]) -> None:
         assert self.cluster is not None
