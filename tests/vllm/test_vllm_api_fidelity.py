@@ -85,8 +85,8 @@ class SimProcess:
 def start_sim(opts: SimOptions, log: Path) -> SimProcess:
     """The simulator in a process of its own (its options as a catalog gives them, every one).
 
-    Only its address is read from stdout; its log (and, under ``make test``'s PYTHONASYNCIODEBUG,
-    asyncio's slow-callback warnings, which may come first) goes to ``log``."""
+    Only its address is read from stdout; its log (and any warning, which may come first) goes to
+    ``log``."""
     with log.open("wb") as errf:
         proc = subprocess.Popen(
             [sys.executable, "-c", _SIM_MAIN, json.dumps(opts.to_dict())],
