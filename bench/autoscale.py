@@ -43,7 +43,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "chaos"))
 
 from chaos_bus import BusView  # noqa: E402
-from chaos_harness import AGGRESSIVE, ChaosCluster, mint_key, wait_endpoints  # noqa: E402
+from chaos_harness import AGGRESSIVE, ChaosCluster  # noqa: E402
+from chaos_waits import mint_key, wait_endpoints  # noqa: E402
 
 CARD = "H100-80GB"
 MODEL = "chat"

@@ -36,10 +36,12 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "chaos"))
 
 from chaos_bus import BusView  # noqa: E402
-from chaos_harness import AGGRESSIVE, ChaosCluster, mint_key  # noqa: E402
+from chaos_harness import AGGRESSIVE, ChaosCluster  # noqa: E402
+from chaos_waits import mint_key  # noqa: E402
 
 from llmgw_common.codec import decode, encode  # noqa: E402
 from llmgw_common.router_messages import WakeReply, WakeRequest, WakeState  # noqa: E402

@@ -39,9 +39,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "chaos"))
 
-from chaos_bus import BusView, poll  # noqa: E402
+from chaos_bus import BusView, timed  # noqa: E402
 from chaos_harness import AGGRESSIVE, ChaosCluster, boot  # noqa: E402
 from chaos_traffic import Traffic, streams_on  # noqa: E402
 
@@ -88,7 +89,7 @@ async def _measure(c: ChaosCluster, key: str, setting: str, lost_s: float, lease
             hosts = view.nodes_hosting("chat")
             return hosts if len(hosts) == 2 and len(view.engine_pids()) == 2 else None
 
-        hosts, _ = await poll("two nodes host chat", two_hosts, 30)
+        hosts, _ = await timed("two nodes host chat", two_hosts, 30)
         victim = sorted(hosts)[0]
         engines = sorted(set(view.engine_pids(victim).values()))
         traffic.start()
@@ -100,7 +101,7 @@ async def _measure(c: ChaosCluster, key: str, setting: str, lost_s: float, lease
             running = await streams_on(view, "chat", victim)
             return running if running >= 4 else None
 
-        await poll("the victim streaming", victim_busy, 60, every=0.05)
+        await timed("the victim streaming", victim_busy, 60, every=0.05)
         # 1. node loss
         t_kill = time.monotonic()
         c.procs[f"agent-{victim}"].signal(signal.SIGKILL)
@@ -115,7 +116,7 @@ async def _measure(c: ChaosCluster, key: str, setting: str, lost_s: float, lease
             nodes = await view.endpoint_nodes("chat")
             return nodes if len(nodes) == 2 and victim not in nodes else None
 
-        _, node_loss_s = await poll("replacement serving", rebuilt, lost_s + 60, every=0.05)
+        _, node_loss_s = await timed("replacement serving", rebuilt, lost_s + 60, every=0.05)
         # 2. standby takeover
         old = await view.stats()
         assert old is not None
@@ -126,7 +127,7 @@ async def _measure(c: ChaosCluster, key: str, setting: str, lost_s: float, lease
             if p.name.startswith("cp-") and p.alive() and lease.holder == f"{socket.gethostname()}-{p.pid}"
         )  # fmt: skip
         active.kill()
-        _, takeover_s = await poll(
+        _, takeover_s = await timed(
             "standby's first pass", lambda: _leader_pass(view, old.fence), 4 * lease_s + 20, 0.05
         )
         await asyncio.sleep(1.0)

@@ -18,8 +18,9 @@ import pytest
 from llmgw_common.ctl import DebugStatsReply
 from llmgw_runtime.runtime import cancel_and_wait
 from tests.chaos.chaos_bus import BUS_ERRORS, BusView, timed
-from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, Proc, boot, controlplane_up, holder
+from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, Proc, boot
 from tests.chaos.chaos_traffic import Traffic, wait_serving
+from tests.chaos.chaos_waits import controlplane_up, holder
 from tests.kit.poll import eventually
 
 pytestmark = [pytest.mark.xdist_group("chaos"), pytest.mark.e2e, pytest.mark.slow]

@@ -16,7 +16,8 @@ import pytest
 from llmgw_common.ctl import DebugStatsReply
 from llmgw_runtime.runtime import EXIT_TASK_DIED
 from tests.chaos.chaos_bus import BUS_ERRORS, BusView
-from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, Proc, controlplane_up, holder
+from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, Proc
+from tests.chaos.chaos_waits import controlplane_up, holder
 from tests.chaos.faults import launcher
 from tests.kit.poll import eventually, eventually_sync
 

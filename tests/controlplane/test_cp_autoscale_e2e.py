@@ -13,8 +13,9 @@ import pytest
 
 from llmgw_common.event_details import ModelScaledDownDetails, ModelScaledUpDetails
 from tests.chaos.chaos_bus import BusView
-from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, mint_key, wait_endpoints
+from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster
 from tests.chaos.chaos_traffic import Traffic
+from tests.chaos.chaos_waits import mint_key, wait_endpoints
 from tests.kit.poll import eventually
 
 pytestmark = [pytest.mark.xdist_group("chaos"), pytest.mark.e2e, pytest.mark.slow]

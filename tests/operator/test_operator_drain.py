@@ -20,8 +20,9 @@ import psutil
 import pytest
 
 from tests.chaos.chaos_bus import BUS_ERRORS, BusView, timed
-from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, mint_key, wait_endpoints
+from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster
 from tests.chaos.chaos_traffic import Record, Traffic, wait_serving
+from tests.chaos.chaos_waits import mint_key, wait_endpoints
 from tests.kit.poll import eventually
 
 pytestmark = [pytest.mark.xdist_group("operator"), pytest.mark.e2e, pytest.mark.slow]

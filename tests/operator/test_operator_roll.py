@@ -21,8 +21,9 @@ import pytest
 from llmgw_common.catalog import parse_catalog
 from llmgw_common.messages import ReplicaSpec
 from tests.chaos.chaos_bus import BUS_ERRORS, BusView, timed
-from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, mint_key, wait_endpoints
+from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster
 from tests.chaos.chaos_traffic import wait_serving
+from tests.chaos.chaos_waits import mint_key, wait_endpoints
 from tests.kit.poll import eventually
 from tests.operator.test_operator_drain import MixedTraffic, _ctl
 

@@ -26,8 +26,9 @@ from llmgw_common.messages import ClusterSettings, Event, Webhook
 from llmgw_notifier.delivery import consumer_name
 from llmgw_notifier.targets import target_id
 from tests.chaos.chaos_bus import BUS_ERRORS, BusView, timed
-from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, mint_key, wait_endpoints
+from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster
 from tests.chaos.chaos_traffic import wait_serving
+from tests.chaos.chaos_waits import mint_key, wait_endpoints
 from tests.kit.poll import eventually
 
 pytestmark = [pytest.mark.xdist_group("operator"), pytest.mark.e2e, pytest.mark.slow]

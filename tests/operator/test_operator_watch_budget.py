@@ -18,7 +18,8 @@ import pytest
 
 from llmgw_common.messages import Event
 from tests.chaos.chaos_bus import BUS_ERRORS, BusView
-from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster, wait_endpoints
+from tests.chaos.chaos_harness import AGGRESSIVE, ChaosCluster
+from tests.chaos.chaos_waits import wait_endpoints
 from tests.kit.poll import eventually
 
 pytestmark = [pytest.mark.xdist_group("operator"), pytest.mark.e2e, pytest.mark.slow]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.chaos.chaos_harness import mint_key
+from tests.chaos.chaos_waits import mint_key
 from tests.vllm.vllm_cluster import SETTINGS, VllmCluster, endpoints
 from tests.vllm.vllm_kit import VllmInstall, describe
 

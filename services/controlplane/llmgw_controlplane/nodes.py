@@ -57,7 +57,6 @@ class NodeRecord:
     seq_jump: tuple[int, float] | None = None
     address: str = "127.0.0.1"
     inventory: Inventory | None = None
-    inventory_rev: int = 0
     heard: bool = False
     # What the node last reported, per (replica id, shard).
     shards: dict[ShardKey, ShardReport] = field(default_factory=dict)
@@ -70,9 +69,9 @@ class NodeRecord:
     health: NodeState = NodeState.READY
     # Bumped when anything its view shows changes (inventory content, address, heard).
     rev: int = 0
+    # The view last built, and what it was built from: (rev, the marks' revision). Its health is in it.
     view: NodeView | None = None
-    view_rev: int = -1
-    view_marks: int = -1
+    view_key: tuple[int, int] = (-1, -1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -164,7 +164,6 @@ class NodeReports:
         if rec.inventory is None or _content(rec.inventory) != _content(inv):
             # Only a change of content makes a new view; the 60 s repeat of the same inventory does not.
             rec.inventory = inv
-            rec.inventory_rev += 1
             rec.rev += 1
             changed = True
         changed |= self._set_address(rec, inv.address)

@@ -182,12 +182,7 @@ class ClusterState(NodeReports):
     def _node_view(self, rec: NodeRecord, state: NodeState) -> NodeView:
         """The node as the pure side sees it in ``state`` (``last_seen`` as of when the view was last
         rebuilt)."""
-        if (
-            rec.view is not None
-            and rec.view.state is state
-            and rec.view_rev == rec.rev
-            and rec.view_marks == self.marks_rev
-        ):
+        if rec.view is not None and rec.view.state is state and rec.view_key == (rec.rev, self.marks_rev):
             return rec.view
         cordoned = rec.name in self.marks.cordoned
         deadline = self.marks.draining.get(rec.name)
@@ -222,7 +217,7 @@ class ClusterState(NodeReports):
                 address=rec.address,
                 last_seen=rec.last_seen,
             )
-        rec.view, rec.view_rev, rec.view_marks = view, rec.rev, self.marks_rev
+        rec.view, rec.view_key = view, (rec.rev, self.marks_rev)
         return view
 
     def replica_view(self, rec: ReplicaRecord) -> ReplicaView:
@@ -267,7 +262,7 @@ class ClusterState(NodeReports):
                 # the replica table): keeps its replicas, takes no new ones until we know what it has.
                 state = unreachable
             v = rec.view
-            if v is None or v.state is not state or rec.view_rev != rec.rev or rec.view_marks != marks_rev:
+            if v is None or v.state is not state or rec.view_key != (rec.rev, marks_rev):
                 v = self._node_view(rec, state)
             nodes[name] = v
             if not changed and old.get(name) is not v:
