@@ -7,6 +7,10 @@ import asyncio
 import socket
 from typing import TYPE_CHECKING
 
+from llmgw_common.messages import RoutingEndpoints
+from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
+from llmgw_runtime import bus
+from llmgw_runtime.settings import BusSettings
 from tests.chaos.chaos_bus import BUS_ERRORS
 from tests.kit.poll import eventually
 
@@ -54,38 +58,42 @@ def mint_key(cluster: ChaosCluster, name: str = "chaos") -> str:
     return asyncio.run(main())
 
 
-def wait_endpoints(cluster: ChaosCluster, model: str, count: int, timeout: float = 60.0) -> list[str]:
-    """Wait until the routing bucket lists ``count`` endpoints for ``model``; their nodes."""
-    from llmgw_common.messages import RoutingEndpoints
-    from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
-    from llmgw_runtime import bus
-    from llmgw_runtime.settings import BusSettings
+async def routing_table(
+    cluster: ChaosCluster, model: str, count: int, timeout: float = 60.0, every: float = 0.2
+) -> RoutingEndpoints:
+    """The routing table once it lists exactly ``count`` endpoints for ``model``; on a timeout, what it
+    said of the model last, and the cluster's diagnostics."""
+    nc = await bus.connect(BusSettings(nats_urls=[cluster.nats_url], prefix=cluster.prefix), "test-wait")
+    last: RoutingEndpoints | None = None
+    try:
 
-    async def main() -> list[str]:
-        nc = await bus.connect(BusSettings(nats_urls=[cluster.nats_url], prefix=cluster.prefix), "chaos-wait")
-        nodes: list[str] = []
-
-        async def listed() -> list[str] | None:
-            nonlocal nodes
+        async def listed() -> RoutingEndpoints | None:
+            nonlocal last
             # The bucket may not exist yet before the control plane made it (a tolerated bus error).
             kv = await nc.jetstream().key_value(Subjects(cluster.prefix).bucket_routing)
-            eps, _ = await bus.kv_get(kv, ROUTING_ENDPOINTS, RoutingEndpoints)
-            nodes = [e.node for e in eps.endpoints.get(model, ())] if eps else []
-            return nodes if len(nodes) == count else None
+            last, _ = await bus.kv_get(kv, ROUTING_ENDPOINTS, RoutingEndpoints)
+            return last if last is not None and len(last.endpoints.get(model, ())) == count else None
 
         try:
-            got = await eventually(
+            return await eventually(
                 listed,
                 timeout=timeout,
-                every=0.2,
-                what=f"{count} endpoint(s) for {model}",
+                every=every,
+                what=f"{count} endpoint(s) of {model}",
                 tolerate=BUS_ERRORS,
             )
-            assert got is not None
-            return got
         except AssertionError as e:
-            raise AssertionError(f"{e}; last listed: {nodes}\n{cluster.diagnostics()}") from None
-        finally:
-            await nc.close()
+            if last is None:
+                said = "no table"
+            else:
+                nodes = [ep.node for ep in last.endpoints.get(model, ())]
+                said = f"listed on {nodes}; {last.unavailable.get(model, '')}"
+            raise AssertionError(f"{e} ({said})\n{cluster.diagnostics()}") from None
+    finally:
+        await nc.close()
 
-    return asyncio.run(main())
+
+def wait_endpoints(cluster: ChaosCluster, model: str, count: int, timeout: float = 60.0) -> list[str]:
+    """Wait until the routing table lists ``count`` endpoints for ``model``; their nodes."""
+    table = asyncio.run(routing_table(cluster, model, count, timeout))
+    return [e.node for e in table.endpoints[model]]

@@ -29,6 +29,7 @@ import pytest
 from llmgw_sim.options import SimOptions
 from tests.kit.poll import eventually_sync
 from tests.llama.llama_kit import free_port
+from tests.sim.sim_testkit import parse_sse
 from tests.vllm.vllm_cluster import CATALOG
 from tests.vllm.vllm_kit import MAX_MODEL_LEN
 from tests.vllm.vllm_stage import ClusterStage
@@ -155,19 +156,7 @@ class Seen:
 
 
 def parse_events(text: str) -> list[tuple[str | None, Any]]:
-    out: list[tuple[str | None, Any]] = []
-    for block in text.split("\n\n"):
-        name: str | None = None
-        data: list[str] = []
-        for line in block.split("\n"):
-            if line.startswith("event:"):
-                name = line[6:].strip()
-            elif line.startswith("data:"):
-                data.append(line[5:].strip())
-        if data:
-            joined = "\n".join(data)
-            out.append((name, joined if joined == "[DONE]" else json.loads(joined)))
-    return out
+    return [(e.event, e.data if e.data == "[DONE]" else json.loads(e.data)) for e in parse_sse(text.encode())]
 
 
 def exchange(base: str, method: str, path: str, **kw: Any) -> Seen:

@@ -24,12 +24,11 @@ from nats.aio.msg import Msg
 
 from llmgw_common.codec import decode
 from llmgw_common.messages import LoadReport, ReplicaLoad, RoutingEndpoints
-from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
+from llmgw_common.subjects import Subjects
 from llmgw_runtime import bus
 from llmgw_runtime.settings import BusSettings
-from tests.chaos.chaos_bus import BUS_ERRORS
 from tests.chaos.chaos_harness import ChaosCluster, Proc
-from tests.kit.poll import eventually
+from tests.chaos.chaos_waits import routing_table
 from tests.vllm.vllm_kit import (
     BASE_ARGS,
     GEMMA,
@@ -160,32 +159,8 @@ class VllmCluster(ChaosCluster):
 async def endpoints(
     c: ChaosCluster, model: str, count: int, timeout: float = READY_TIMEOUT_S
 ) -> RoutingEndpoints:
-    """The routing table once it lists exactly ``count`` endpoints for ``model``."""
-    nc = await bus.connect(BusSettings(nats_urls=[c.nats_url], prefix=c.prefix), "vllm-wait")
-    last: RoutingEndpoints | None = None
-    try:
-
-        async def listed() -> RoutingEndpoints | None:
-            nonlocal last
-            kv = await nc.jetstream().key_value(Subjects(c.prefix).bucket_routing)
-            last, _ = await bus.kv_get(kv, ROUTING_ENDPOINTS, RoutingEndpoints)
-            return last if last is not None and len(last.endpoints.get(model, ())) == count else None
-
-        try:
-            got = await eventually(
-                listed,
-                timeout=timeout,
-                every=0.5,
-                what=f"{count} endpoint(s) of {model}",
-                tolerate=BUS_ERRORS,
-            )
-        except AssertionError as e:
-            why = last.unavailable.get(model) if last else "no table"
-            raise AssertionError(f"{e} ({why})\n{c.diagnostics()}") from None
-        assert got is not None
-        return got
-    finally:
-        await nc.close()
+    """The routing table once it lists exactly ``count`` endpoints for ``model`` (a vLLM start's time)."""
+    return await routing_table(c, model, count, timeout, every=0.5)
 
 
 @contextlib.asynccontextmanager
