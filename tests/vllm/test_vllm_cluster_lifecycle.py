@@ -52,12 +52,13 @@ async def test_drain_moves_vllm_replicas_without_a_failed_request(cluster: tuple
     async def traffic() -> None:
         # Paced, not back to back: requests one after another kept node-a's replica busy on the core
         # its replacement starts on, and the replacement took 465 s to serve on an idle box (7.5
-        # minutes at load 13). Four a second still cover every moment of the move.
+        # minutes at load 13). Two a second still cover every moment of the move (each costs the
+        # engine a fifth of a core: four a second were most of one, on a box the whole suite shares).
         async with async_client(timeout=120) as http:
             while not stop.is_set():
                 statuses.append((await _chat(http, c.router_url(), key, "gemma")).status_code)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 0.25)
+                    await asyncio.wait_for(stop.wait(), 0.5)
 
     try:
         old = await eventually(lambda: view.engine_pids("node-b"), timeout=10, what="node-b's engines")

@@ -80,7 +80,7 @@ class ClusterStage:
             raise
         self.boots += 1
         print(
-            f"vllm stage: cluster {self.boots} serving {replica_counts(catalog)} {time.monotonic() - t0:.1f} s after start"
+            f"vllm stage: cluster {self.boots} serving {wanted} of {replica_counts(catalog)} {time.monotonic() - t0:.1f} s after start"
         )
 
     def engine_url(self, model: str) -> str:
