@@ -6,20 +6,21 @@ reconcile loop, the lease, ingest, the writers, the responders: the rest of ``ll
 talks to NATS. The import-linter contract "The control plane's decisions do no I/O" (pyproject.toml)
 keeps this package from importing ``nats``, ``asyncio``, ``llmgw_runtime.bus`` or those runtime modules.
 
-The pipeline, in the order a pass runs it:
+One pass is ``schedule.schedule(snapshot, memo, inputs, policy)``; what it remembers for the next is
+one ``SchedulerMemo``. Its stages, in order:
 
-1. ``snapshot``: the immutable view of the cluster a pass decides over (nodes, GPUs, replicas, catalog).
-2. ``phase``: each replica's phase (``replica_status``) and whether it is routed (``serving``), judged
-   once per snapshot.
-3. ``reconciler`` (``reconcile``; per model ``reconcile_model``, in one pass's state ``reconcile_pass``,
-   ports from ``ports``) and ``placement`` (``place``: where a replica fits, and why not).
-4. ``plan``: what the pass decided (place, stop, drain, unplaceable, backoff) and its memo; ``routing``:
-   the routing table's content from the snapshot and the reconciler's reasons.
+1. ``scaling`` (scale to zero by idleness, from ``idle``; back up on a wake) and ``loadscale``
+   (following the load, from ``demand``): each scaling model's wanted count.
+2. ``reconciler`` (``reconcile``; per model ``reconcile_model``, in one pass's state ``reconcile_pass``,
+   ports from ``ports``) over ``snapshot``, each replica's phase judged once by ``phase``
+   (``replica_status``; routed or not: ``serving``), placing with ``placement`` (``place``: where a
+   replica fits, and why not): the ``plan`` (place, stop, drain, unplaceable, backoff).
+3. ``drains``: a stop of a replica that still serves waits until routers hold nothing on it.
+4. ``eviction`` (``make_room``): stops that make room for what placement could not place; its room is
+   placed on the next pass.
 
-Scaling, beside it: ``scaling`` (scale to zero by idleness, from ``idle``), ``loadscale`` (following the
-load, from ``demand``), ``eviction`` (what to stop so a wanted replica fits) and ``autoscale`` (the
-memo, wakes and evictions across passes).
-
-Wakes and events: ``wake_decisions`` (``WakeBook``, ``wake_answer``) and ``event_detection``
+Beside the pass: ``routing`` (the routing table's content from the snapshot and the plan's reasons),
+``autoscale`` (``Autoscaler``: the wakes and demand a pass reads, what it decided, for ``ctl status``
+and events), ``wake_decisions`` (``WakeBook``, ``wake_answer``) and ``event_detection``
 (``EventDetector``: the transitions the runtime publishes as events).
 """
