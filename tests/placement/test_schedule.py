@@ -112,3 +112,18 @@ def test_a_handover_no_router_reports_on_is_stopped_once_settled() -> None:
     _, memo = _stops(SchedulerMemo(), NOW, UNKNOWN)
     stops, _ = _stops(memo, NOW + 3, UNKNOWN)
     assert stops == ["m-0: drained: a replacement serves"]
+
+
+def test_a_drained_replica_of_a_model_wanted_at_zero_is_no_handover() -> None:
+    # Nothing serves instead, so the routing table never flags it (a model keeps one unflagged
+    # endpoint) and routers keep sending it requests: a handover would wait out the whole grace.
+    s = make_snap(
+        [node("n1", n_gpus=1, draining=True)],
+        [on("m-0", "m", "n1", 0)],
+        [gpu_model("m", floor=None, replicas=0)],
+        now=NOW,
+    )
+    out = schedule(s, SchedulerMemo(), PassInputs(idle=lookup({"m-0": BUSY})), Policy(drain_grace_s=60.0))
+    assert [(x.replica_id, x.reason, x.handover) for x in out.plan.stop] == [
+        ("m-0", "drained: 0 replicas wanted", False)
+    ]

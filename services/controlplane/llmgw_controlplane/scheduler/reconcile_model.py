@@ -50,6 +50,10 @@ def reconcile_model(
                 p.stop.append(StopReplica(d.replica.id, name, "draining and not serving"))
             elif keep > 0:
                 keep -= 1
+            elif serving == 0:
+                # Nothing serves instead (the model is wanted at 0): the routing table keeps it unflagged
+                # (a model is never left with only flagged endpoints), so no handover could end.
+                p.stop.append(StopReplica(d.replica.id, name, f"drained: {desired} replicas wanted"))
             elif d.rolling:
                 p.stop.append(
                     StopReplica(d.replica.id, name, "rolled: its replacement serves", handover=True)
