@@ -15,11 +15,10 @@ EngineCore (the Worker runs inside it: ``ONE_WORKER_ARGS``) and a resource track
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -248,47 +247,11 @@ def start_vllm(
     return VllmServer(proc=proc, port=port, model=served, log=log, started=time.monotonic())
 
 
-@contextlib.contextmanager
-def running_vllm(
-    install: VllmInstall,
-    model_dir: Path,
-    log_dir: Path,
-    *,
-    name: str | None = None,
-    cores: str = "0",
-    args: Sequence[str] = (),
-    pooling: bool = False,
-) -> Iterator[VllmServer]:
-    """A ready server for the block (sync: for module- or session-scoped fixtures), stopped after it
-    with its whole group."""
-    server = start_vllm(install, model_dir, log_dir, name=name, cores=cores, args=args, pooling=pooling)
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
-
-
 def _health(url: str) -> bool:
     try:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def vllm_engine_processes() -> list[int]:
-    """Every live EngineCore or Worker on the machine (vLLM names them by setproctitle)."""
-    out = []
-    for p in psutil.process_iter(["pid", "name", "cmdline", "status"]):
-        try:
-            if p.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            title = " ".join(p.info["cmdline"] or ()) or (p.info["name"] or "")
-        except psutil.Error:
-            continue
-        if "EngineCore" in title or "VLLM::Worker" in title or "VllmWorker" in title:
-            out.append(p.pid)
-    return out
 
 
 def descendants(pid: int) -> list[int]:
