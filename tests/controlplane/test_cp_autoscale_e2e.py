@@ -60,8 +60,11 @@ async def test_a_load_step_scales_1_to_3_and_back_to_1_with_no_failed_request(
 ) -> None:
     c, key = cluster
     view = await BusView.connect(c.nats_url, c.prefix)
-    base = Traffic(c.router_url(), key, clients=1, max_tokens=24, timeout_s=60, verify=True).start()
-    burst = Traffic(c.router_url(), key, clients=5, max_tokens=24, timeout_s=60, verify=True)
+    # Back to back (no pause): the load in flight is what the autoscaler follows.
+    base = Traffic(
+        c.router_url(), key, clients=1, max_tokens=24, timeout_s=60, verify=True, pause_s=0
+    ).start()
+    burst = Traffic(c.router_url(), key, clients=5, max_tokens=24, timeout_s=60, verify=True, pause_s=0)
     try:
         # The base load (1 in flight, target 2 per replica) keeps 1 replica.
         await base.run_for(4.0)

@@ -42,27 +42,59 @@ async def _chat(http: httpx.AsyncClient, base: str, key: str, model: str) -> htt
     )
 
 
+# While the replacement starts, a request every 2 s; from the moment its engine answers /health (a
+# second or two before the routing table flags node-b's replica draining) until node-b is empty, two
+# clients back to back. Each request costs the engine about 0.45 s of CPU (idle box, 4 tokens): two a
+# second throughout were 300 requests, about 130 s of the cores the replacement starts on.
+SPARSE_PAUSE_S = 2.0
+DENSE_CLIENTS = 2
+
+
+async def _replacement_answers(http: httpx.AsyncClient, view: BusView, old: set[str]) -> bool:
+    """A gemma replica on node-a that was not there before the drain answers /health."""
+    hb = view.heartbeats.get("node-a")
+    ports = [s.port for s in (hb.shards if hb else ()) if s.model == "gemma" and s.replica_id not in old]
+    for port in ports:
+        if port is None:
+            continue
+        with contextlib.suppress(httpx.HTTPError):
+            if (await http.get(f"http://127.0.0.1:{port}/health", timeout=1)).status_code == 200:
+                return True
+    return False
+
+
 async def test_drain_moves_vllm_replicas_without_a_failed_request(cluster: tuple[VllmCluster, str]) -> None:
     c, key = cluster
     await endpoints(c, "gemma", 2)
     view = await BusView.connect(c.nats_url, c.prefix)
     statuses: list[int] = []
+    dense_at: list[int] = []  # how many requests had been answered when the dense phase began
     stop = asyncio.Event()
+    dense = asyncio.Event()
 
-    async def traffic() -> None:
-        # Paced, not back to back: requests one after another kept node-a's replica busy on the core
-        # its replacement starts on, and the replacement took 465 s to serve on an idle box (7.5
-        # minutes at load 13). Two a second still cover every moment of the move (each costs the
-        # engine a fifth of a core: four a second were most of one, on a box the whole suite shares).
+    async def client(n: int) -> None:
         async with async_client(timeout=120) as http:
+            if n > 0:
+                await dense.wait()
             while not stop.is_set():
                 statuses.append((await _chat(http, c.router_url(), key, "gemma")).status_code)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 0.5)
+                if not dense.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(dense.wait(), SPARSE_PAUSE_S)
 
+    async def watch(old: set[str]) -> None:
+        async with async_client(timeout=2) as http:
+            while not await _replacement_answers(http, view, old):
+                await asyncio.sleep(0.25)
+        dense_at.append(len(statuses))
+        dense.set()
+
+    tasks: list[asyncio.Task[None]] = []
     try:
         old = await eventually(lambda: view.engine_pids("node-b"), timeout=10, what="node-b's engines")
-        task = asyncio.create_task(traffic())
+        before_a = {rid for rid, _ in view.engine_pids("node-a")}
+        tasks = [asyncio.create_task(client(n)) for n in range(DENSE_CLIENTS)]
+        tasks.append(asyncio.create_task(watch(before_a)))
         t0 = time.monotonic()
         # A grace longer than any start: on a box loaded to 13 the replacement took 7.5 minutes, and a
         # drain whose grace runs out stops the old replica before its replacement serves. The wait
@@ -84,13 +116,20 @@ async def test_drain_moves_vllm_replicas_without_a_failed_request(cluster: tuple
             raise AssertionError(f"{e}\n{c.diagnostics()}") from None
         took = time.monotonic() - t0
         stop.set()
-        await task
+        await asyncio.gather(*tasks)
         assert statuses and set(statuses) == {200}, statuses
+        # The handover itself had traffic: the dense phase began before node-b emptied.
+        assert dense_at and len(statuses) > dense_at[0] + DENSE_CLIENTS, (dense_at, len(statuses))
         print(
-            f"vllm drain: node-b's replicas {sorted(old)} replaced and stopped in {took:.1f} s, {len(statuses)} ok"
+            f"vllm drain: node-b's replicas {sorted(old)} replaced and stopped in {took:.1f} s, "
+            f"{len(statuses)} ok ({len(statuses) - dense_at[0]} from the replacement's first /health on)"
         )
     finally:
         stop.set()
+        dense.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await c.ctl("uncordon", "node-b")
         await view.close()
     await endpoints(c, "gemma", 2)
