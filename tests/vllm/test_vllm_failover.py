@@ -1,8 +1,10 @@
 """A stream cut by SIGKILL continues on the other replica, with real vLLM.
 
-The last of the vLLM modules (they run in name order on one worker): the killed replica's replacement
-would be a vLLM start (about a minute of a core) that no later test needs, so none waits for it and
-the session's cluster stops with it. Gemma on two replicas, the catalog the lifecycle module leaves.
+The last of the vLLM modules (they run in name order on one worker), on gemma's two replicas (the
+catalog the lifecycle module leaves). Both nodes are cordoned for the test: the killed replica's
+replacement would be a vLLM start (about 55 s of CPU) that no test needs, and a cordon only stops new
+placements. The nodes are uncordoned after it, so a test run after this one still gets its replicas
+(the stage waits for them).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from llmgw_runtime.ctl_client import CtlClient
 from tests.chaos.chaos_bus import BusView
 from tests.http_clients import async_client
 from tests.kit.poll import eventually
@@ -58,7 +61,10 @@ async def test_stream_cut_by_sigkill_continues_on_the_other_replica(cluster: tup
     done = 0
     killed_at: float | None = None
     victim: str | None = None
+    ctl = CtlClient(view.nc, c.prefix, timeout=10)
     try:
+        for node in NODES:
+            await ctl.cordon(node)
         async with async_client(timeout=httpx.Timeout(180, connect=5)) as http:
             async with chat_stream(http, c, key, body) as lines:
                 async for line in lines:
@@ -75,6 +81,8 @@ async def test_stream_cut_by_sigkill_continues_on_the_other_replica(cluster: tup
                         os.killpg(pid, signal.SIGKILL)
                         killed_at = time.monotonic()
     finally:
+        for node in NODES:
+            await ctl.uncordon(node)
         await loads.close()
         await view.close()
     assert killed_at is not None, f"the stream ended before the kill: {_text(events)!r}"
@@ -96,9 +104,6 @@ async def test_stream_cut_by_sigkill_continues_on_the_other_replica(cluster: tup
     ]
     assert after, "no text after the kill"
     print(f"vllm failover: first text {after[0] - killed_at:.2f} s after the SIGKILL of {victim}")
-    # The killed replica's replacement is not waited for: this module is the session's last (name
-    # order), and its cluster stops with the start under way. A test run after it that needs two
-    # gemmas waits for the replacement (the stage's wait for the same catalog).
 
 
 def _text(events: list[tuple[float, dict[str, Any]]]) -> str:
