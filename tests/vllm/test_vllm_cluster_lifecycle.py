@@ -65,7 +65,9 @@ async def _replacement_answers(http: httpx.AsyncClient, view: BusView, old: set[
 
 async def test_drain_moves_vllm_replicas_without_a_failed_request(cluster: tuple[VllmCluster, str]) -> None:
     c, key = cluster
-    await endpoints(c, "gemma", 2)
+    # The replicas before the drain, from the routing table (not from heartbeats, which a view just
+    # connected may not have heard yet: every replica would then look new).
+    serving = {e.replica_id for e in (await endpoints(c, "gemma", 2)).endpoints["gemma"]}
     view = await BusView.connect(c.nats_url, c.prefix)
     statuses: list[int] = []
     dense_at: list[int] = []  # how many requests had been answered when the dense phase began
@@ -83,18 +85,21 @@ async def test_drain_moves_vllm_replicas_without_a_failed_request(cluster: tuple
                         await asyncio.wait_for(dense.wait(), SPARSE_PAUSE_S)
 
     async def watch(old: set[str]) -> None:
+        # Ends with the test too: a replacement never seen answering fails the assertion below, not
+        # a wait that never ends.
         async with async_client(timeout=2) as http:
-            while not await _replacement_answers(http, view, old):
+            while not stop.is_set():
+                if await _replacement_answers(http, view, old):
+                    dense_at.append(len(statuses))
+                    dense.set()
+                    return
                 await asyncio.sleep(0.25)
-        dense_at.append(len(statuses))
-        dense.set()
 
     tasks: list[asyncio.Task[None]] = []
     try:
         old = await eventually(lambda: view.engine_pids("node-b"), timeout=10, what="node-b's engines")
-        before_a = {rid for rid, _ in view.engine_pids("node-a")}
         tasks = [asyncio.create_task(client(n)) for n in range(DENSE_CLIENTS)]
-        tasks.append(asyncio.create_task(watch(before_a)))
+        tasks.append(asyncio.create_task(watch(serving)))
         t0 = time.monotonic()
         # A grace longer than any start: on a box loaded to 13 the replacement took 7.5 minutes, and a
         # drain whose grace runs out stops the old replica before its replacement serves. The wait
@@ -116,12 +121,15 @@ async def test_drain_moves_vllm_replicas_without_a_failed_request(cluster: tuple
             raise AssertionError(f"{e}\n{c.diagnostics()}") from None
         took = time.monotonic() - t0
         stop.set()
+        dense.set()  # a dense client still waiting for its phase ends (dense_at says if it began)
         await asyncio.gather(*tasks)
         assert statuses and set(statuses) == {200}, statuses
-        # The handover itself had traffic: the dense phase began before node-b emptied and a request
-        # was answered in it. Not more: on a loaded CI box one 4-token chat took over 3 s, and a run
-        # saw 2 answers between the replacement's first /health and node-b empty.
-        assert dense_at and len(statuses) > dense_at[0], (dense_at, len(statuses))
+        # Both phases had traffic: requests were answered while the replacement started (the dense
+        # phase did not begin at once, on a replica mistaken for the replacement), and the handover's
+        # dense phase began before node-b emptied and had an answer. Not more: on a loaded CI box one
+        # 4-token chat took over 3 s, and a run saw 2 answers between the replacement's first /health
+        # and node-b empty.
+        assert dense_at and 0 < dense_at[0] < len(statuses), (dense_at, len(statuses))
         print(
             f"vllm drain: node-b's replicas {sorted(old)} replaced and stopped in {took:.1f} s, "
             f"{len(statuses)} ok ({len(statuses) - dense_at[0]} from the replacement's first /health on)"
