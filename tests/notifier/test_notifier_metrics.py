@@ -83,10 +83,11 @@ async def test_deliveries_failed_attempts_lag_and_oldest_undelivered(
         async def all_delivered() -> str | None:
             text = await scrape(port)
             done = value(text, "llmgw_notifier_deliveries_total", outcome="delivered") == 2
-            return text if done else None
+            # Counted at the receiver's 2xx; no longer held once the ack's flush returns, a moment later.
+            acked = value(text, "llmgw_notifier_oldest_undelivered_seconds", target=tid) == 0
+            return text if done and acked else None
 
-        text = await eventually(all_delivered, what="both events delivered in the metrics")
-        assert value(text, "llmgw_notifier_oldest_undelivered_seconds", target=tid) == 0
+        text = await eventually(all_delivered, what="both events delivered and acked in the metrics")
         assert value(text, "llmgw_notifier_delivery_lag_seconds_count") == 2
         assert value(text, "llmgw_notifier_deliveries_total", outcome="gave_up") == 0
         # The target is named by its id, never by its URL (a Slack URL is a credential).

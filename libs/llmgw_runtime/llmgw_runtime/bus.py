@@ -276,8 +276,39 @@ async def sent(nc: NATS, timeout: int = 10) -> None:
     has registered a subscription made just before it (seen under load: a message published right
     after was never delivered). The second PING goes out after the flusher has run.
     """
-    await nc.flush(timeout)
-    await nc.flush(timeout)
+    await flush(nc, timeout)
+    await flush(nc, timeout)
+
+
+# A flush's PONG is awaited this long in its own task, whatever the caller's timeout: see flush().
+_PONG_WAIT_S = 60
+_flushes: set[asyncio.Task[None]] = set()
+
+
+def _settled(t: asyncio.Task[None]) -> None:
+    _flushes.discard(t)
+    if not t.cancelled():
+        t.exception()  # retrieved: the caller that wanted it may be gone
+
+
+async def flush(nc: NATS, timeout: float = 10) -> None:
+    """``nc.flush(timeout)`` that may be cancelled or time out without breaking the connection.
+
+    nats-py sets the result of a flush's future when the server's PONG arrives. If that future was
+    cancelled first (the caller's task cancelled mid-flush, or the flush's own timeout, which cancels
+    it) the PONG raises InvalidStateError in the client's read loop and the loop ends: the client still
+    reports itself connected but reads nothing, replies and PONGs included, until the stale-ping check
+    reconnects it seconds later (seen: a control plane cancelled inside a flush gave its lease up 10 s
+    late). So the PING is awaited in a task of its own that neither the caller's cancel nor its
+    timeout reaches, and the caller waits for that task.
+    """
+    t = asyncio.ensure_future(nc.flush(_PONG_WAIT_S))
+    _flushes.add(t)
+    t.add_done_callback(_settled)
+    try:
+        await asyncio.wait_for(asyncio.shield(t), timeout)
+    except TimeoutError:
+        raise nats.errors.FlushTimeoutError from None
 
 
 async def kv_get(kv: KeyValue, key: str, cls: type[M], drops: DropLog | None = None) -> tuple[M | None, int]:

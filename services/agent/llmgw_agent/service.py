@@ -41,7 +41,7 @@ from llmgw_common.messages import (
     ShardStatus,
 )
 from llmgw_common.subjects import Subjects, check_token
-from llmgw_runtime.bus import DropLog, connect_unless_stopped, ensure_kv
+from llmgw_runtime.bus import DropLog, connect_unless_stopped, ensure_kv, flush
 from llmgw_runtime.kv_follower import KvFollower
 from llmgw_runtime.runtime import cancel_and_wait, until_stopped
 
@@ -196,7 +196,7 @@ class Agent:
                 next_heartbeat = loop.time() + self.s.heartbeat_interval_s
             await self._inventory_if_due(self.clock())
             with contextlib.suppress(nats.errors.Error, TimeoutError):
-                await self.nc.flush(timeout=1)
+                await flush(self.nc, timeout=1)
             await asyncio.sleep(max(0.0, self.s.load_interval_s - (loop.time() - started)))
 
     # ---------------------------------------------------------------- assignment
@@ -310,7 +310,7 @@ class Agent:
             await self.supervisor.stop_all()
             await self._publish(self.subjects.heartbeat(self.s.node), self.heartbeat())
             with contextlib.suppress(nats.errors.Error, TimeoutError):
-                await self.nc.flush(timeout=1)
+                await flush(self.nc, timeout=1)
             await self.supervisor.aclose()
             await self._scrape.aclose()
 

@@ -49,7 +49,7 @@ from llmgw_notifier.posting import post_until_taken
 from llmgw_notifier.settings import NotifierSettings
 from llmgw_notifier.start_gate import StartGate
 from llmgw_notifier.stats import NotifierStats
-from llmgw_runtime.bus import DropLog
+from llmgw_runtime.bus import DropLog, flush
 from llmgw_runtime.runtime import cancel_and_wait
 
 log = logging.getLogger("llmgw.notifier.delivery")
@@ -247,7 +247,7 @@ class TargetWorker:
                 # The acks must reach the server before the next message goes out: a crash then repeats
                 # only the message in flight. A failed flush leaves them buffered for the reconnect.
                 with contextlib.suppress(nats.errors.Error, TimeoutError):
-                    await self.nc.flush(timeout=5)
+                    await flush(self.nc, timeout=5)
                 for seq in part.seqs:
                     self.held.pop(seq, None)
                     self.msgs.pop(seq, None)
@@ -332,4 +332,4 @@ class TargetWorker:
         self.held.clear()
         self.msgs.clear()
         with contextlib.suppress(nats.errors.Error, TimeoutError):
-            await self.nc.flush(timeout=2)
+            await flush(self.nc, timeout=2)

@@ -245,7 +245,7 @@ class Router:
         await self.nc.publish(self.subjects.idle(rid), encode(idle))
         await self.nc.publish(self.subjects.usage(rid), encode(self.ctx.usage.report(rid, now)))
         await self.nc.publish(self.subjects.demand(rid), encode(self.demand.report(rid, now)))
-        await self.nc.flush(timeout=2)
+        await bus.flush(self.nc, timeout=2)
 
     def _on_usage(self, report: UsageReport, _: Msg) -> None:
         self.ctx.quota.on_report(report, self.ctx.clock())
