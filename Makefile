@@ -22,12 +22,12 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy
-	$(PY) -X dev -m pytest -n 3 --dist loadgroup -q -rfER --durations=20
+	$(PY) -m pytest -n 3 --dist loadgroup -q -rfER --durations=20
 
 # The inner loop: everything but the tests that start whole clusters or real engines (e2e) or take
 # long (slow); lint and types are `make lint typecheck`.
 test-fast: $(STAMP)
-	$(PY) -X dev -m pytest -n 2 --dist loadgroup -q -m "not e2e and not slow"
+	$(PY) -m pytest -n 2 --dist loadgroup -q -m "not e2e and not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -14,11 +14,10 @@ from tests.loopguard import BlockedLoopGuard
 
 ensure_on_path()
 
-# The services the suite starts as processes run as they run in production: not in asyncio's debug
-# mode, which `PYTHONASYNCIODEBUG` would pass down to every one of them (the suite's own loops are in it
-# by -X dev and pyproject's asyncio_debug). In debug mode each task and handle records the stack it was
-# made at: an operator and chaos subset took 28 % more CPU with it (152 s against 110 s), on a 2-core
-# box whose full run is CPU-bound.
+# Nothing runs in asyncio's debug mode, which `PYTHONASYNCIODEBUG` would pass down to every process the
+# suite starts: the services run as in production. In debug mode each task and handle records the stack
+# it was made at: an operator and chaos subset took 28 % more CPU with it (152 s against 110 s), on a
+# 2-core box whose full run is CPU-bound. The suite's own loops are checked by the loop guard instead.
 os.environ.pop("PYTHONASYNCIODEBUG", None)
 
 

@@ -1,10 +1,11 @@
-"""The suite runs its event loops in asyncio debug mode (pyproject: ``asyncio_debug``).
+"""The suite's event loops: not in asyncio's debug mode (pyproject: ``asyncio_debug = false``), and
+checked by the loop guard (tests/loopguard.py, autouse in tests/conftest.py) instead.
 
-pytest-asyncio makes its own loops and sets their debug mode from its option alone (-X dev in `make
-test` does not reach them), so without ``asyncio_debug = true`` the tests' loops do not report
-never-awaited coroutines, callbacks that block the loop, or non-threadsafe calls from a thread. The
-services the suite starts as processes are not in debug mode (tests/conftest.py): they run as in
-production, at about three quarters of debug mode's CPU.
+Debug mode records, for every task, handle and coroutine, the stack it was made at: the services a test
+runs in-process cost about a third more CPU in it, on 2-core boxes whose full run is CPU-bound. What it
+was on for, the guard does: it fails a test whose own step held the loop too long, and refuses a call
+into a loop from a thread that does not run it. The services the suite starts as processes are not in
+debug mode either (tests/conftest.py): they run as in production.
 """
 
 from __future__ import annotations
@@ -25,24 +26,13 @@ async def fixture_loop_debug() -> AsyncIterator[bool]:
     yield asyncio.get_running_loop().get_debug()
 
 
-async def test_a_test_loop_runs_in_debug_mode() -> None:
-    assert asyncio.get_running_loop().get_debug()
-
-
-async def test_an_async_fixture_loop_runs_in_debug_mode(fixture_loop_debug: bool) -> None:
-    assert fixture_loop_debug
-
-
-@pytest.mark.asyncio(loop_scope="module")
-async def test_a_module_scoped_loop_runs_in_debug_mode() -> None:
-    # Each loop scope has its own runner fixture: the option reaches all of them, not only the default.
-    assert asyncio.get_running_loop().get_debug()
+async def test_a_test_loop_and_a_fixture_loop_run_without_debug_mode(fixture_loop_debug: bool) -> None:
+    assert not asyncio.get_running_loop().get_debug()
+    assert not fixture_loop_debug
 
 
 def _run_a_blocking_step(seconds: float, *, in_a_test: bool = True) -> None:
     loop = asyncio.new_event_loop()
-    loop.set_debug(True)
-    loop.slow_callback_duration = 0.01
 
     # What a blocking helper called on the loop does, in a test's task or in another one.
     async def test_blocks() -> None:
@@ -61,12 +51,25 @@ def _run_a_blocking_step(seconds: float, *, in_a_test: bool = True) -> None:
 def test_the_loop_guard_catches_a_tests_step_over_its_limit_only() -> None:
     # The suite's autouse guard (tests/conftest.py) fails a test with what this one collects.
     with BlockedLoopGuard(0.15).watching() as guard:
-        _run_a_blocking_step(0.05)  # logged by asyncio (over 0.01 s) but under the guard's limit
+        _run_a_blocking_step(0.05)  # under the guard's limit
         _run_a_blocking_step(0.3, in_a_test=False)  # the code under test's CPU work, not the test's
         assert guard.steps == []
         _run_a_blocking_step(0.3)
     assert len(guard.steps) == 1 and "test_blocks()" in guard.steps[0], guard.steps
     assert "blocked for more than 0.15 s in 1 step(s)" in guard.report()
+    _run_a_blocking_step(0.3)  # no longer watched
+    assert len(guard.steps) == 1
+
+
+async def test_the_loop_guard_refuses_a_call_into_the_loop_from_another_thread() -> None:
+    loop = asyncio.get_running_loop()
+    ran = asyncio.Event()
+    with pytest.raises(RuntimeError, match="Non-thread-safe operation"):
+        await asyncio.to_thread(loop.call_soon, ran.set)
+    with pytest.raises(RuntimeError, match="Non-thread-safe operation"):
+        await asyncio.to_thread(loop.call_later, 0.01, ran.set)
+    await asyncio.to_thread(loop.call_soon_threadsafe, ran.set)  # the way that is safe
+    await asyncio.wait_for(ran.wait(), 5)
 
 
 def test_a_process_the_suite_starts_runs_without_asyncio_debug() -> None:
