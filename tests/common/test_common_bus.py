@@ -223,6 +223,47 @@ async def test_stop_ends_a_loop_that_swallowed_a_cancel(nats_server: NatsServer,
         await nc.close()
 
 
+async def test_kv_keys_lists_from_the_streams_info_every_page_and_no_consumer(
+    nats_server: NatsServer, prefix: str
+) -> None:
+    """bus.kv_keys lists a bucket from its stream's info, not with nats-py's consumer scan, whose end
+    marker can come before the values (nats.py #842: a listing of none of 31 keys was seen). No consumer is
+    created, and a bucket with more keys than one answer holds (100,000) is listed whole."""
+    s = BusSettings(nats_urls=[nats_server.url], prefix=prefix)
+    nc = await bus.connect(s, "t", wait=False)
+    try:
+        kv = await bus.ensure_kv(nc.jetstream(), f"{prefix}_many")
+        n = 100_050
+        for i in range(n):  # core publishes into the bucket's stream: a second, not 100,050 acks
+            await nc.publish(f"$KV.{prefix}_many.k{i}", b"v")
+        await nc.flush()
+        await eventually(
+            lambda: _messages(nc, f"KV_{prefix}_many", n),
+            timeout=20.0,
+            what="the bucket's 100,050 keys stored",
+        )
+        await kv.delete("k7")
+        seen: list[str] = []
+
+        async def note(m: Msg) -> None:
+            seen.append(m.subject)
+
+        spy = await nc.subscribe("$JS.API.>", cb=note)
+        keys = await bus.kv_keys(kv)
+        await nc.flush()
+        await spy.unsubscribe()
+        assert len(keys) == len(set(keys)) == n
+        assert set(keys) == {f"k{i}" for i in range(n)}  # k7 too: a deleted key's marker is a message
+        assert seen == [f"$JS.API.STREAM.INFO.KV_{prefix}_many"] * 2, seen  # two pages, no consumer
+        assert await bus.kv_keys(await bus.ensure_kv(nc.jetstream(), f"{prefix}_none")) == []
+    finally:
+        await nc.close()
+
+
+async def _messages(nc: nats.NATS, stream: str, n: int) -> bool:
+    return (await nc.jetstream().stream_info(stream)).state.messages >= n
+
+
 async def test_leader_reads_go_to_the_stream_leader_and_read_what_was_written(
     nats_server: NatsServer, prefix: str
 ) -> None:
@@ -246,7 +287,7 @@ async def test_leader_reads_go_to_the_stream_leader_and_read_what_was_written(
         spy = await nc.subscribe("$JS.API.>", cb=note)
         kv = bus.leader_reads(plain)
         assert sorted(await kv.keys()) == ["a", "b", "gone"]  # a deleted key is listed...
-        assert sorted(await bus.kv_keys(plain)) == ["a", "b"]
+        assert sorted(await bus.kv_keys(plain)) == ["a", "b", "gone"]
         assert (await kv.get("b")).value == b"3"
         with pytest.raises(nats.js.errors.KeyNotFoundError):
             await kv.get("gone")  # ...and read as absent

@@ -222,8 +222,8 @@ class Counted:
     def __init__(self, kv: KeyValue) -> None:
         self.kv, self.now, self.most = kv, 0, 0
 
-    async def keys(self) -> list[str]:
-        return await self.kv.keys()
+    def __getattr__(self, name: str) -> object:  # the listing (bus.kv_keys) reads the bucket's stream
+        return getattr(self.kv, name)
 
     async def get(self, key: str) -> KeyValue.Entry:
         self.now += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
@@ -172,9 +173,7 @@ class LeaderReads(KeyValue):
     as absent, as ``get`` says of deleted keys."""
 
     async def keys(self, filters: list[str] | None = None, **kwargs: object) -> list[str]:
-        info = await self._js.stream_info(self._stream, subjects_filter=f"{self._pre}>")
-        n = len(self._pre)
-        keys = [s[n:] for s in (info.state.subjects or {})]
+        keys = await kv_keys(self)
         if filters:
             keys = [k for k in keys if any(f in k for f in filters)]
         if not keys:
@@ -328,7 +327,29 @@ async def kv_get(kv: KeyValue, key: str, cls: type[M], drops: DropLog | None = N
 
 
 async def kv_keys(kv: KeyValue) -> list[str]:
-    try:
-        return list(await kv.keys())
-    except NoKeysError:
-        return []
+    """Every key of ``kv`` with a message in its stream, a deleted key's marker included (a caller reads
+    each key, and a get says a deleted key is absent).
+
+    From the stream's info (``$JS.API.STREAM.INFO`` with a subjects filter: the stream's leader answers
+    with every subject it holds), not nats-py's ``kv.keys()``: that scans with an ordered consumer and
+    stops at an end-of-values marker which can come before the values (nats.py #842) — a listing of none
+    of a bucket's 31 keys was seen in a test. A short listing made ``keys revoke`` say a key did not
+    exist, and would have let a restarting router read none of its month's usage (its budgets reset).
+    The same permission a role needs to bind the bucket covers it; no consumer is created."""
+    return await stream_subjects(kv._js, kv._stream, kv._pre)
+
+
+async def stream_subjects(js: JetStreamContext, stream: str, pre: str) -> list[str]:
+    """The subjects under ``pre`` holding a message in ``stream``, ``pre`` cut off, every page of them
+    (the server answers at most ``limit`` subjects at a time: 100,000 in nats-server 2.15)."""
+    out: list[str] = []
+    while True:
+        req = {"subjects_filter": f"{pre}>", "offset": len(out)}
+        resp = await js._api_request(
+            f"{js._prefix}.STREAM.INFO.{stream}", json.dumps(req).encode(), js._timeout
+        )
+        page = (resp.get("state") or {}).get("subjects") or {}
+        n = len(pre)
+        out += (s[n:] for s in page)
+        if not page or len(out) >= int(resp.get("total") or 0):
+            return out

@@ -38,6 +38,7 @@ from nats.js.kv import KeyValue
 
 from llmgw_common.codec import DecodeError, decode
 from llmgw_common.messages import UsageHour
+from llmgw_runtime import bus
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +141,7 @@ async def read_hours(kv: KeyValue, since: float = 0.0) -> list[UsageHour]:
     time, not one by one: a router's start waits for its month's ledger (its budgets) before serving.
     """
     first = hour_label(hour_start(since)) if since > 0 else ""
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return []
+    keys = await bus.kv_keys(kv)
     wanted = sorted(k for k in keys if key_hour(k) >= first)
     gate = asyncio.Semaphore(READ_CONCURRENCY)
 
