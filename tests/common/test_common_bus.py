@@ -7,6 +7,7 @@ from pathlib import Path
 import nats
 import nats.js.errors
 import pytest
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from llmgw_common.codec import encode
@@ -260,8 +261,9 @@ async def test_kv_keys_lists_from_the_streams_info_every_page_and_no_consumer(
         await nc.close()
 
 
-async def _messages(nc: nats.NATS, stream: str, n: int) -> bool:
-    return (await nc.jetstream().stream_info(stream)).state.messages >= n
+async def _messages(nc: NATS, stream: str, n: int) -> bool:
+    stored: int = (await nc.jetstream().stream_info(stream)).state.messages
+    return stored >= n
 
 
 async def test_leader_reads_go_to_the_stream_leader_and_read_what_was_written(
