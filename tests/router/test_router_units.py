@@ -335,16 +335,17 @@ def test_pool_keeps_live_state_across_unrelated_updates() -> None:
     assert p.by_key[("r1", "http://a:2")].in_flight == 0
 
 
-def test_pool_returns_withdrawn_endpoints_holding_answers_but_not_draining_ones() -> None:
+def test_pool_returns_withdrawn_endpoints_but_not_draining_ones() -> None:
     p = Pool()
-    p.set_endpoints(_eps(("r1", "http://a:1"), ("r2", "http://b:1"), ("r3", "http://c:1")))
-    a, b = p.by_key[("r1", "http://a:1")], p.by_key[("r2", "http://b:1")]
+    abc = (("r1", "http://a:1"), ("r2", "http://b:1"), ("r3", "http://c:1"))
+    p.set_endpoints(_eps(*abc))
+    a, b, c = (p.by_key[("r1", "http://a:1")], p.by_key[("r2", "http://b:1")], p.by_key[("r3", "http://c:1")])
     a.answers.add(cast(Any, object()))
     b.answers.add(cast(Any, object()))
     # Draining keeps an endpoint in the set: it finishes what it holds.
-    assert p.set_endpoints(_eps(("r1", "http://a:1"), ("r2", "http://b:1"), draining=frozenset({"r1"}))) == []
-    # r2 withdrawn with an answer in flight, r3 withdrawn idle: only r2 is returned.
-    assert p.set_endpoints(_eps(("r1", "http://a:1"), draining=frozenset({"r1"}))) == [b]
+    assert p.set_endpoints(_eps(*abc, draining=frozenset({"r1"}))) == []
+    # r2 withdrawn with an answer in flight, r3 withdrawn idle: both are returned, to be marked withdrawn.
+    assert p.set_endpoints(_eps(("r1", "http://a:1"), draining=frozenset({"r1"}))) == [b, c]
 
 
 def test_draining_endpoints_take_no_new_requests_and_load_reports_apply() -> None:

@@ -12,7 +12,7 @@ import pytest
 import uvloop
 
 from llmgw_router.upstream import UpstreamClient
-from llmgw_router.upstream_connection import Abortable, Aborted, ConnectFailed, Disconnected, ReadTimeout
+from llmgw_router.upstream_connection import Aborted, Answers, ConnectFailed, Disconnected, ReadTimeout
 from llmgw_sim import serving as sim_engine
 from llmgw_sim.options import SimOptions
 from tests.kit.poll import eventually
@@ -333,15 +333,40 @@ async def scenario_abort_while_the_head_is_awaited() -> None:
 
     srv, url = await _raw_server(silent)
     c = UpstreamClient(1.0, 30.0)
-    held: set[Abortable] = set()
+    held = Answers()
     try:
         post = asyncio.ensure_future(c.post(url, "/", b"{}", held=held))
         await eventually(lambda: held, timeout=2.0, every=0.01, what="the post to be held, abortable")
         assert len(held) == 1 and not post.done()
-        next(iter(held)).abort("withdrawn")
+        held.withdraw("withdrawn", 0.0)
         with pytest.raises(Aborted, match="withdrawn"):
             await asyncio.wait_for(post, 2.0)
         assert not held  # the attempt's handle is gone with it
+    finally:
+        await c.close()
+        await srv.close()
+
+
+async def scenario_an_attempt_that_reaches_a_withdrawn_endpoint_is_given_up() -> None:
+    """The endpoint left the routing table while an attempt that had picked it was still opening its
+    connection: the attempt is given up once the engine is silent, not left to wait out its read
+    timeout (30 s here; 600 s by default) on a node that vanished."""
+
+    async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        await r.read()
+
+    srv, url = await _raw_server(silent)
+    c = UpstreamClient(1.0, 30.0)
+    held = Answers()
+    assert held.withdraw("r1 was withdrawn", 0.2) == 0  # nothing in flight yet
+    try:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(Aborted, match="r1 was withdrawn"):
+            await asyncio.wait_for(c.post(url, "/", b"{}", held=held), 5.0)
+        assert 0.2 <= loop.time() - t0 < 2.0  # after the engine's silence, not at once
+        assert not held
     finally:
         await c.close()
         await srv.close()
@@ -357,6 +382,7 @@ SCENARIOS: list[Scenario] = [
     scenario_engine_closing_kept_alive_connections_at_random_never_stalls,
     scenario_slow_first_byte_then_a_stall_and_an_abort,
     scenario_abort_while_the_head_is_awaited,
+    scenario_an_attempt_that_reaches_a_withdrawn_endpoint_is_given_up,
 ]
 
 

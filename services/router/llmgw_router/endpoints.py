@@ -18,7 +18,7 @@ from llmgw_common.messages import Endpoint, LoadReport, RoutingEndpoints
 from llmgw_router.breaker import Breaker, BreakerState
 from llmgw_router.scheduling import stable_id
 from llmgw_router.stored import tag_of
-from llmgw_router.upstream_connection import Abortable
+from llmgw_router.upstream_connection import Answers
 
 # Weight of the newest sample in the latency average.
 EWMA_ALPHA = 0.2
@@ -58,7 +58,7 @@ class EndpointState:
         self.in_flight = 0
         # The attempts in flight to this endpoint, one handle each (the connection while the answer's head
         # is awaited, then the answer; removed in the attempt's ``finally``): aborted if it is withdrawn.
-        self.answers: set[Abortable] = set()
+        self.answers = Answers()
         self.breaker = breaker
         self.ewma_latency_s: float | None = None
         self.running: float | None = None
@@ -116,14 +116,14 @@ class Pool:
         self.profiles = {m.name: m for m in catalog.models}
 
     def set_endpoints(self, routing: RoutingEndpoints) -> list[EndpointState]:
-        """Replace the endpoints; return those withdrawn (in the old set, not the new) that hold answers."""
+        """Replace the endpoints; return those withdrawn (in the old set, not the new)."""
         old = self.by_key
         self._apply(routing.endpoints.values(), routing.unavailable)
         self.coming = dict(routing.coming)
         self.cold = frozenset(routing.cold)
         self.endpoints_version = routing.version
         self.table_read = True
-        return [st for k, st in old.items() if k not in self.by_key and st.answers]
+        return [st for k, st in old.items() if k not in self.by_key]
 
     def _apply(self, groups: Iterable[Iterable[Endpoint]], unavailable: dict[str, str]) -> None:
         by_key: dict[tuple[str, str], EndpointState] = {}

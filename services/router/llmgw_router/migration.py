@@ -153,22 +153,22 @@ def abort_withdrawn(gone: Iterable[EndpointState], silence_s: float) -> int:
     node that vanished without closing its connections (power loss, a partition, a frozen engine) would
     otherwise hold its streams until a read times out. Each aborted read raises ``Aborted``: a stream
     is continued on another endpoint (a migration), an answer not yet started is retried. An engine
-    still sending is let finish: a node cut off from the bus is withdrawn, yet may still answer us.
+    still sending is let finish: a node cut off from the bus is withdrawn, yet may still answer us. An
+    attempt that picked the endpoint before it left and reaches it after is given up the same way
+    (:class:`upstream_connection.Answers`).
     """
     n = 0
     for ep in gone:
-        held = list(ep.answers)  # each attempt removes its own in its finally
-        for up in held:
-            up.withdraw(f"{ep.replica_id} was withdrawn from the routing table", silence_s)
+        held = ep.answers.withdraw(f"{ep.replica_id} was withdrawn from the routing table", silence_s)
         if held:
             log.warning(
                 "%s (%s) withdrawn with %d answers in flight: each given up after %gs of silence",
                 ep.replica_id,
                 ep.url,
-                len(held),
+                held,
                 silence_s,
             )
-        n += len(held)
+        n += held
     return n
 
 

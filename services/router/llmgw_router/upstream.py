@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 
 from llmgw_router.upstream_connection import (
     HIGH_WATER,
-    Abortable,
     Aborted,
+    Answers,
     ConnectFailed,
     Disconnected,
     UpstreamConnection,
@@ -222,7 +222,7 @@ class UpstreamClient:
         path: str,
         body: bytes,
         content_type: bytes = b"application/json",
-        held: set[Abortable] | None = None,
+        held: Answers | None = None,
         method: bytes = b"POST",
     ) -> UpstreamResponse:
         """POST ``body`` to ``base_url + path``; raises an :class:`UpstreamError` before any answer.
@@ -253,7 +253,7 @@ class UpstreamClient:
         conn: UpstreamConnection,
         head: bytes,
         body: bytes,
-        held: set[Abortable] | None,
+        held: Answers | None,
     ) -> UpstreamResponse:
         assert conn.transport is not None
         conn._reset()

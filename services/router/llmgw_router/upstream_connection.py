@@ -52,6 +52,44 @@ class Abortable(Protocol):
     def withdraw(self, reason: str, silence_s: float) -> None: ...
 
 
+class Answers:
+    """The attempts in flight to one endpoint, one handle each, and whether the endpoint has left the
+    routing table.
+
+    Withdrawing gives up each attempt held (once its engine is silent: :meth:`Abortable.withdraw`) and
+    every attempt added afterwards: one that picked the endpoint just before it left and joins after
+    (its connection was still being opened) would otherwise wait out a read timeout on a vanished node.
+    """
+
+    __slots__ = ("_held", "withdrawn")
+
+    def __init__(self) -> None:
+        self._held: set[Abortable] = set()
+        self.withdrawn: tuple[str, float] | None = None  # (reason, silence_s) once withdrawn
+
+    def add(self, a: Abortable) -> None:
+        self._held.add(a)
+        if self.withdrawn is not None:
+            a.withdraw(*self.withdrawn)
+
+    def discard(self, a: Abortable) -> None:
+        self._held.discard(a)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, a: object) -> bool:
+        return a in self._held
+
+    def withdraw(self, reason: str, silence_s: float) -> int:
+        """Give up every attempt held now and every one added later; how many were held."""
+        self.withdrawn = (reason, silence_s)
+        held = list(self._held)  # each attempt removes its own in its finally
+        for a in held:
+            a.withdraw(reason, silence_s)
+        return len(held)
+
+
 class UpstreamConnection(asyncio.Protocol):
     """One connection to an engine; one exchange at a time (``_reset`` before each)."""
 
