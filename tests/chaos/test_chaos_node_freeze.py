@@ -86,6 +86,8 @@ async def test_frozen_node_under_traffic(cluster: tuple[ChaosCluster, str]) -> N
             f"node freeze: stopped {victim} (engines {engines}); endpoint withdrawn after {took:.1f}s\n"
             f"  {flying.line()}\n  {after.line()}\n  streams continued on another replica: {migrations}"
         )
+        if flying.failed or traffic.all().failed:  # what the router said, for a failure seen once in a while
+            report += "\n  the router's log, its end:\n    " + "\n    ".join(log.splitlines()[-40:])
         print(report)
         assert len(flying.records) >= 8, report
         assert not flying.failed, report
