@@ -21,7 +21,7 @@ from llmgw_router.http_response import StreamResponse
 from llmgw_router.relay import Relay, Unframed
 from llmgw_router.upstream_connection import UpstreamError
 
-log = logging.getLogger("llmgw.router.failover")
+log = logging.getLogger("llmgw.router.migration")
 
 Pick = Callable[[RouterContext, str, list[EndpointState], float], EndpointState | None]
 

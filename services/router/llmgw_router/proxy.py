@@ -191,7 +191,7 @@ async def _attempt(
         return _gateway_timeout(ep), 504, False
     except UpstreamError as e:  # ConnectFailed, Disconnected: nothing came back
         raise _Retryable(f"{ep.replica_id}: {e}", refused=isinstance(e, ConnectFailed)) from None
-    # Withdrawing the endpoint aborts the answer (failover.abort_withdrawn): retried or continued elsewhere.
+    # Withdrawing the endpoint aborts the answer (migration.abort_withdrawn): retried or continued elsewhere.
     ep.answers.add(up)
     try:
         status = up.status
