@@ -43,7 +43,7 @@ async def test_inventory_sent_on_change_and_on_interval_only(nc: NATS, prefix: s
                 labels["role"] = change  # changed, but not looked at before the next check
             await agent._inventory_if_due(now)
         await agent._inventory_if_due(1071.0)  # unchanged, but 60 s since the last one: sent again
-        await nc.flush()
+        await bus.flush(nc)
         await eventually(lambda: len(sent) >= 3, timeout=5, what="three inventories on the bus")
         assert [(m.sent_at, m.labels["role"]) for m in sent] == [
             (1000.0, "a"),
@@ -78,7 +78,7 @@ async def test_inventory_is_sent_again_when_the_control_plane_asks(
     subj = Subjects(prefix)
     await nc.subscribe(subj.inventory("n9"), cb=on)
     await nc.subscribe(subj.load("n9"), cb=on_load)
-    await bus.sent(nc)
+    await bus.flush(nc)
     # The agent's clock, moved by the test: the interval is judged on it, not on how long we wait.
     now = [1_000_000.0]
     stop = asyncio.Event()

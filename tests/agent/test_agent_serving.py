@@ -18,6 +18,7 @@ from llmgw_agent.settings import AgentSettings
 from llmgw_common.codec import encode
 from llmgw_common.messages import Assignment, ShardAssignment, ShardState, ShardStatus
 from llmgw_common.subjects import Subjects
+from llmgw_runtime import bus
 from llmgw_runtime.bus import ensure_kv
 from llmgw_runtime.natsserver import NatsServer
 from tests.agent.agent_helpers import KINDS, alive, fake_collect, free_port, kill_group, shard_of, watch_node
@@ -102,7 +103,7 @@ async def test_assign_ready_load_garbage_delete(
         # Garbage on the node's own subjects and on the ctl prefix: nothing the agent reads breaks.
         for kind in KINDS:
             await nc.publish(subjects.__getattribute__(kind)(node), b"\xc1\xc1not msgpack")
-        await nc.flush()
+        await bus.flush(nc)
         n_hb = seen.mark("heartbeat")
         await seen.wait("heartbeat", lambda h: seen.mark("heartbeat") >= n_hb + 3, since=n_hb)
         drops = [r for r in caplog.records if "dropped undecodable" in r.getMessage()]

@@ -45,7 +45,7 @@ class BusView:
         await bus.subscribe(
             nc, view.subjects.all_nodes("heartbeat"), Heartbeat, view._on_heartbeat, bus.DropLog(log)
         )
-        await bus.sent(nc)
+        await bus.flush(nc)
         return view
 
     async def close(self) -> None:

@@ -63,7 +63,7 @@ async def test_typed_subscribe_drops_garbage_with_one_line(
             await nc.publish(
                 subj.heartbeat("n1"), encode(Heartbeat(node="n1", boot_id="b", seq=1, sent_at=1.0))
             )
-            await nc.flush()
+            await bus.flush(nc)
             await eventually(lambda: got, timeout=5, every=0.01, what="the good heartbeat after the garbage")
         assert [h.node for h in got] == ["n1"]
         assert drops.count == 1
@@ -237,7 +237,7 @@ async def test_kv_keys_lists_from_the_streams_info_every_page_and_no_consumer(
         n = 100_050
         for i in range(n):  # core publishes into the bucket's stream: a second, not 100,050 acks
             await nc.publish(f"$KV.{prefix}_many.k{i}", b"v")
-        await nc.flush()
+        await bus.flush(nc)
         await eventually(
             lambda: _messages(nc, f"KV_{prefix}_many", n),
             timeout=20.0,
@@ -251,7 +251,7 @@ async def test_kv_keys_lists_from_the_streams_info_every_page_and_no_consumer(
 
         spy = await nc.subscribe("$JS.API.>", cb=note)
         keys = await bus.kv_keys(kv)
-        await nc.flush()
+        await bus.flush(nc)
         await spy.unsubscribe()
         assert len(keys) == len(set(keys)) == n
         assert set(keys) == {f"k{i}" for i in range(n)}  # k7 too: a deleted key's marker is a message
@@ -293,7 +293,7 @@ async def test_leader_reads_go_to_the_stream_leader_and_read_what_was_written(
         assert (await kv.get("b")).value == b"3"
         with pytest.raises(nats.js.errors.KeyNotFoundError):
             await kv.get("gone")  # ...and read as absent
-        await nc.flush()
+        await bus.flush(nc)
         await spy.unsubscribe()
         gets = [x for x in seen if ".GET." in x]
         assert gets and all(".STREAM.MSG.GET." in x for x in gets), seen

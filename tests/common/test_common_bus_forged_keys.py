@@ -27,7 +27,7 @@ async def test_a_forged_key_is_skipped_and_the_other_keys_are_followed(
     await kv.put("k1", b"one")
     await nc.publish(f"$KV.{Subjects(prefix).bucket_keys}.bad+key", b"forged")
     await kv.put("k2", b"two")
-    await nc.flush()
+    await bus.flush(nc)
     seen: dict[str, bytes | None] = {}
 
     def on_change(key: str, value: bytes | None, rev: int) -> None:

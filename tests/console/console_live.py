@@ -13,6 +13,7 @@ from llmgw_common.messages import Inventory, StorageReport, WeightsEntry
 from llmgw_common.router_messages import UsageReport
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane.service import ControlPlane
+from llmgw_runtime import bus
 from llmgw_runtime.ctl_client import CtlClient
 from tests.kit.agents import FakeAgent, fake_gpus
 
@@ -97,4 +98,4 @@ class LiveConsole:
 
     async def publish_usage(self, report: UsageReport) -> None:
         await self.nc.publish(Subjects(self.prefix).usage(report.router), encode(report))
-        await self.nc.flush()
+        await bus.flush(self.nc)

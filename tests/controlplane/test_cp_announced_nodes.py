@@ -105,7 +105,7 @@ async def test_what_a_leader_recorded_but_did_not_publish_is_published_by_the_ne
 ) -> None:
     first = await _store(bus_nc, prefix)
     (ev,) = await first.announce(_j(lost=("a",)), 1, 10.0, 60.0)
-    # It stops before publishing (no sent()): the next leader republishes it under the same id.
+    # It stops before publishing (no sent): the next leader republishes it under the same id.
     nxt = await _store(bus_nc, prefix)
     (again,) = await nxt.announce(_j(lost=("a",)), 2, 20.0, 60.0)
     assert again.id == ev.id and again.time == 10.0

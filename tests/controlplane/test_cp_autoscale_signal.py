@@ -18,6 +18,7 @@ from llmgw_router.context import Limits, RouterContext
 from llmgw_router.demand import DemandMeter, p90_ms
 from llmgw_router.endpoints import Pool
 from llmgw_router.keys import KeyTable
+from llmgw_runtime import bus
 from llmgw_runtime.natsserver import NatsServer
 from tests.controlplane.cp_helpers import cp_settings, start_cp
 from tests.kit.poll import eventually
@@ -132,7 +133,7 @@ async def test_the_control_plane_hears_demand_only_from_the_router_of_its_subjec
         drops = cp.drops.count
         await bus_nc.publish(subj.demand("r1"), report("r2", 100))  # speaks for r2 on r1's subject
         await bus_nc.publish(subj.demand("r1"), report("r1", 3))
-        await bus_nc.flush()
+        await bus.flush(bus_nc)
         await eventually(lambda: cp.demand.routers != (), what="r1's demand report heard")
         assert cp.demand.routers == ("r1",)
         assert cp.demand.merged(time.time())["m"].in_flight == 3

@@ -17,6 +17,7 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from llmgw_cli.main import app
+from llmgw_runtime import bus
 from llmgw_runtime.natsserver import NatsServer
 from tests.kit.agents import FakeAgent
 from tests.kit.poll import eventually_sync
@@ -52,7 +53,7 @@ async def _publish_agents(url: str, prefix: str) -> None:
         for ag in (a, b):
             await ag.send_inventory()
             await ag.beat()
-        await nc.flush()
+        await bus.flush(nc)
     finally:
         await nc.close()
 

@@ -183,7 +183,7 @@ async def test_no_control_plane_is_a_clear_error(bus_nc: NATS, prefix: str) -> N
 
 async def test_a_silent_control_plane_is_named_by_the_time_waited(bus_nc: NATS, prefix: str) -> None:
     sub = await bus_nc.subscribe(Subjects(prefix).ctl("nodes"))  # takes requests, never answers
-    await bus.sent(bus_nc)
+    await bus.flush(bus_nc)
     try:
         with pytest.raises(
             CtlUnavailable, match=rf"no control plane answered on {prefix}\.ctl\.nodes within 0\.3s"

@@ -179,7 +179,7 @@ async def test_garbage_on_every_subject_is_dropped_with_one_line_each(
             for s in subjects:
                 for b in bad:
                     await bus_nc.publish(s, b)
-            await bus_nc.flush()
+            await bus.flush(bus_nc)
             await eventually(
                 lambda: run.cp.drops.count >= len(bad) * len(subjects), what="every garbage message dropped"
             )

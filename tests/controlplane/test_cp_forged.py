@@ -12,6 +12,7 @@ from nats.aio.msg import Msg
 from llmgw_common.codec import encode
 from llmgw_common.messages import Heartbeat, RoutingEndpoints, ShardState, ShardStatus
 from llmgw_common.subjects import Subjects
+from llmgw_runtime import bus
 from llmgw_runtime.natsserver import NatsServer
 from tests.controlplane.cp_helpers import cp_settings, start_cp
 from tests.controlplane.test_cp_e2e import _assignments, _endpoints
@@ -70,7 +71,7 @@ async def test_forged_heartbeats_change_nothing_and_genuine_ones_still_count(
                 error="forged",
             )
             await bus_nc.publish(subj.status("gpu-0"), encode(forged_status))
-            await bus_nc.flush()
+            await bus.flush(bus_nc)
             # Many passes and genuine heartbeats later, nothing has moved.
             passes, seq = cp.passes, agent.seq
             await eventually(lambda: cp.passes >= passes + 20, what="twenty more reconcile passes")
@@ -127,7 +128,7 @@ async def test_a_restarted_agent_whose_inventory_was_missed_is_asked_to_prove_it
         # The agent restarts; its first inventory never reached the control plane.
         agent.boot_id, agent.seq = "boot-2", 0
         sub = await bus_nc.subscribe(Subjects(prefix).inventory_request("gpu-0"), cb=answer)
-        await bus_nc.flush()
+        await bus.flush(bus_nc)
 
         def restarted() -> bool:
             return node.boot_id == "boot-2" and node.restarts == 1

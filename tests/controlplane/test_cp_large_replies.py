@@ -21,7 +21,7 @@ from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.ctl import Empty, NodeInfo, NodesReply
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane.settings import ControlPlaneSettings
-from llmgw_runtime.bus import sent as sent_
+from llmgw_runtime.bus import flush
 from llmgw_runtime.ctl_client import CtlClient, CtlError
 from llmgw_runtime.natsserver import NatsServer
 from llmgw_sim.synthetic import synthetic_inventories
@@ -87,7 +87,7 @@ async def test_ctl_answers_beyond_max_payload_whole(
     try:
         for inv in synthetic_inventories(NODES):
             await small_nc.publish(subj.inventory(inv.node), encode(inv))
-        await small_nc.flush()
+        await flush(small_nc)
 
         def placed() -> bool:
             st = run.cp.state
@@ -153,7 +153,7 @@ async def test_client_refuses_a_broken_chunk_sequence(
             await bus_nc.publish(msg.reply, part, headers={chunks.CHUNK_HEADER: value})
 
     sub = await bus_nc.subscribe(Subjects(prefix).ctl("nodes"), cb=responder)
-    await sent_(bus_nc)
+    await flush(bus_nc)
     try:
         with pytest.raises(CtlError, match=re.escape(why)):
             await CtlClient(bus_nc, prefix, timeout=0.5).nodes()
@@ -174,7 +174,7 @@ async def test_a_client_that_cannot_join_parts_gets_an_error_not_a_short_answer(
             await bus_nc.publish(msg.reply, part, headers=chunks.header(i, len(parts)))
 
     sub = await bus_nc.subscribe(Subjects(prefix).ctl("nodes"), cb=responder)
-    await sent_(bus_nc)
+    await flush(bus_nc)
     try:
         first = await bus_nc.request(Subjects(prefix).ctl("nodes"), encode(Empty()), timeout=2)
         with pytest.raises(DecodeError):

@@ -18,6 +18,7 @@ from llmgw_common.codec import encode
 from llmgw_common.messages import LoadReport, ReplicaLoad, ShardState, ShardStatus
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane.state import ClusterState
+from llmgw_runtime import bus
 from llmgw_runtime.ctl_client import CtlClient
 from llmgw_runtime.natsserver import NatsServer
 from tests.controlplane.cp_helpers import cp_settings, start_cp
@@ -88,7 +89,7 @@ async def test_a_node_cannot_put_errors_or_log_lines_on_another_nodes_replica(
             log_tail=("rm -rf / finished",),
         )
         await bus_nc.publish(Subjects(prefix).status(other), encode(forged))
-        await bus_nc.flush()
+        await bus.flush(bus_nc)
         await eventually(lambda: _has_shard(run.cp.state, other, rid), what=f"{other}'s forged report heard")
 
         rep = next(r for r in (await client.replicas()).replicas if r.id == rid)

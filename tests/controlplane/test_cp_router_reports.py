@@ -14,6 +14,7 @@ from nats.aio.client import Client as NATS
 from llmgw_common.codec import encode
 from llmgw_common.router_messages import IdleReport, UsageReport
 from llmgw_common.subjects import Subjects
+from llmgw_runtime import bus
 from llmgw_runtime.natsserver import NatsServer
 from tests.controlplane.cp_helpers import cp_settings, start_cp
 from tests.kit.poll import eventually
@@ -42,7 +43,7 @@ async def test_a_report_naming_another_router_than_its_subject_is_dropped(
             await bus_nc.publish(subject("r1"), make("r2"))  # speaks for r2 on r1's subject
             await bus_nc.publish(subject("r1"), make(huge))  # a name no subject carries
             await bus_nc.publish(subject("r1"), make("r1"))  # genuine: the sync point
-        await bus_nc.flush()
+        await bus.flush(bus_nc)
 
         def heard() -> bool:
             return cp.idle.routers == ("r1",) or len(cp.idle.routers) > 1

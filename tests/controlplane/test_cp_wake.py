@@ -180,7 +180,7 @@ async def test_a_standby_does_not_answer_wakes(nats_server: NatsServer, prefix: 
             got.append(msg.data)
 
         sub = await bus_nc.subscribe(inbox, cb=cb)
-        await bus.sent(bus_nc)
+        await bus.flush(bus_nc)
         req = WakeRequest(model="a", router="r1", sent_at=time.time())
         await bus_nc.publish(Subjects(prefix).wake("r1"), encode(req), reply=inbox)
         await eventually(lambda: got, what="an answer to the wake")
@@ -188,7 +188,7 @@ async def test_a_standby_does_not_answer_wakes(nats_server: NatsServer, prefix: 
         # here by now (both heard the request at the same time).
         second = await wake(bus_nc, prefix, "a")
         assert second.state is WakeState.REFUSED and "no node has reported" in second.reason
-        await bus.sent(bus_nc)
+        await bus.flush(bus_nc)
         assert len(got) == 1 and not standby.cp.leader
         await sub.unsubscribe()
     finally:

@@ -20,6 +20,7 @@ from nats.js.kv import KeyValue
 from llmgw_common.codec import encode
 from llmgw_common.messages import ClusterSettings, Event, Webhook
 from llmgw_common.subjects import DESIRED_SETTINGS, ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
+from llmgw_runtime import bus
 from tests.e2e.e2e_cluster import Cluster, chat_once, shown_on_failure, wait_model
 from tests.kit.poll import eventually
 
@@ -88,7 +89,7 @@ async def test_malformed_messages_are_dropped_and_the_cluster_keeps_serving(clus
         for subject in core:
             for g in GARBAGE:
                 await nc.publish(subject, g)
-        await nc.flush()
+        await bus.flush(nc)
         routing = await js.key_value(s.bucket_routing)
         assign = await js.key_value(s.bucket_assign)
         keys = await js.key_value(s.bucket_keys)

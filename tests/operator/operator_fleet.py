@@ -20,7 +20,7 @@ from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.messages import Assignment, Heartbeat, Inventory, ShardReport, ShardState
 from llmgw_common.router_messages import IdleReport
 from llmgw_common.subjects import Subjects
-from llmgw_runtime.bus import sent
+from llmgw_runtime.bus import flush
 from tests.kit.agents import fake_gpus
 
 # (GPU class, cards per node) by node index modulo 10: 6 of 10 nodes H100, 3 A100, 1 L4.
@@ -138,10 +138,10 @@ class Fleet:
 
     async def start(self) -> None:
         await self.nc.subscribe(f"$KV.{self.subjects.bucket_assign}.>", cb=self._on_assign)
-        await sent(self.nc)
+        await flush(self.nc)
         for i in range(self.n):
             await self.nc.publish(self.subjects.inventory(node_name(i)), encode(self.inventory(i)))
-        await self.nc.flush()
+        await flush(self.nc)
         self._task = asyncio.create_task(self._beat_forever(), name="fleet-heartbeats")
 
     async def stop(self) -> None:
@@ -191,7 +191,7 @@ class Fleet:
             }
             rep = IdleReport(router="r-fleet", since=self.router_since, sent_at=now, last_used=used)
             await self.nc.publish(self.subjects.idle("r-fleet"), encode(rep))
-        await self.nc.flush()
+        await flush(self.nc)
 
     async def _beat_forever(self, interval: float = 0.5) -> None:
         while True:

@@ -24,7 +24,7 @@ async def test_a_router_starts_and_serves_with_a_forged_key_in_its_keys_bucket(
     try:
         kv = await bus.ensure_kv(nc.jetstream(), Subjects(prefix).bucket_keys)
         await nc.publish(f"$KV.{Subjects(prefix).bucket_keys}.bad+key", b"forged")
-        await nc.flush()
+        await bus.flush(nc)
         assert await kv.keys() == ["bad+key"]
     finally:
         await nc.close()

@@ -99,7 +99,7 @@ class FakeControlPlane:
 
 async def _control_plane(nc: NATS, prefix: str, router_id: str, cp: FakeControlPlane) -> None:
     await nc.subscribe(Subjects(prefix).wake(router_id), cb=cp.on_request)
-    await bus.sent(nc)
+    await bus.flush(nc)
 
 
 async def _router(routers: RouterFactory, nats_url: str, prefix: str, **timing: float) -> Router:
@@ -230,7 +230,7 @@ async def test_a_control_plane_that_never_answers_is_asked_again_until_the_wake_
         asked.append(time.monotonic())
 
     await nc.subscribe(Subjects(prefix).wake("rh"), cb=silent)
-    await bus.sent(nc)
+    await bus.flush(nc)
     r = await _router(routers, nats_server.url, prefix, ask_timeout_s=0.3, wake_every_s=0.2)
     await _wait_synced(r, 1)
     status, body = await _post(f"http://127.0.0.1:{r.port}/v1/chat/completions", CHAT)

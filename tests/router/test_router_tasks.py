@@ -35,7 +35,7 @@ async def test_a_failing_tick_is_counted_and_the_ticks_go_on(
         reports.append(decode(msg.data, IdleReport))
 
     await nc.subscribe(Subjects(prefix).idle("rt"), cb=on_idle)
-    await bus.sent(nc)
+    await bus.flush(nc)
     r = await _bus_router(nats_server.url, prefix)
     try:
         assert r.ctx.upstream is not None

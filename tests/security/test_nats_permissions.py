@@ -118,12 +118,12 @@ async def test_agent_publishes_its_own_heartbeat_only(clients: dict[str, NATS], 
 
     for subject in (own, other):
         await cp.subscribe(subject, cb=cb)
-    await bus.sent(cp)
+    await bus.flush(cp)
 
     async def publish(subject: str, seq: int) -> bytes:
         hb = encode(Heartbeat(node="gpu-a1", boot_id="b", seq=seq, sent_at=1.0))
         await agent.publish(subject, hb)
-        await agent.flush()
+        await bus.flush(agent)
         return hb
 
     first = await publish(own, 1)
@@ -206,9 +206,9 @@ async def test_a_router_hears_its_peers_usage_reports(
             await got.put(msg.data)
 
         await clients["router"].subscribe(f"{PREFIX}.router.*.usage", cb=on)
-        await clients["router"].flush()
+        await bus.flush(clients["router"])
         await peer.publish(f"{PREFIX}.router.r2.usage", b"report")
-        await peer.flush()
+        await bus.flush(peer)
         assert await asyncio.wait_for(got.get(), 5.0) == b"report"
     finally:
         await peer.close()

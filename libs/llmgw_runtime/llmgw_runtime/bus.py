@@ -267,21 +267,10 @@ async def subscribe(
     return await nc.subscribe(subject, queue=queue, cb=cb, pending_msgs_limit=65536)
 
 
-async def sent(nc: NATS, timeout: int = 10) -> None:
-    """Return once the server has everything this client sent so far, subscriptions included.
-
-    nats-py's ``flush()`` writes its PING straight to the socket while SUB and PUB lines can still wait
-    in the client's pending buffer for its flusher task, so one flush may come back before the server
-    has registered a subscription made just before it (seen under load: a message published right
-    after was never delivered). The second PING goes out after the flusher has run.
-    """
-    await flush(nc, timeout)
-    await flush(nc, timeout)
-
-
 # A flush's PONG is awaited this long in its own task, whatever the caller's timeout: see flush().
 _PONG_WAIT_S = 60
 _flushes: set[asyncio.Task[None]] = set()
+_PING = b"PING\r\n"
 
 
 def _settled(t: asyncio.Task[None]) -> None:
@@ -291,23 +280,55 @@ def _settled(t: asyncio.Task[None]) -> None:
 
 
 async def flush(nc: NATS, timeout: float = 10) -> None:
-    """``nc.flush(timeout)`` that may be cancelled or time out without breaking the connection.
+    """Return once the server has processed everything this client sent so far, subscriptions included;
+    ``FlushTimeoutError`` after ``timeout``. Services call this, never ``nc.flush()``, for two reasons:
 
-    nats-py sets the result of a flush's future when the server's PONG arrives. If that future was
-    cancelled first (the caller's task cancelled mid-flush, or the flush's own timeout, which cancels
-    it) the PONG raises InvalidStateError in the client's read loop and the loop ends: the client still
-    reports itself connected but reads nothing, replies and PONGs included, until the stale-ping check
-    reconnects it seconds later (seen: a control plane cancelled inside a flush gave its lease up 10 s
-    late). So the PING is awaited in a task of its own that neither the caller's cancel nor its
-    timeout reaches, and the caller waits for that task.
+    - nats-py 2.16's ``flush()`` writes its PING straight to the socket while SUB and PUB lines still
+      wait in the client's buffer for its flusher task: the PING goes out **first**, and the PONG can
+      come back before the server has seen a subscription made just before (seen under load: a message
+      published right after it was never delivered). Here the buffer is written, then the PING, in one
+      step with no await between, so the PONG answers for both.
+    - nats-py resolves a flush's future when the PONG arrives; if that future was cancelled first (the
+      caller cancelled mid-flush, or ``nc.flush``'s own timeout cancels it) the PONG raises
+      InvalidStateError in the client's read loop, which ends: the client says it is connected but
+      reads nothing until the stale-ping check reconnects it (seen: a control plane gave its lease up
+      10 s late). So the PONG is awaited in a task of its own, never cancelled, and the caller waits for
+      that task with its own timeout.
     """
-    t = asyncio.ensure_future(nc.flush(_PONG_WAIT_S))
+    t = asyncio.ensure_future(_ping(nc))
     _flushes.add(t)
     t.add_done_callback(_settled)
     try:
         await asyncio.wait_for(asyncio.shield(t), timeout)
     except TimeoutError:
         raise nats.errors.FlushTimeoutError from None
+
+
+async def _ping(nc: NATS) -> None:
+    transport = nc._transport
+    pending, pongs = getattr(nc, "_pending", None), getattr(nc, "_pongs", None)
+    if (
+        not nc.is_connected
+        or transport is None
+        or not isinstance(pending, list)
+        or not isinstance(pongs, list)
+    ):
+        # Reconnecting (nats-py's own path raises or buffers), or a nats-py whose insides differ.
+        await nc.flush(_PONG_WAIT_S)
+        return
+    pong: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+    # What the flusher task would write, then the PING: the order on the wire is the order of nc._pongs,
+    # as every other writer of a PING (nats-py's ping timer) also appends and writes in one step.
+    if pending:
+        transport.writelines(pending[:])
+        nc._pending = []
+        nc._pending_data_size = 0
+    pongs.append(pong)
+    transport.write(_PING)
+    # Not wait_for: it would cancel the future on timeout, the very thing that ends the read loop.
+    done, _ = await asyncio.wait({pong}, timeout=_PONG_WAIT_S)
+    if not done:
+        raise nats.errors.FlushTimeoutError
 
 
 async def kv_get(kv: KeyValue, key: str, cls: type[M], drops: DropLog | None = None) -> tuple[M | None, int]:

@@ -132,7 +132,7 @@ class CtlApi:
                 name=endpoint_name(verb), subject=subj.ctl(verb), handler=_wrap(verb, req_cls, fn, nc)
             )
         self.service = svc
-        await bus.sent(nc)  # the endpoints answer from here on
+        await bus.flush(nc)  # the endpoints answer from here on
 
     async def stop(self) -> None:
         svc, self.service = self.service, None

@@ -198,7 +198,7 @@ class ControlPlane:
             raise StartupError(f"catalog {self.s.catalog_file}: {e}") from None
         await self.desired.load_marks()
         self._subs = await self.ingest.subscribe()
-        await bus.sent(self.nc)
+        await bus.flush(self.nc)
         self.settling.listening_from(self.clock())
 
     async def run(self, stop: asyncio.Event) -> None:

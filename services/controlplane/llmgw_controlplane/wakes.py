@@ -65,7 +65,7 @@ class WakeResponder:
     async def start(self, nc: NATS) -> None:
         if self._sub is None:
             self._sub = await bus.subscribe(nc, self.subject, WakeRequest, self._on_wake, self.drops)
-            await bus.sent(nc)
+            await bus.flush(nc)
 
     async def stop(self) -> None:
         self._memo.clear()  # a later tenure answers from its own tables
