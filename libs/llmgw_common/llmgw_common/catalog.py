@@ -89,6 +89,17 @@ class LoadTarget(_Strict):
         return v
 
 
+class CacheRouting(StrEnum):
+    """How a model's requests are steered to replicas holding their prefix (``llmgw_common.kvcache``)."""
+
+    # The engines' own KV events, relayed by agents: every router holds the same exact index.
+    EVENTS = "events"
+    # No events (llama.cpp): each router learns from its own decisions, with expiry.
+    APPROXIMATE = "approximate"
+    # Least loaded only.
+    OFF = "off"
+
+
 class ModelProfile(_Strict):
     name: str
     engine: str
@@ -109,6 +120,8 @@ class ModelProfile(_Strict):
     # Mid-stream failover: a stream whose replica fails after its first byte is continued on another
     # (the engine must continue a final assistant message). False: such a stream is cut, as before.
     failover: bool = True
+    # Routing by cached prefix; None: the engine's default (``cache_routing_mode``).
+    cache_routing: CacheRouting | None = None
     watch: WatchSpec | None = None
     # Engine options, e.g. the simulator's timing: {ttft_ms: 50, tokens_per_s: 80, slots: 8}.
     options: dict[str, Any] = Field(default_factory=dict)
@@ -172,6 +185,14 @@ class ModelProfile(_Strict):
     def served(self) -> frozenset[Api]:
         """What the router may send this model: the declared ``apis``, or the engine's own."""
         return served_apis(self.engine, self.args, self.options, self.apis)
+
+    @property
+    def cache_routing_mode(self) -> CacheRouting:
+        """``cache_routing``, or the engine's default: events where the engine publishes them (vLLM, the
+        simulator), approximate for llama.cpp (it has none)."""
+        if self.cache_routing is not None:
+            return self.cache_routing
+        return CacheRouting.APPROXIMATE if self.engine == "llamacpp" else CacheRouting.EVENTS
 
     @property
     def weights_name(self) -> str:

@@ -38,6 +38,14 @@ class Subjects:
         e.g. after its own restart). The agent answers on its inventory subject; no payload."""
         return f"{self.prefix}.node.{node}.inventory-request"
 
+    def kv(self, node: str) -> str:
+        """Agent -> routers: KvDeltas, the node's replicas' KV-cache changes in batches (llmgw_common.kvcache)."""
+        return f"{self.prefix}.node.{node}.kv"
+
+    def kv_snapshot(self, node: str) -> str:
+        """Router -> agent, request/reply: KvSnapshotRequest -> KvSnapshot, the node's block sets by page."""
+        return f"{self.prefix}.node.{node}.kv-snapshot"
+
     def all_nodes(self, kind: str) -> str:
         """Wildcard over every node for one kind: heartbeat, inventory, status or load."""
         return f"{self.prefix}.node.*.{kind}"
@@ -121,6 +129,11 @@ class Subjects:
     @property
     def bucket_usage(self) -> str:
         return f"{self.prefix}_usage"
+
+    @property
+    def bucket_tokenizers(self) -> str:
+        """Object store: per model, its tokenizer as the engine uses it (agents write, routers read)."""
+        return f"{self.prefix}_tokenizers"
 
     @property
     def bucket_announced(self) -> str:
