@@ -2,11 +2,12 @@
 text it gets (the bodies the text is sent in: :mod:`llmgw_sim.openai_bodies`).
 
 Everything here is pure and cheap: the simulator must never be the bottleneck of a router benchmark.
-A token is a whitespace-separated word; the completion continues the prompt's words (its last
-``MAX_SOURCE_WORDS``, cycled by their shortest repeating pattern). The answer is a function of the text
-so far, so an answer continued from any point (a final assistant message with vLLM's
-``continue_final_message``, or a completion's prompt plus the text already generated) is exactly the
-rest of the uninterrupted answer: what a router's mid-stream failover is checked against.
+A token is a whitespace-separated word (:mod:`llmgw_common.simtokens`, which a router shares); the
+completion continues the prompt's words (its last ``MAX_SOURCE_WORDS``, cycled by their shortest
+repeating pattern). The answer is a function of the text so far, so an answer continued from any
+point (a final assistant message with vLLM's ``continue_final_message``, or a completion's prompt plus
+the text already generated) is exactly the rest of the uninterrupted answer: what a router's
+mid-stream failover is checked against.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from llmgw_common import simtokens
 from llmgw_sim.errors import BadRequest, invalid, missing
 
 FILLER = ("lorem", "ipsum", "dolor", "sit", "amet")
@@ -80,17 +82,10 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
 
 
 def _content_words(content: Any, where: str) -> list[str]:
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return content.split()
-    if isinstance(content, list):
-        words: list[str] = []
-        for part in content:
-            if isinstance(part, dict) and isinstance(part.get("text"), str):
-                words += part["text"].split()
-        return words
-    raise invalid(where, "string_type", "Input should be a valid string", content)
+    words = simtokens.content_words(content)
+    if words is None:
+        raise invalid(where, "string_type", "Input should be a valid string", content)
+    return words
 
 
 def _continued_text(body: dict[str, Any], messages: list[Any]) -> str | None:
@@ -150,21 +145,21 @@ def read_chat(body: dict[str, Any], default_max_tokens: int) -> GenRequest:
     )
 
 
+def _token_id_words(prompt: Any) -> list[str]:
+    if isinstance(prompt, list) and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        # Token ids: count them, and speak in filler words.
+        return [FILLER[t % len(FILLER)] for t in prompt]
+    if prompt is None:
+        raise BadRequest("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+    raise invalid("prompt", "string_type", "Input should be a valid string", prompt)
+
+
 def read_completion(body: dict[str, Any], default_max_tokens: int) -> GenRequest:
     model = model_of(body)
     prompt = body.get("prompt")
-    words: list[str]
-    if isinstance(prompt, str):
-        words = prompt.split()
-    elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-        words = [w for p in prompt for w in p.split()]
-    elif isinstance(prompt, list) and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-        # Token ids: count them, and speak in filler words.
-        words = [FILLER[t % len(FILLER)] for t in prompt]
-    elif prompt is None:
-        raise BadRequest("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
-    else:
-        raise invalid("prompt", "string_type", "Input should be a valid string", prompt)
+    words = simtokens.text_prompt_words(prompt)
+    if words is None:
+        words = _token_id_words(prompt)
     max_tokens, capped = _max_tokens(body, default_max_tokens)
     stream, include_usage = _stream(body)
     # A text prompt that ends in a word is continued after a space, as a real model's next token is.
