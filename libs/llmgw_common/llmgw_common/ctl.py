@@ -188,6 +188,20 @@ class LoadScaleInfo(Message):
     why: str = ""
 
 
+class ModelCacheInfo(Message):
+    """How a model's requests find cached prefixes (issue 32), merged over the routers reporting."""
+
+    mode: str
+    routers: int = 0
+    # Share of prompt tokens the routers expected cached where they sent them, and the share the
+    # engines report they found cached (their own counters); None without traffic.
+    predicted_hit_rate: float | None = None
+    engine_hit_rate: float | None = None
+    # The largest index a router holds for the model, and the oldest event lag among them.
+    index_blocks: int = 0
+    event_lag_ms: float | None = None
+
+
 class ModelInfo(Message):
     name: str
     engine: str
@@ -207,6 +221,8 @@ class ModelInfo(Message):
     outdated: int = 0
     # Set for a model that follows its load (issue 21).
     scaling: LoadScaleInfo | None = None
+    # Routing by cached prefix, where a router reports it (issue 32).
+    cache: ModelCacheInfo | None = None
 
 
 class NodesReply(Message):

@@ -126,6 +126,10 @@ class ReplicaLoad(Message):
     running: float | None = None
     waiting: float | None = None
     kv_use: float | None = None
+    # The engine's own prefix-cache counters since it started, in tokens (vLLM's
+    # vllm:prefix_cache_queries_total / _hits_total); None where it exposes none.
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
 
 
 class LoadReport(Message):

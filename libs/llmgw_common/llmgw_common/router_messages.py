@@ -27,6 +27,22 @@ class IdleReport(Message):
     in_flight: list[str] = Field(default_factory=list)
 
 
+class ModelCache(Message):
+    """One router's view of a model's routing by cached prefix (issue 32), counted since it started."""
+
+    mode: str = "off"
+    # Prompt tokens of the requests it predicted blocks for, and how many of them it expected cached on
+    # the replica it chose.
+    prompt_tokens: int = 0
+    predicted_hit_tokens: int = 0
+    # The engines' own counters (tokens), summed over the replicas whose load reports it holds.
+    engine_queries: float = 0.0
+    engine_hits: float = 0.0
+    # Blocks in its index for the model, and how old the newest relayed batch was on arrival.
+    index_blocks: int = 0
+    event_lag_ms: float | None = None
+
+
 class ModelDemand(Message):
     """One router's view of one model's load, for the replica count that follows it (issue 21)."""
 
@@ -53,6 +69,8 @@ class ModelDemand(Message):
     arrived: int = 0
     completed: int = 0
     rate_s: float = 0.0
+    # Routing by cached prefix; None from routers before issue 32, or with it off.
+    cache: ModelCache | None = None
 
 
 class DemandReport(Message):

@@ -122,6 +122,10 @@ def render_replicas(reply: ReplicasReply) -> str:
     return out
 
 
+def _share(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
 @shown
 def render_models(reply: ModelsReply) -> str:
     rows = []
@@ -142,6 +146,29 @@ def render_models(reply: ModelsReply) -> str:
     out = table(["MODEL", "ENGINE", "GPUS", "READY", "STATE", "REASON"], rows)
     if any(m.watched for m in reply.models):
         out += "\n* watched: alerts when it has had no ready replica for its watch budget"
+    cached = [m for m in reply.models if m.cache is not None]
+    if cached:
+        crow = []
+        for m in cached:
+            c = m.cache
+            assert c is not None
+            crow.append(
+                [
+                    m.name,
+                    c.mode,
+                    str(c.routers),
+                    _share(c.predicted_hit_rate),
+                    _share(c.engine_hit_rate),
+                    str(c.index_blocks),
+                    "-" if c.event_lag_ms is None else f"{c.event_lag_ms:.0f} ms",
+                ]
+            )
+        # Predicted: what the routers expected cached where they sent requests; engines: what the
+        # engines' own counters say they found. Far apart means the index or the tokenizer is off.
+        out += "\n\n" + table(
+            ["MODEL", "CACHE ROUTING", "ROUTERS", "PREDICTED HIT", "ENGINE HIT", "INDEX BLOCKS", "EVENT LAG"],
+            crow,
+        )
     for m in reply.models:
         f = m.scaling
         if f is not None:

@@ -162,8 +162,12 @@ class CtlApi:
         v = r.verdicts
         models = views.models_info(snap, v.reasons, v.unplaceable, v.backoff)
         load = r.autoscale.load_info(v.unplaceable)
+        cache = r.autoscale.demand.cache(snap.now)
         models = tuple(
-            m.model_copy(update={"scaling": load[m.name]}) if m.name in load else m for m in models
+            m.model_copy(update={"scaling": load.get(m.name), "cache": cache.get(m.name)})
+            if m.name in load or m.name in cache
+            else m
+            for m in models
         )
         return ModelsReply(models=r.failures.on_models(models, snap.now))
 

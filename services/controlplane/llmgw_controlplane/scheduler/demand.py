@@ -20,7 +20,8 @@ import math
 from dataclasses import dataclass
 
 from llmgw_common.catalog import LoadTarget, TargetKind
-from llmgw_common.router_messages import DemandReport, ModelDemand
+from llmgw_common.ctl import ModelCacheInfo
+from llmgw_common.router_messages import DemandReport, ModelCache, ModelDemand
 from llmgw_runtime.clockcheck import Doubts, distrust, order_time
 
 # Models one report may name; a catalog has far fewer, and a forger must not grow our tables.
@@ -72,7 +73,11 @@ class _View:
 
 
 def _believable(d: ModelDemand) -> bool:
-    nums = (d.running, d.waiting, d.kv_use, d.ttft_p90_ms, d.window_s, d.rate_s)
+    nums: tuple[float | None, ...] = (d.running, d.waiting, d.kv_use, d.ttft_p90_ms, d.window_s, d.rate_s)
+    c = d.cache
+    if c is not None:
+        nums += (c.prompt_tokens, c.predicted_hit_tokens, c.engine_queries, c.engine_hits, c.index_blocks)
+        nums += (c.event_lag_ms,)
     return (
         all(v is None or (math.isfinite(v) and v >= 0) for v in nums)
         and min(d.in_flight, d.queued, d.held, d.replicas_reporting, d.ttft_samples, d.arrived, d.completed)
@@ -120,6 +125,36 @@ class DemandBook:
             for m, d in v.models.items():
                 per.setdefault(m, []).append(d)
         return {m: merge(ds) for m, ds in per.items()}
+
+    def cache(self, now: float) -> dict[str, ModelCacheInfo]:
+        """Each model some router routes by cached prefix, its routers' views merged at ``now``."""
+        self.prune(now)
+        per: dict[str, list[ModelCache]] = {}
+        for v in self._routers.values():
+            for m, d in v.models.items():
+                if d.cache is not None:
+                    per.setdefault(m, []).append(d.cache)
+        return {m: merge_cache(cs) for m, cs in per.items()}
+
+
+def _rate(part: float, whole: float) -> float | None:
+    return part / whole if whole > 0 else None
+
+
+def merge_cache(cs: list[ModelCache]) -> ModelCacheInfo:
+    """Predictions add up over routers (each counts its own requests); the engines' counters are the
+    same replicas seen by every router, so the router that sees most of them speaks for all."""
+    engines = max(cs, key=lambda c: c.engine_queries)
+    lags = [c.event_lag_ms for c in cs if c.event_lag_ms is not None]
+    modes = sorted({c.mode for c in cs})
+    return ModelCacheInfo(
+        mode="/".join(modes),
+        routers=len(cs),
+        predicted_hit_rate=_rate(sum(c.predicted_hit_tokens for c in cs), sum(c.prompt_tokens for c in cs)),
+        engine_hit_rate=_rate(engines.engine_hits, engines.engine_queries),
+        index_blocks=max(c.index_blocks for c in cs),
+        event_lag_ms=max(lags) if lags else None,
+    )
 
 
 def merge(ds: list[ModelDemand]) -> Merged:
