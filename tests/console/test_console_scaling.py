@@ -32,3 +32,25 @@ async def test_overview_without_scaling_says_so() -> None:
         page = await get(c, "/")
     assert rows(page, "scaling")[1:] == ["no model is cold or waking"]
     assert rows(page, "evictions")[1:] == ["none"]
+
+
+async def test_models_page_shows_routing_by_cached_prefix_only_where_a_router_reports_it() -> None:
+    from llmgw_common.ctl import ModelCacheInfo, ModelInfo, ModelsReply
+
+    cache = ModelCacheInfo(
+        mode="events", routers=3, predicted_hit_rate=0.91, engine_hit_rate=0.875, index_blocks=12345,
+        event_lag_ms=7.4,
+    )  # fmt: skip
+    models = ModelsReply(
+        models=(ModelInfo(name="chat", engine="vllm", cache=cache), ModelInfo(name="e", engine="sim"))
+    )
+    async with client(FixedSource(models_reply=models)) as c:
+        page = await get(c, "/models")
+    from llmgw_controlplane.console.format import thousands
+
+    assert rows(page, "cache")[1:] == [f"chat events 3 0.91 0.88 {thousands(12345)} 7 ms"]
+    async with client(
+        FixedSource(models_reply=ModelsReply(models=(ModelInfo(name="e", engine="sim"),)))
+    ) as c:
+        plain = await get(c, "/models")
+    assert 'id="cache"' not in plain
