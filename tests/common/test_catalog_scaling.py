@@ -103,3 +103,29 @@ models:
         "models:\n  - {name: a, engine: llamacpp, failover: false, args: [--no-prefill-assistant]}"
     )
     assert ok.get("a") is not None
+
+
+def test_cache_routing_defaults_by_engine_and_events_on_llama_cpp_is_refused() -> None:
+    from llmgw_common.catalog import CacheRouting
+
+    cat = parse_catalog(
+        """
+models:
+  - {name: v, engine: vllm, gpu_class: H100-80GB}
+  - {name: s, engine: sim}
+  - {name: l, engine: llamacpp}
+  - {name: o, engine: sim, cache_routing: off}
+"""
+    )
+    modes = {p.name: p.cache_routing_mode for p in cat.models}
+    assert modes == {
+        "v": CacheRouting.EVENTS,
+        "s": CacheRouting.EVENTS,
+        "l": CacheRouting.APPROXIMATE,
+        "o": CacheRouting.OFF,
+    }
+    with pytest.raises(CatalogError) as e:
+        parse_catalog("models:\n  - {name: l, engine: llamacpp, cache_routing: events}\n")
+    assert "llama.cpp publishes none: use approximate" in "\n".join(e.value.problems)
+    with pytest.raises(CatalogError):
+        parse_catalog("models:\n  - {name: s, engine: sim, cache_routing: exact}\n")

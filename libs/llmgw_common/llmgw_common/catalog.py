@@ -130,6 +130,12 @@ class ModelProfile(_Strict):
     min_replicas: int | None = Field(default=None, ge=0)
     idle_after: float | None = None
 
+    @field_validator("cache_routing", mode="before")
+    @classmethod
+    def _cache_routing(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare `off` as false: the operator meant the mode, not a boolean.
+        return "off" if v is False else v
+
     @field_validator("idle_after", mode="before")
     @classmethod
     def _idle_after(cls, v: Any) -> float | None:
@@ -268,6 +274,11 @@ def _semantic_problems(p: ModelProfile) -> list[str]:
             out.append(
                 f"{where}: engine {p.engine} has no tensor parallelism (gpus_per_node={p.gpus_per_node})"
             )
+    if p.cache_routing is CacheRouting.EVENTS and p.engine == "llamacpp":
+        out.append(
+            f"{where}: cache_routing events needs an engine that publishes KV-cache events, and llama.cpp "
+            "publishes none: use approximate (learned from the routers' own choices) or off"
+        )
     if p.apis is not None and not p.apis:
         out.append(
             f"{where}: apis is empty: list what the model serves (e.g. [chat, completions]) or drop it"
