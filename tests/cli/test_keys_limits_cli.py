@@ -91,3 +91,18 @@ def test_a_team_s_limits_are_set_shown_and_never_listed_as_a_key(
     assert code == 2 and "use letters, digits" in err
     code, out, _ = _cli("keys", "list", "-o", "json", *common)
     assert json.loads(out) == []  # the team's record lives in the same bucket but is not a key
+
+
+@pytest.mark.slow
+def test_cache_scope_set_shown_and_refused_when_wrong(nats_server: NatsServer, prefix: str) -> None:
+    common = ["--nats", nats_server.url, "--prefix", prefix]
+    code, _, err = _cli("keys", "create", "--name", "apart", "--cache-scope", "key", *common)
+    assert code == 0, err
+    code, out, _ = _cli("keys", "list", "-o", "json", *common)
+    assert json.loads(out)[0]["cache_scope"] == "key"
+    code, out, err = _cli("keys", "update", "apart", "--cache-scope", "shared", *common)
+    assert code == 0 and "cache scope shared" in out, err
+    code, _, err = _cli("keys", "create", "--name", "t", "--cache-scope", "team", *common)
+    assert code == 2 and "--cache-scope team needs --team" in err
+    code, _, err = _cli("keys", "create", "--name", "t", "--cache-scope", "private", *common)
+    assert code == 2 and "--cache-scope must be one of shared, team, key, not 'private'" in err

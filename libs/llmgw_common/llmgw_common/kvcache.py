@@ -64,6 +64,33 @@ def request_salt(adapter: str | None = None, cache_salt: str | None = None) -> s
     return f"{adapter or ''}\x1f{cache_salt or ''}"
 
 
+# Salts the router sets for a key kept apart (``CacheScope``); a client's own ``cache_salt`` never may.
+RESERVED_SALT_PREFIX = "llmgw:"
+
+
+class SaltRefused(ValueError):
+    """A client's ``cache_salt`` that would pass for one the router sets."""
+
+
+def tenant_salt(scope: str, key_id: str, team: str | None, client_salt: str | None) -> str | None:
+    """The ``cache_salt`` an engine gets for a request: the client's own for a shared key; for a key
+    kept apart (``CacheScope`` team or key), one naming its team or itself, with the client's appended.
+    A team scope without a team is kept to the key. Raises :class:`SaltRefused` for a client salt in
+    the router's reserved namespace (it would let one tenant probe another's cached prefixes)."""
+    if client_salt is not None and client_salt.startswith(RESERVED_SALT_PREFIX):
+        raise SaltRefused(
+            f"cache_salt values starting with {RESERVED_SALT_PREFIX!r} are reserved for the gateway"
+        )
+    if scope == "shared":
+        return client_salt
+    own = (
+        f"{RESERVED_SALT_PREFIX}team:{team}"
+        if scope == "team" and team
+        else f"{RESERVED_SALT_PREFIX}key:{key_id}"
+    )
+    return own if not client_salt else f"{own}:{client_salt}"
+
+
 def chain_key(parent: int, tokens: Sequence[int]) -> int:
     """The key of the block holding ``tokens`` after the block keyed ``parent``: 64 bits of BLAKE2b over
     the parent key and the token ids (as unsigned 32-bit integers, little-endian)."""

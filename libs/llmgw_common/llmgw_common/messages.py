@@ -293,6 +293,16 @@ class KeyLimits(Limits):
         return Limits.empty(self) and all(m.empty() for m in self.models.values())
 
 
+class CacheScope(StrEnum):
+    """With whom a key's requests may share cached prompt prefixes on an engine. Prefix-cache timing is
+    a side channel between tenants (a hit answers faster), so a key that must not leak, or learn,
+    what others send is kept apart: the router gives its requests a ``cache_salt`` (vLLM's) of its own."""
+
+    SHARED = "shared"  # with every key (the default: most reuse)
+    TEAM = "team"  # with the keys of its team only
+    KEY = "key"  # with no other key
+
+
 class ApiKeyRecord(Message):
     id: str
     name: str
@@ -308,6 +318,7 @@ class ApiKeyRecord(Message):
     team: str | None = None
     # Fair queueing: a key's share of a saturated model's slots, against other waiting keys.
     weight: float = Field(default=1.0, gt=0)
+    cache_scope: CacheScope = CacheScope.SHARED
 
     @property
     def limited(self) -> bool:

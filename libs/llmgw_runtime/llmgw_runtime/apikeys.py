@@ -16,7 +16,7 @@ from nats.js.kv import KeyValue
 
 from llmgw_common.codec import encode
 from llmgw_common.errors import InvalidInput
-from llmgw_common.messages import TEAM_KEY_PREFIX, ApiKeyRecord, KeyLimits, TeamRecord
+from llmgw_common.messages import TEAM_KEY_PREFIX, ApiKeyRecord, CacheScope, KeyLimits, TeamRecord
 from llmgw_common.subjects import Subjects
 from llmgw_runtime import bus
 
@@ -57,6 +57,7 @@ async def create_key(
     limits: KeyLimits | None = None,
     team: str | None = None,
     weight: float = 1.0,
+    cache_scope: CacheScope = CacheScope.SHARED,
 ) -> tuple[str, ApiKeyRecord]:
     """Mint a key, store its record (hash only) in ``<prefix>_keys``; return (key, record).
 
@@ -80,6 +81,7 @@ async def create_key(
         limits=limits,
         team=team,
         weight=weight,
+        cache_scope=cache_scope,
     )
     await kv.create(rec.id, encode(rec))
     return key, rec
@@ -130,8 +132,9 @@ async def update_key(
     limits: KeyLimits | None = _UNSET,
     team: str | None = _UNSET,
     weight: float | None = None,
+    cache_scope: CacheScope | None = None,
 ) -> ApiKeyRecord:
-    """Change a key's limits, team or weight (what is not given stays). Routers follow the bucket, so
+    """Change a key's limits, team, weight or cache scope (what is not given stays). Routers follow the bucket, so
     the change holds on every router within a tick. Validated as a whole record before it is written."""
     kv = await _keys_kv(nc_or_kv, prefix)
     old = await _find(kv, id_or_name, "update")
@@ -144,6 +147,8 @@ async def update_key(
         data["team"] = team
     if weight is not None:
         data["weight"] = weight
+    if cache_scope is not None:
+        data["cache_scope"] = cache_scope
     rec = ApiKeyRecord.model_validate(data)
     await kv.put(rec.id, encode(rec))
     return rec

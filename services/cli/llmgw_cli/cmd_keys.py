@@ -13,6 +13,7 @@ import typer
 
 from llmgw_cli.keys_call import run_on_bus
 from llmgw_cli.keys_options import (
+    CACHE_SCOPE_HELP,
     CONC,
     CONFIG,
     DAILY,
@@ -24,6 +25,7 @@ from llmgw_cli.keys_options import (
     RPM,
     TEAM,
     TPM,
+    check_cache_scope,
     check_weight,
     limits_from_flags,
     limits_text,
@@ -53,6 +55,7 @@ def _row(r: ApiKeyRecord) -> dict[str, Any]:
         "limits": r.limits.model_dump(exclude_none=True) if r.limits is not None else None,
         "team": r.team,
         "weight": r.weight,
+        "cache_scope": r.cache_scope.value,
     }
 
 
@@ -71,6 +74,7 @@ def create(
     model_limit: list[str] = MODEL_LIMIT,
     team: str | None = TEAM,
     weight: float = typer.Option(1.0, "--weight", help="Share of a saturated model against other keys"),
+    cache_scope: str = typer.Option("shared", "--cache-scope", help=CACHE_SCOPE_HELP),
     output: str = OUTPUT,
     config: str | None = CONFIG,
     nats: list[str] = NATS,
@@ -90,12 +94,15 @@ def create(
         "create", None, rpm, tpm, concurrency, daily_tokens, monthly_tokens, model_limit
     )
     check_weight("create", weight)
+    scope = check_cache_scope("create", cache_scope, team or None)
+    assert scope is not None
 
     async def op(nc: Any, pfx: str) -> tuple[str, ApiKeyRecord]:
         try:
             return await create_key(
-                nc, pfx, name, allowed, expires_at, limits=limits, team=team or None, weight=weight
-            )
+                nc, pfx, name, allowed, expires_at, limits=limits, team=team or None, weight=weight,
+                cache_scope=scope,
+            )  # fmt: skip
         except KeyOpError as e:
             typer.echo(f"llmgw keys create: {e}", err=True)
             raise typer.Exit(1) from None
@@ -127,6 +134,7 @@ def update(
     ),
     team: str | None = typer.Option(None, "--team", help="Team to share limits with ('' for none)"),
     weight: float | None = typer.Option(None, "--weight", help="Share of a saturated model"),
+    cache_scope: str | None = typer.Option(None, "--cache-scope", help=CACHE_SCOPE_HELP),
     output: str = OUTPUT,
     config: str | None = CONFIG,
     nats: list[str] = NATS,
@@ -137,6 +145,7 @@ def update(
     from llmgw_runtime.apikeys import KeyOpError, list_keys, update_key
 
     check_weight("update", weight)
+    scope = check_cache_scope("update", cache_scope, None)
 
     async def op(nc: Any, pfx: str) -> ApiKeyRecord:
         recs = await list_keys(nc, pfx)
@@ -147,7 +156,7 @@ def update(
         limits = limits_from_flags(
             "update", base, rpm, tpm, concurrency, daily_tokens, monthly_tokens, model_limit, clear
         )
-        kw: dict[str, Any] = {"limits": limits, "weight": weight}
+        kw: dict[str, Any] = {"limits": limits, "weight": weight, "cache_scope": scope}
         if team is not None:
             kw["team"] = team or None
         try:
@@ -162,7 +171,7 @@ def update(
     else:
         typer.echo(
             f"updated {rec.id} ({rec.name}): limits {limits_text(rec)}, team {rec.team or '-'}, "
-            f"weight {rec.weight:g}"
+            f"weight {rec.weight:g}, cache scope {rec.cache_scope}"
         )
 
 
@@ -184,7 +193,7 @@ def list_(
     if output == "json":
         typer.echo(json.dumps([_row(r) for r in recs]))
         return
-    rows = [("ID", "NAME", "MODELS", "CREATED", "EXPIRES", "REVOKED", "TEAM", "WEIGHT", "LIMITS")]
+    rows = [("ID", "NAME", "MODELS", "CREATED", "EXPIRES", "REVOKED", "TEAM", "WEIGHT", "CACHE", "LIMITS")]
     for r in recs:
         rows.append(
             (
@@ -196,6 +205,7 @@ def list_(
                 "yes" if r.revoked else "no",
                 r.team or "-",
                 f"{r.weight:g}",
+                r.cache_scope.value,
                 limits_text(r),
             )
         )

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import typer
 
-from llmgw_common.messages import ApiKeyRecord, KeyLimits
+from llmgw_common.messages import ApiKeyRecord, CacheScope, KeyLimits
 
 NATS = typer.Option([], "--nats", help="NATS URL (repeatable, or a comma list)")
 PREFIX = typer.Option(None, help="Subject and bucket prefix")
@@ -53,6 +53,32 @@ def check_weight(verb: str, weight: float | None) -> None:
     if weight is not None and not weight > 0:
         typer.echo(f"llmgw keys {verb}: --weight must be above 0, got {weight:g}", err=True)
         raise typer.Exit(2)
+
+
+CACHE_SCOPE_HELP = (
+    "With whom its requests share cached prompt prefixes: shared (every key), team (its team's keys), "
+    "key (none); prefix-cache timing is a side channel between tenants"
+)
+
+
+def check_cache_scope(verb: str, scope: str | None, team: str | None) -> CacheScope | None:
+    if scope is None:
+        return None
+    try:
+        got = CacheScope(scope)
+    except ValueError:
+        typer.echo(
+            f"llmgw keys {verb}: --cache-scope must be one of {', '.join(c.value for c in CacheScope)}, "
+            f"not {scope!r}",
+            err=True,
+        )
+        raise typer.Exit(2) from None
+    if got is CacheScope.TEAM and verb == "create" and not team:
+        typer.echo(
+            f"llmgw keys {verb}: --cache-scope team needs --team (the team whose keys share)", err=True
+        )
+        raise typer.Exit(2)
+    return got
 
 
 def limits_text(r: ApiKeyRecord) -> str:
