@@ -193,7 +193,8 @@ _ops = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@pytest.mark.slow
+@settings(max_examples=150, deadline=None)
 @given(_ops, st.lists(st.integers(0, 12), max_size=10))
 def test_the_index_agrees_with_the_oracle(ops: list[ReplicaKv], query: list[int]) -> None:
     idx, oracle = KvIndex(), _Oracle()
