@@ -17,6 +17,11 @@ METRICS_STYLES = ("vllm", "llamacpp")
 # vLLM registers its routes per runner: a pooling model has no chat route, a generate model no /pooling.
 RUNNERS = ("generate", "pooling")
 POOLING_TASKS = ("embed", "classify")
+# The prefix cache's capacity without kv_tokens: 4096 blocks (64k tokens at 16 a block).
+DEFAULT_CACHE_BLOCKS = 4096
+# Where a KV-event publisher can bind (vLLM binds ipc:// and wildcard tcp://, and connects otherwise;
+# the simulator always binds).
+_ZMQ_SCHEMES = ("ipc://", "tcp://", "inproc://")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,18 @@ class SimOptions:
     # this many (least recently used dropped); 0 ignores store, as vLLM does by default.
     responses_store: int = 4096
     max_model_len: int = 32768
+    # vLLM's --enable-prefix-caching: a block LRU (llmgw_sim.prefix_cache) of block_size tokens holding
+    # kv_tokens // block_size blocks (DEFAULT_CACHE_BLOCKS without kv_tokens). Implied by
+    # kv_events_endpoint. Off, no prompt is tokenized and every timing is as before.
+    prefix_caching: bool = False
+    # Tokens per KV block: vLLM's --block-size (16 on GPUs, 128 on CPU).
+    block_size: int = 16
+    # Prefill speed: the first token comes ttft_ms + (uncached prompt tokens / this) after the start.
+    # None: ttft_ms alone, whatever the prompt.
+    prefill_tokens_per_s: float | None = None
+    # Bind a ZMQ PUB socket here (ipc://path, tcp://host:port) and publish vLLM's KV-cache events.
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = "kv-events"
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -108,7 +125,30 @@ class SimOptions:
             out.append(f"responses_store is {self.responses_store}, must be >= 0")
         if self.max_model_len < 1:
             out.append(f"max_model_len is {self.max_model_len}, must be >= 1")
+        if self.block_size < 1:
+            out.append(f"block_size is {self.block_size}, must be >= 1")
+        elif self.kv_tokens is not None and self.caches_prefixes and self.kv_tokens < self.block_size:
+            out.append(f"kv_tokens {self.kv_tokens} is less than one block of {self.block_size}")
+        if self.prefill_tokens_per_s is not None and self.prefill_tokens_per_s <= 0:
+            out.append(f"prefill_tokens_per_s is {self.prefill_tokens_per_s}, must be > 0 (or unset)")
+        if self.kv_events_endpoint is not None and not self.kv_events_endpoint.startswith(_ZMQ_SCHEMES):
+            out.append(
+                f"kv_events_endpoint {self.kv_events_endpoint!r} is not a ZMQ endpoint "
+                f"({', '.join(s + '...' for s in _ZMQ_SCHEMES)})"
+            )
         return out
+
+    @property
+    def caches_prefixes(self) -> bool:
+        """Keeps a prefix cache: asked to, or to publish its events."""
+        return self.prefix_caching or self.kv_events_endpoint is not None
+
+    @property
+    def cache_blocks(self) -> int:
+        """The prefix cache's capacity in blocks."""
+        if self.kv_tokens is not None:
+            return max(self.kv_tokens // self.block_size, 1)
+        return DEFAULT_CACHE_BLOCKS
 
     @property
     def is_follower(self) -> bool:
@@ -178,10 +218,19 @@ class SimOptions:
         return [python, "-m", "llmgw_cli", "sim-engine", *self.to_argv()]
 
 
-# The API-surface options go on the command line only when a profile sets them: the argv of every
+# The API-surface and prefix-cache options go on the command line only when a profile sets them: the argv of every
 # other profile stays what it was (and within the flags of an older `llmgw sim-engine`).
 _ONLY_WHEN_SET = frozenset(
-    {"runner", "pooling_task", "num_labels", "transcription", "responses_store", "max_model_len"}
+    {
+        "runner",
+        "pooling_task",
+        "num_labels",
+        "transcription",
+        "responses_store",
+        "max_model_len",
+        "block_size",
+        "kv_events_topic",
+    }
 )
 
 

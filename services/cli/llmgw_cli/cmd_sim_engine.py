@@ -52,6 +52,17 @@ def sim_engine(
         _D.responses_store, help="Stored responses kept (an LRU); 0: none, as vLLM without its store"
     ),
     max_model_len: int = typer.Option(_D.max_model_len, help="Context length; longer prompts get 400"),
+    prefix_caching: bool = typer.Option(
+        False, "--prefix-caching", help="Keep a prefix cache of KV blocks (vLLM's --enable-prefix-caching)"
+    ),
+    block_size: int = typer.Option(_D.block_size, help="Tokens per KV block (vLLM: 16 on GPUs, 128 on CPU)"),
+    prefill_tokens_per_s: float | None = typer.Option(
+        None, help="Prefill speed: TTFT grows by uncached prompt tokens / this (unset: ttft_ms alone)"
+    ),
+    kv_events_endpoint: str | None = typer.Option(
+        None, help="Bind a ZMQ PUB socket here and publish vLLM's KV events (implies --prefix-caching)"
+    ),
+    kv_events_topic: str = typer.Option(_D.kv_events_topic, help="Topic of the KV-event messages"),
     log_level: str = typer.Option("INFO", help="Python log level"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved options as JSON and exit"),
 ) -> None:
@@ -82,6 +93,11 @@ def sim_engine(
             transcription=transcription,
             responses_store=responses_store,
             max_model_len=max_model_len,
+            prefix_caching=prefix_caching,
+            block_size=block_size,
+            prefill_tokens_per_s=prefill_tokens_per_s,
+            kv_events_endpoint=kv_events_endpoint,
+            kv_events_topic=kv_events_topic,
         )
     except ValueError as e:
         typer.echo(f"llmgw sim-engine: {e}", err=True)

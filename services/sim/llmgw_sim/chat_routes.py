@@ -1,6 +1,7 @@
 """The handlers of chat and text completions (one conversation, or vLLM's batch of them).
 
-Shapes are in :mod:`llmgw_sim.openai_api`; the timing (slot, ttft, tokens/s) is the engine's.
+Shapes are in :mod:`llmgw_sim.openai_api`; the timing (slot, prefill by the prefix cache, tokens/s)
+is the engine's. A batch of conversations is timed as one, without the prefix cache.
 """
 
 from __future__ import annotations
@@ -59,16 +60,18 @@ class ChatRoutes:
         created = e.now()
         tokens = oai.completion_tokens(req)
         if req.stream:
-            return await self._stream(request, req, rid, created, tokens, chat)
-        async with e.slot(req.prompt_tokens + len(tokens)):
-            await e.decode(len(tokens))
+            return await self._stream(request, body, req, rid, created, tokens, chat)
+        async with e.generation(req.prompt_tokens + len(tokens), req.prompt_tokens, body) as gen:
+            await gen.decode(len(tokens))
+            gen.completed(tokens)
         build = bodies.chat_response if chat else bodies.completion_response
         resp = web.Response(body=json.dumps(build(rid, created, req, tokens)).encode(), content_type=_JSON)
-        return await e.finish(request, resp, req.prompt_tokens, len(tokens))
+        return await e.finish(request, resp, req.prompt_tokens, len(tokens), gen.ttft_s)
 
     async def _stream(
         self,
         request: web.Request,
+        body: dict[str, Any],
         req: oai.GenRequest,
         rid: str,
         created: int,
@@ -85,16 +88,17 @@ class ChatRoutes:
         # The last token's chunk carries the finish, as vLLM's; with no token at all (a continuation
         # already complete) end() sends it alone.
         last = len(tokens) - 1
-        async with e.slot(req.prompt_tokens + len(tokens)):
+        async with e.generation(req.prompt_tokens + len(tokens), req.prompt_tokens, body) as gen:
             if not tokens:
-                await e.decode(1)
+                await gen.decode(1)
                 await resp.write(w.first().encode())
-            async for due in e.timed(len(tokens)):
+            async for due in gen.timed(len(tokens)):
                 head = w.first() if due.start == 0 else ""
                 await resp.write((head + "".join(w.token(tokens[i], i == last) for i in due)).encode())
+            gen.completed(tokens)
             await resp.write(w.end(len(tokens)).encode())
         await resp.write_eof()
-        e.done(req.prompt_tokens, len(tokens))
+        e.done(req.prompt_tokens, len(tokens), gen.ttft_s)
         return resp
 
     async def _batch(self, request: web.Request) -> web.StreamResponse:

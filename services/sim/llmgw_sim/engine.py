@@ -1,9 +1,11 @@
 """The simulated engine: an OpenAI-compatible server with an engine's timing, slots and metrics.
 
 Pipeline of one generation request: read JSON → check model and readiness → take a slot (or wait
-in the queue) → first token after ``ttft_ms`` → one token per ``1/tokens_per_s`` → release the slot.
-``zero`` drops every delay, for benchmarks. ``/metrics`` reads the slot counts, so running, waiting
-and KV use are what the server is really doing.
+in the queue) → look the prompt up in the prefix cache (when on) → first token after ``ttft_ms``
+(plus the uncached tokens at ``prefill_tokens_per_s``) → store the prompt's blocks → one token per
+``1/tokens_per_s`` → store the answer's blocks, release the slot. ``zero`` drops every delay, for
+benchmarks. ``/metrics`` reads the slot counts, so running, waiting and KV use are what the server
+is really doing.
 """
 
 from __future__ import annotations
@@ -21,14 +23,26 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from llmgw_common import simtokens
+from llmgw_common.vllm_kv_events import KvEvent
 from llmgw_sim import errors
 from llmgw_sim import openai_bodies as bodies
 from llmgw_sim.cluster import Membership, follow
+from llmgw_sim.kv_publisher import KvEventPublisher
 from llmgw_sim.metrics import LoadSnapshot, sim_registry
 from llmgw_sim.options import SimOptions
+from llmgw_sim.prefix_cache import PrefixCache, Run, prefill_seconds
 from llmgw_sim.slots import Slots
 
-__all__ = ["ENGINE_KEY", "FAULT_EXIT_CODE", "Engine", "FaultExit", "SimOptions", "sse_response"]
+__all__ = [
+    "ENGINE_KEY",
+    "FAULT_EXIT_CODE",
+    "Engine",
+    "FaultExit",
+    "Generation",
+    "SimOptions",
+    "sse_response",
+]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +95,10 @@ class Engine:
         self._gen_s = 0.0
         self._ttft_s = 0.0 if opts.zero else opts.ttft_ms / 1000.0
         self._tpot_s = 0.0 if opts.zero else 1.0 / opts.tokens_per_s
+        self._prefill_rate = None if opts.zero else opts.prefill_tokens_per_s
+        self.cache = PrefixCache(opts.block_size, opts.cache_blocks) if opts.caches_prefixes else None
+        # Bound at startup (lifecycle), when the options ask for events.
+        self.kv_events: KvEventPublisher | None = None
         self.registry = sim_registry(opts.metrics_style, opts.model, self.snapshot, created=wall())
 
     # ------------------------------------------------------------ readiness
@@ -112,13 +130,15 @@ class Engine:
             generation_seconds_total=self._gen_s,
             kv_tokens_used=self._kv_used,
             kv_tokens=self.opts.kv_tokens,
+            prefix_cache_queries=self.cache.queries if self.cache is not None else 0,
+            prefix_cache_hits=self.cache.hits if self.cache is not None else 0,
         )
 
-    def _done(self, prompt: int, completion: int) -> None:
+    def _done(self, prompt: int, completion: int, ttft_s: float | None = None) -> None:
         self._served += 1
         self._prompt_tokens += prompt
         self._gen_tokens += completion
-        self._prompt_s += self._ttft_s
+        self._prompt_s += self._ttft_s if ttft_s is None else ttft_s
         self._gen_s += max(completion - 1, 0) * self._tpot_s
         limit = self.opts.exit_after
         if limit is not None and self._served >= limit and not self.exit_requested.is_set():
@@ -220,9 +240,48 @@ class Engine:
                 await asyncio.sleep(wait)
             yield range(i, i + 1)
 
-    def done(self, prompt: int, completion: int) -> None:
-        """Count a finished request in the metrics (and in the ``exit_after`` fault)."""
-        self._done(prompt, completion)
+    def done(self, prompt: int, completion: int, ttft_s: float | None = None) -> None:
+        """Count a finished request in the metrics (and in the ``exit_after`` fault); ``ttft_s``: its
+        prefill time, when not the engine's fixed one."""
+        self._done(prompt, completion, ttft_s)
+
+    @contextlib.asynccontextmanager
+    async def generation(
+        self, kv_tokens: int, prompt_tokens: int, body: dict[str, Any]
+    ) -> AsyncIterator[Generation]:
+        """Hold a slot for one generation request and time it: its prefill by the prefix cache's hit
+        (when on) and the prefill speed. The body's tokens are read only when a cache is kept."""
+        async with self.slot(kv_tokens):
+            run: Run | None = None
+            if self.cache is not None:
+                ids = simtokens.prompt_token_ids(body)
+                if ids is not None:
+                    run = self.cache.begin(ids, cache_salt(body))
+            uncached = run.uncached_tokens if run is not None else prompt_tokens
+            gen = Generation(self, run, prefill_seconds(self._ttft_s, uncached, self._prefill_rate))
+            try:
+                yield gen
+            finally:
+                gen.end()
+
+    @property
+    def tpot_s(self) -> float:
+        """Seconds per generated token after the first."""
+        return self._tpot_s
+
+    def publish(self, events: list[KvEvent]) -> None:
+        if self.kv_events is not None and events:
+            self.kv_events.publish(events, self._wall())
+
+    def reset_prefix_cache(self, force: bool = False) -> bool:
+        """vLLM's reset: False while requests hold blocks (unless ``force``); announced when done."""
+        if self.cache is None:
+            return True
+        events = self.cache.reset(force)
+        if events is None:
+            return False
+        self.publish(events)
+        return True
 
     def rid(self, kind: str, sep: str = "-") -> str:
         return f"{kind}{sep}{self._id_prefix}{next(self._ids):x}"
@@ -259,14 +318,19 @@ class Engine:
         return task
 
     async def finish(
-        self, request: web.Request, resp: web.Response, prompt: int, completion: int
+        self,
+        request: web.Request,
+        resp: web.Response,
+        prompt: int,
+        completion: int,
+        ttft_s: float | None = None,
     ) -> web.Response:
         """Send a whole answer and count it."""
         if self.opts.exit_after is not None:
             # Send the answer before this count may stop the process.
             await resp.prepare(request)
             await resp.write_eof()
-        self._done(prompt, completion)
+        self._done(prompt, completion, ttft_s)
         return resp
 
     # ------------------------------------------------------------ lifecycle
@@ -275,6 +339,9 @@ class Engine:
         """Background work of the engine: the loading delay and, for followers, joining the leader."""
         stop = asyncio.Event()
         tasks: list[asyncio.Task[None]] = []
+        if self.opts.kv_events_endpoint is not None and not self.opts.is_follower:
+            self.kv_events = KvEventPublisher(self.opts.kv_events_endpoint, self.opts.kv_events_topic)
+            log.info("publishing KV events on %s", self.opts.kv_events_endpoint)
         if not self.loaded:
             tasks.append(asyncio.create_task(self._load(), name="sim-load"))
         if self.opts.is_follower:
@@ -302,6 +369,9 @@ class Engine:
             for t in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await t
+            if self.kv_events is not None:
+                self.kv_events.close()
+                self.kv_events = None
 
     async def _load(self) -> None:
         await asyncio.sleep(self.opts.startup_s)
@@ -310,6 +380,72 @@ class Engine:
 
     def _set_joined(self, joined: bool) -> None:
         self.joined = joined
+
+
+def cache_salt(body: dict[str, Any]) -> str | None:
+    """vLLM's per-request ``cache_salt``: it enters the first block's hash, so only requests with the
+    same salt share cached blocks."""
+    salt = body.get("cache_salt")
+    return salt if isinstance(salt, str) and salt else None
+
+
+class Generation:
+    """One generation request's time in its slot: the prefill (``ttft_s``), after which its prompt's
+    blocks are cached, then its tokens. Mark the answer :meth:`completed` for its blocks to be cached
+    too; the engine ends it when the slot is released."""
+
+    def __init__(self, engine: Engine, run: Run | None, ttft_s: float) -> None:
+        self.engine = engine
+        self.run = run
+        self.ttft_s = ttft_s
+        self._prefilled = False
+        self._output: list[str] = []
+
+    def prefilled(self) -> None:
+        if self._prefilled:
+            return
+        self._prefilled = True
+        cache = self.engine.cache
+        if self.run is not None and cache is not None:
+            self.engine.publish(cache.store(self.run))
+
+    def completed(self, tokens: list[str]) -> None:
+        """The whole answer was produced (its tokens as sent: a word, maybe after a space)."""
+        self._output = tokens
+
+    def end(self) -> None:
+        cache = self.engine.cache
+        if self.run is None or cache is None:
+            return
+        output = [simtokens.word_id(t.strip()) for t in self._output] if self._prefilled else []
+        self.engine.publish(cache.finish(self.run, output))
+
+    async def decode(self, n: int) -> None:
+        """The time of a whole answer of ``n`` tokens: the first after the prefill, then one per
+        1/tokens_per_s."""
+        tpot = self.engine.tpot_s
+        if self.ttft_s > 0:
+            await asyncio.sleep(self.ttft_s)
+        self.prefilled()
+        rest = max(n - 1, 0) * tpot
+        if rest > 0:
+            await asyncio.sleep(rest)
+
+    async def timed(self, n: int) -> AsyncIterator[range]:
+        """Indexes of ``n`` tokens as they come due: one at a time, or all at once without delays."""
+        tpot = self.engine.tpot_s
+        if self.ttft_s == 0 and tpot == 0:
+            self.prefilled()
+            yield range(n)
+            return
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        for i in range(n):
+            wait = start + self.ttft_s + i * tpot - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            self.prefilled()
+            yield range(i, i + 1)
 
 
 ENGINE_KEY = web.AppKey("engine", Engine)

@@ -2,8 +2,9 @@
 
 vLLM (v1 engine, ``vllm/v1/metrics/loggers.py``): gauges ``vllm:num_requests_running``,
 ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (0..1) labelled
-``engine="0",model_name="<served name>"``, and token and request counters, each with the ``_created``
-series ``prometheus_client`` adds (vLLM 0.32 leaves them on: its /metrics has one per counter series).
+``engine="0",model_name="<served name>"``, token counters (the prefix cache's too, 0 without one) and
+request counters, each with the ``_created`` series ``prometheus_client`` adds (vLLM 0.32 leaves them
+on: its /metrics has one per counter series).
 llama-server (``--metrics``, not prometheus_client): ``llamacpp:requests_processing``,
 ``llamacpp:requests_deferred`` and token counters, unlabelled, no ``_created``; a current build has no
 KV-cache metric, so neither has this one.
@@ -36,6 +37,9 @@ class LoadSnapshot:
     # Tokens held by running requests, and the capacity (None: KV use is the share of slots).
     kv_tokens_used: int = 0
     kv_tokens: int | None = None
+    # The prefix cache, in tokens: those of the prompts looked up, and of their cached prefixes.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -59,6 +63,21 @@ def vllm_families(s: LoadSnapshot, model: str, created: float) -> Iterator[Metri
     counters = (
         ("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens_total),
         ("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens_total),
+        (
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            s.prefix_cache_queries,
+        ),
+        (
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            s.prefix_cache_hits,
+        ),
+        (
+            "vllm:prompt_tokens_cached",
+            "Number of cached prompt tokens (local + external).",
+            s.prefix_cache_hits,
+        ),
     )
     for name, doc, value in counters:
         c = CounterMetricFamily(name, doc, labels=names)

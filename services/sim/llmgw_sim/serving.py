@@ -17,7 +17,16 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from llmgw_sim import audio_api, chat_routes, errors, messages_api, pooling_api, responses_api, tokens_api
+from llmgw_sim import (
+    audio_api,
+    cache_api,
+    chat_routes,
+    errors,
+    messages_api,
+    pooling_api,
+    responses_api,
+    tokens_api,
+)
 from llmgw_sim.cluster import JOIN_PATH
 from llmgw_sim.engine import ENGINE_KEY, Engine, FaultExit
 from llmgw_sim.options import SimOptions
@@ -41,7 +50,7 @@ def build_app(opts: SimOptions, clock: Callable[[], float] = time.monotonic) -> 
         return app
     app.router.add_get("/metrics", engine.metrics)
     app.router.add_get("/v1/models", engine.models)
-    for api in (chat_routes, responses_api, messages_api, pooling_api, tokens_api, audio_api):
+    for api in (chat_routes, responses_api, messages_api, pooling_api, tokens_api, audio_api, cache_api):
         api.add(app, engine)
     if opts.world > 1:
         app.router.add_post(JOIN_PATH, engine.join)
