@@ -88,8 +88,12 @@ class _Transport(asyncio.Transport):
 
 
 async def run(conc: int, per_round: int, rounds: int) -> list[float]:
-    from llmgw_router.http_connection import Connection
     from llmgw_router.service import Router
+
+    try:
+        from llmgw_router.http.connection import Connection
+    except ImportError:  # a revision from before the router's rooms (issue 36, --old)
+        from llmgw_router.http_connection import Connection  # type: ignore[no-redef]
 
     try:
         from llmgw_router.settings import RouterSettings
@@ -97,9 +101,9 @@ async def run(conc: int, per_round: int, rounds: int) -> list[float]:
         from llmgw_common.settings import RouterSettings  # type: ignore[no-redef]
 
     try:
-        from llmgw_router.upstream_connection import UpstreamConnection
-    except ImportError:  # a revision from before upstream.py was split (--old)
-        from llmgw_router.upstream import _Conn as UpstreamConnection  # type: ignore[attr-defined,no-redef]
+        from llmgw_router.upstream.connection import UpstreamConnection
+    except ImportError:  # a revision from before the router's rooms (issue 36, --old)
+        from llmgw_router.upstream_connection import UpstreamConnection  # type: ignore[no-redef]
 
     loop = asyncio.get_running_loop()
     engine = "http://127.0.0.1:9"

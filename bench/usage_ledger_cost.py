@@ -23,9 +23,9 @@ from llmgw_common.catalog import Catalog, ModelProfile
 from llmgw_common.codec import encode
 from llmgw_common.messages import Endpoint, RoutingCatalog, RoutingEndpoints
 from llmgw_common.subjects import Subjects
-from llmgw_router.ledger import Ledger
 from llmgw_router.service import Router
 from llmgw_router.settings import RouterSettings
+from llmgw_router.tenancy.ledger import Ledger
 from llmgw_runtime import bus
 from llmgw_runtime.apikeys import create_key
 from llmgw_runtime.natsserver import NatsServer

@@ -39,7 +39,7 @@ def service_imports(source: str) -> set[str]:
 
 
 def test_service_imports_sees_lazy_and_dotted_imports() -> None:
-    src = "def f():\n    from llmgw_router.keys import x\n    import llmgw_agent.sim_gpus\n"
+    src = "def f():\n    from llmgw_router.tenancy.keys import x\n    import llmgw_agent.sim_gpus\n"
     assert service_imports(src) == {"llmgw_router", "llmgw_agent"}
 
 

@@ -13,11 +13,11 @@ from llmgw_common.codec import encode
 from llmgw_common.messages import Endpoint, LoadReport, ReplicaLoad, RoutingEndpoints
 from llmgw_common.router_messages import DemandReport, ModelDemand
 from llmgw_common.subjects import Subjects
-from llmgw_router.auth import Exemptions
 from llmgw_router.context import Limits, RouterContext
 from llmgw_router.demand import DemandMeter, p90_ms
-from llmgw_router.endpoints import Pool
-from llmgw_router.keys import KeyTable
+from llmgw_router.routing.endpoints import Pool
+from llmgw_router.tenancy.auth import Exemptions
+from llmgw_router.tenancy.keys import KeyTable
 from llmgw_runtime import bus
 from llmgw_runtime.natsserver import NatsServer
 from tests.controlplane.cp_helpers import cp_settings, start_cp

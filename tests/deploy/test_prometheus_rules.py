@@ -23,8 +23,8 @@ from llmgw_controlplane.scheduler.event_detection import EventDetector
 from llmgw_controlplane.scheduler.snapshot import Snapshot
 from llmgw_notifier.metrics import NotifierMetrics
 from llmgw_notifier.stats import NotifierStats
-from llmgw_router.endpoints import Pool
 from llmgw_router.metrics import RouterMetrics
+from llmgw_router.routing.endpoints import Pool
 from llmgw_runtime.runtime import PassGuard
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ import aiohttp
 import psutil
 from aiohttp import web
 
-from llmgw_router.breaker import Breaker, BreakerState
+from llmgw_router.routing.breaker import Breaker, BreakerState
 from llmgw_router.service import Router
 from llmgw_sim import serving as sim_engine
 from llmgw_sim.options import SimOptions

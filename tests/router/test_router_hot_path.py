@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from llmgw_common.messages import ApiKeyRecord
-from llmgw_router import keys as keys_mod
-from llmgw_router.auth import bearer_key, request_key
-from llmgw_router.http_request import Request
-from llmgw_router.keys import KeyTable
+from llmgw_router.http.request import Request
+from llmgw_router.tenancy import keys as keys_mod
+from llmgw_router.tenancy.auth import bearer_key, request_key
+from llmgw_router.tenancy.keys import KeyTable
 from llmgw_runtime.apikeys import hash_key
 
 
@@ -123,7 +123,7 @@ def _as_before(pairs: list[tuple[bytes, bytes]]) -> tuple[bytes, bool]:
 
 @pytest.mark.parametrize("pairs", ENGINE_HEADERS)
 def test_relayed_header_lines_are_those_the_header_dict_gave(pairs: list[tuple[bytes, bytes]]) -> None:
-    from llmgw_router.http_response import RelayedResponse, relay_lines
+    from llmgw_router.http.response import RelayedResponse, relay_lines
     from llmgw_router.proxy import _DROP_RAW
 
     lines, ctype, _ = relay_lines(pairs, _DROP_RAW)
@@ -148,10 +148,10 @@ ANSWER_HEADERS = [
 def test_an_answers_framing_from_the_relay_pass_is_what_the_two_lookups_gave(
     pairs: list[tuple[bytes, bytes]],
 ) -> None:
-    from llmgw_router.http_response import relay_lines
+    from llmgw_router.http.response import relay_lines
     from llmgw_router.proxy import _DROP_RAW
-    from llmgw_router.upstream import UpstreamClient, UpstreamResponse
-    from llmgw_router.upstream_connection import UpstreamConnection
+    from llmgw_router.upstream.client import UpstreamClient, UpstreamResponse
+    from llmgw_router.upstream.connection import UpstreamConnection
 
     conn = UpstreamConnection(None)  # type: ignore[arg-type]  # never reads: only its head is looked at
     conn.headers = pairs

@@ -19,8 +19,8 @@ import uvloop
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from llmgw_router.admission import AdmissionRefused, Gate
-from llmgw_router.breaker import Breaker, BreakerState
+from llmgw_router.routing.breaker import Breaker, BreakerState
+from llmgw_router.tenancy.admission import AdmissionRefused, Gate
 from tests.kit.poll import eventually
 from tests.router.router_helpers import EngineFactory, RouterFactory, StaticFile, breaker_state
 

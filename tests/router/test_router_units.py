@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 
 from llmgw_common.messages import ApiKeyRecord, Endpoint, LoadReport, ReplicaLoad, RoutingEndpoints
 from llmgw_router import landing
-from llmgw_router.admission import AdmissionRefused, Gate
-from llmgw_router.auth import Exemptions, bearer_key
-from llmgw_router.breaker import Breaker, BreakerState
-from llmgw_router.endpoints import Pool
-from llmgw_router.keys import KeyTable, allows_model
 from llmgw_router.metrics import RouterMetrics
-from llmgw_router.scheduling import choose, load_score
-from llmgw_router.usage import UsageTable, find_usage
+from llmgw_router.routing.breaker import Breaker, BreakerState
+from llmgw_router.routing.endpoints import Pool
+from llmgw_router.routing.scheduling import choose, load_score
+from llmgw_router.tenancy.admission import AdmissionRefused, Gate
+from llmgw_router.tenancy.auth import Exemptions, bearer_key
+from llmgw_router.tenancy.keys import KeyTable, allows_model
+from llmgw_router.tenancy.usage import UsageTable, find_usage
 from llmgw_runtime.apikeys import generate_key, hash_key
 from tests.router.router_helpers import breaker_state
 

@@ -9,7 +9,7 @@ import anthropic
 import openai
 import pytest
 
-from llmgw_router.stored import untag
+from llmgw_router.dialects.stored import untag
 from tests.vllm.vllm_cluster import VllmCluster
 
 MODEL = "gemma"

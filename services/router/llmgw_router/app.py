@@ -8,28 +8,29 @@ first (``keycheck.py``). Metrics are on the admin listener (``admin.py``). Nothi
 from __future__ import annotations
 
 from llmgw_router.context import RouterContext
-from llmgw_router.errors import RouterError, error_response
-from llmgw_router.http_request import Request
-from llmgw_router.http_response import Response, StreamResponse
-from llmgw_router.keycheck import Handler, guarded
+from llmgw_router.dialects.routes import CANCEL_SUFFIX, PROXIED, STORED_PREFIX, Dialect
+from llmgw_router.errors import Answer, RouterError, error_response
+from llmgw_router.http.request import Request
+from llmgw_router.http.response import StreamResponse
+from llmgw_router.http.server import Handler as ServerHandler
 from llmgw_router.local_routes import health, landing_page, make_model_handler, make_models_handler
 from llmgw_router.proxy_handler import make_proxy_handler
-from llmgw_router.routes import CANCEL_SUFFIX, PROXIED, STORED_PREFIX, Dialect
 from llmgw_router.stored_handler import make_stored_handler
+from llmgw_router.tenancy.keycheck import Handler, guarded
 
 
 def _anthropic(handler: Handler) -> Handler:
     """On Anthropic's paths the router's own refusals take Anthropic's shape (errors.py)."""
 
-    async def answer(request: Request) -> StreamResponse:
+    async def answer(request: Request) -> Answer:
         resp = await handler(request)
-        return resp.as_anthropic() if isinstance(resp, RouterError) else resp
+        return resp.response(anthropic=True) if type(resp) is RouterError else resp
 
     return answer
 
 
 def _not_in_api(status: int) -> Handler:
-    async def answer(request: Request) -> Response:
+    async def answer(request: Request) -> RouterError:
         return error_response(
             status,
             f"{request.method} {request.path} is not part of this API",
@@ -39,7 +40,7 @@ def _not_in_api(status: int) -> Handler:
     return answer
 
 
-def build_app(ctx: RouterContext) -> Handler:
+def build_app(ctx: RouterContext) -> ServerHandler:
     """The OpenAI listener's one handler: dispatch on the path, then the method.
 
     Every route checks the key first (the same check for every path, exemptions included), and unknown
@@ -68,38 +69,45 @@ def build_app(ctx: RouterContext) -> Handler:
     stored = make_stored_handler(ctx)
     models_prefix = "/v1/models/"
 
-    async def wrong_method(request: Request, allow: str) -> StreamResponse:
+    async def wrong_method(request: Request, allow: str) -> Answer:
         # RFC 9110 §15.5.6: a 405 says which methods the path has.
         resp = await refuse_method(request)
         if resp.status == 405:
             resp.headers["Allow"] = allow
-        if request.path in anthropic_paths and isinstance(resp, RouterError):
-            return resp.as_anthropic()
+        if request.path in anthropic_paths and type(resp) is RouterError:
+            return resp.response(anthropic=True)
         return resp
+
+    async def off_table(request: Request, path: str) -> Answer:
+        """A path that is not a row of the table: a model, a stored response, or none."""
+        if path.startswith(models_prefix) and len(path) > len(models_prefix):
+            if request.method not in ("GET", "HEAD"):
+                return await wrong_method(request, "GET, HEAD")
+            request.match_info["model"] = path[len(models_prefix) :]
+            return await model(request)
+        if path.startswith(STORED_PREFIX):
+            rest = path[len(STORED_PREFIX) :]
+            cancel = rest.endswith(CANCEL_SUFFIX)
+            if cancel:
+                rest = rest[: -len(CANCEL_SUFFIX)]
+            if rest and "/" not in rest:
+                if request.method != ("POST" if cancel else "GET"):
+                    return await wrong_method(request, "POST" if cancel else "GET")
+                request.match_info["response_id"] = rest
+                return await stored(request, cancel)
+        return await not_found(request)
 
     async def dispatch(request: Request) -> StreamResponse:
         path = request.path
         methods = routes.get(path)
         if methods is None:
-            if path.startswith(models_prefix) and len(path) > len(models_prefix):
-                if request.method not in ("GET", "HEAD"):
-                    return await wrong_method(request, "GET, HEAD")
-                request.match_info["model"] = path[len(models_prefix) :]
-                return await model(request)
-            if path.startswith(STORED_PREFIX):
-                rest = path[len(STORED_PREFIX) :]
-                cancel = rest.endswith(CANCEL_SUFFIX)
-                if cancel:
-                    rest = rest[: -len(CANCEL_SUFFIX)]
-                if rest and "/" not in rest:
-                    if request.method != ("POST" if cancel else "GET"):
-                        return await wrong_method(request, "POST" if cancel else "GET")
-                    request.match_info["response_id"] = rest
-                    return await stored(request, cancel)
-            return await not_found(request)
-        handler = methods.get(request.method)
-        if handler is None:
-            return await wrong_method(request, ", ".join(methods))
-        return await handler(request)
+            resp = await off_table(request, path)
+        else:
+            handler = methods.get(request.method)
+            resp = await (
+                handler(request) if handler is not None else wrong_method(request, ", ".join(methods))
+            )
+        # A refusal its route's dialect did not render takes OpenAI's shape.
+        return resp.response() if isinstance(resp, RouterError) else resp
 
     return dispatch

@@ -8,16 +8,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmgw_common.catalog import ModelProfile
-from llmgw_router.admission import Gate
-from llmgw_router.auth import Exemptions
-from llmgw_router.endpoints import Pool
 from llmgw_router.holding import Holding
 from llmgw_router.idle import IdleMap
-from llmgw_router.keys import KeyTable
 from llmgw_router.metrics import RouterMetrics
-from llmgw_router.quota import Quotas
-from llmgw_router.upstream import UpstreamClient
-from llmgw_router.usage import UsageTable
+from llmgw_router.routing.endpoints import Pool
+from llmgw_router.routing.pick import Choosing
+from llmgw_router.tenancy.admission import Gate
+from llmgw_router.tenancy.auth import Exemptions
+from llmgw_router.tenancy.keys import KeyTable
+from llmgw_router.tenancy.quota import Quotas
+from llmgw_router.tenancy.usage import UsageTable
+from llmgw_router.upstream.client import UpstreamClient
 
 
 @dataclass(slots=True)
@@ -57,9 +58,11 @@ class RouterContext:
     metrics: RouterMetrics = field(init=False)
     holding: Holding = field(init=False)
     quota: Quotas = field(init=False)
+    choosing: Choosing = field(init=False)
 
     def __post_init__(self) -> None:
         self.idle = IdleMap(self.started)
+        self.choosing = Choosing(self.limits.load_stale_s, self.limits.prefix_load_factor, self.rng)
         self.quota = Quotas(self.keys, self.router_id, self.limits.tick_s)
         # The clock read through ctx at each call: a test may set ctx.clock after construction.
         self.usage = UsageTable(self.started, self.quota, lambda: self.clock())

@@ -58,12 +58,9 @@ class DemandMeter:
 
     def report(self, router: str, now: float) -> DemandReport:
         ctx = self.ctx
-        cumulative = {m: list(h.counts) for m, h in ctx.metrics._ttft.items()}
+        cumulative = ctx.metrics.ttft_counts()
         follows = {n: p for n, p in ctx.pool.profiles.items() if p.follows_load}
-        finished: dict[str, int] = {}
-        for (model, _status), c in ctx.metrics._req.items():
-            if model in follows:
-                finished[model] = finished.get(model, 0) + c.value
+        finished = {m: n for m, n in ctx.metrics.finished_counts().items() if m in follows}
         here: dict[str, tuple[int, int, int]] = {}
         for name in follows:
             gate = ctx.gates.get(name)

@@ -3,7 +3,7 @@
 OpenAI's ``{"error": {"message", "type", "param", "code"}}`` everywhere, except on Anthropic's paths
 (``/v1/messages``), where clients (the ``anthropic`` SDK, Claude Code) read
 ``{"type": "error", "error": {"type", "message"}}``. Every refusal is made as a :class:`RouterError`
-with OpenAI's body; a handler on an Anthropic path re-renders it (:meth:`RouterError.as_anthropic`), so
+rendered with OpenAI's body, or on an Anthropic path Anthropic's (:meth:`RouterError.response`), so
 the many places that refuse (admission, holding, the proxy) need not know who asked. An engine's own
 error answer is relayed as the engine sent it, never re-rendered.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from llmgw_router.http_response import Response
+from llmgw_router.http.response import Response, StreamResponse
 
 # The status recorded (metrics, usage, logs) for a request whose client went away before its answer
 # was sent: nginx's 499, never sent to anyone.
@@ -59,20 +59,46 @@ def anthropic_error_body(status: int, message: str) -> bytes:
     return json.dumps({"type": "error", "error": {"type": etype, "message": message}}).encode()
 
 
-class RouterError(Response):
-    """A refusal made by the router (not an engine's answer), with what it says kept apart."""
+class RouterError:
+    """A refusal made by the router (not an engine's answer): a value, what it says kept apart, rendered
+    into the server's plain :class:`Response` in the client's dialect only when it is sent."""
 
-    __slots__ = ("message",)
+    __slots__ = ("close", "code", "headers", "message", "param", "status")
 
-    def __init__(self, status: int, message: str, body: bytes, headers: dict[str, str] | None) -> None:
-        super().__init__(status=status, body=body, content_type="application/json", headers=headers)
-        self.message = message
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+        close: bool = False,
+    ) -> None:
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers: dict[str, str] = headers if headers is not None else {}
+        # The connection ends after it (the request's body was not read: a 408).
+        self.close = close
 
-    def as_anthropic(self) -> RouterError:
-        headers = {k: v for k, v in self.headers.items() if k != "Content-Type"}
-        return RouterError(
-            self.status, self.message, anthropic_error_body(self.status, self.message), headers
+    def body(self, anthropic: bool = False) -> bytes:
+        if anthropic:
+            return anthropic_error_body(self.status, self.message)
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+    def response(self, anthropic: bool = False) -> Response:
+        resp = Response(
+            status=self.status,
+            body=self.body(anthropic),
+            content_type="application/json",
+            headers=self.headers or None,
         )
+        if self.close:
+            resp.force_close()
+        return resp
+
+
+# What a handler of the gateway answers: a response, or a refusal rendered by the route's dialect.
+Answer = StreamResponse | RouterError
 
 
 def error_response(
@@ -84,4 +110,4 @@ def error_response(
     retry_after: int | None = None,
 ) -> RouterError:
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return RouterError(status, message, error_body(status, message, param=param, code=code), headers)
+    return RouterError(status, message, param=param, code=code, headers=headers)

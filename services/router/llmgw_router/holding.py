@@ -31,12 +31,12 @@ from dataclasses import dataclass
 
 from llmgw_common.catalog import ModelProfile
 from llmgw_common.router_messages import WakeReply, WakeRequest, WakeState
-from llmgw_router.admission import Gate
-from llmgw_router.endpoints import Pool
-from llmgw_router.errors import CLIENT_GONE, RouterError, error_body, error_response
-from llmgw_router.http_request import Request
-from llmgw_router.http_response import Response, StreamResponse
+from llmgw_router.errors import CLIENT_GONE, Answer, RouterError, error_body, error_response
+from llmgw_router.http.request import Request
+from llmgw_router.http.response import Response, StreamResponse
 from llmgw_router.metrics import RouterMetrics
+from llmgw_router.routing.endpoints import Pool
+from llmgw_router.tenancy.admission import Gate
 from llmgw_runtime.runtime import cancel_and_wait
 
 log = logging.getLogger("llmgw.router.holding")
@@ -73,7 +73,7 @@ class Held:
     """How a hold ended: ``answer`` to give now (a refusal, or a begun stream already ended), or go on
     to admission and the proxy, writing into ``started`` when a held stream has already begun."""
 
-    answer: StreamResponse | None = None
+    answer: Answer | None = None
     started: StreamResponse | None = None
 
 
@@ -182,7 +182,7 @@ class Holding:
         return Held(answer=await self.finish(started, error_response(503, problem), anthropic))
 
     async def finish(
-        self, started: StreamResponse, answer: StreamResponse, anthropic: bool = False
+        self, started: StreamResponse, answer: Answer, anthropic: bool = False
     ) -> StreamResponse:
         """The client's answer when a held stream had begun before ``answer`` was made: ``answer`` itself
         if the proxy wrote into the begun stream, else its body as the stream's last SSE event.
@@ -190,9 +190,10 @@ class Holding:
         ``event: error`` in its own shape, and which has no ``[DONE]``."""
         if answer is started:
             return started
-        if anthropic and isinstance(answer, RouterError):
-            answer = answer.as_anthropic()
-        body = answer.body if isinstance(answer, Response) else None
+        if type(answer) is RouterError:
+            body: bytes | None = answer.body(anthropic)
+        else:
+            body = answer.body if isinstance(answer, Response) else None
         data = body if isinstance(body, bytes) else error_body(502, "the answer could not be relayed")
         event = b"".join(b"data: " + line + b"\n" for line in data.splitlines()) + b"\n"
         if anthropic and answer.status >= 300:

@@ -7,12 +7,12 @@ import json
 
 from llmgw_router import landing
 from llmgw_router.context import RouterContext
-from llmgw_router.errors import error_response
-from llmgw_router.http_request import Request
-from llmgw_router.http_response import Response
-from llmgw_router.keycheck import Handler, request_record
-from llmgw_router.keys import allows_model
+from llmgw_router.errors import Answer, error_response
+from llmgw_router.http.request import Request
+from llmgw_router.http.response import Response
 from llmgw_router.refusals import not_found_message
+from llmgw_router.tenancy.keycheck import Handler, request_record
+from llmgw_router.tenancy.keys import allows_model
 
 
 async def health(_: Request) -> Response:
@@ -42,7 +42,7 @@ def make_models_handler(ctx: RouterContext) -> Handler:
 
 
 def make_model_handler(ctx: RouterContext) -> Handler:
-    async def model(request: Request) -> Response:
+    async def model(request: Request) -> Answer:
         name = request.match_info["model"]
         if name not in ctx.pool.profiles or not allows_model(request_record(request), name):
             return error_response(404, not_found_message(name), param="model")

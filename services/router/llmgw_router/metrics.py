@@ -20,9 +20,9 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString as _untyped_go_float
 
-from llmgw_router.admission import Gate
-from llmgw_router.breaker import STATE_VALUE
-from llmgw_router.endpoints import Pool
+from llmgw_router.routing.breaker import STATE_VALUE
+from llmgw_router.routing.endpoints import Pool
+from llmgw_router.tenancy.admission import Gate
 
 # Prometheus' spelling of a bucket bound ("0.005", "1.0"); its helper carries no annotations.
 _go_float: Callable[[float], str] = _untyped_go_float
@@ -230,6 +230,17 @@ class RouterMetrics:
         """How many requests for ``model`` were answered with ``status`` (0 when none)."""
         c = self._req.get((model, status))
         return c.value if c is not None else 0
+
+    def finished_counts(self) -> dict[str, int]:
+        """Requests answered so far per model, any status."""
+        out: dict[str, int] = {}
+        for (model, _status), c in self._req.items():
+            out[model] = out.get(model, 0) + c.value
+        return out
+
+    def ttft_counts(self) -> dict[str, list[int]]:
+        """Each model's cumulative first-byte histogram (its bucket counts)."""
+        return {m: list(h.counts) for m, h in self._ttft.items()}
 
     def retries_count(self, model: str) -> int:
         """How many retries were made for ``model`` (0 when none)."""

@@ -3,7 +3,7 @@
 A failure before the first byte reaches the client (connect error or refusal, the engine closing
 the connection, a 502/503 from the engine, a stream that dies before its first chunk) is retried on
 another endpoint, up to ``retries`` times. A stream that breaks after its first byte is continued on
-another endpoint (:mod:`llmgw_router.migration`). In-flight counts are released in ``finally`` on every
+another endpoint (:mod:`llmgw_router.failover.migration`). In-flight counts are released in ``finally`` on every
 path, cancellation included.
 """
 
@@ -17,16 +17,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmgw_router.context import RouterContext
-from llmgw_router.endpoints import EndpointState
-from llmgw_router.errors import CLIENT_GONE, error_response
-from llmgw_router.http_request import Request
-from llmgw_router.http_response import RelayedResponse, Response, StreamResponse, relay_lines
-from llmgw_router.migration import Migration
-from llmgw_router.scheduling import choose, choose_affine
-from llmgw_router.stored import StreamTagger, tag_ids
-from llmgw_router.upstream import UpstreamResponse
-from llmgw_router.upstream_connection import ConnectFailed, ReadTimeout, UpstreamError
-from llmgw_router.usage import TAIL_BYTES, find_usage
+from llmgw_router.dialects.stored import StreamTagger, tag_ids
+from llmgw_router.errors import CLIENT_GONE, Answer, RouterError, error_response
+from llmgw_router.failover.migration import Migration
+from llmgw_router.http.request import Request
+from llmgw_router.http.response import RelayedResponse, StreamResponse, relay_lines
+from llmgw_router.routing.endpoints import EndpointState
+from llmgw_router.routing.pick import pick
+from llmgw_router.tenancy.usage import TAIL_BYTES, find_usage
+from llmgw_router.upstream.client import UpstreamResponse
+from llmgw_router.upstream.connection import ConnectFailed, ReadTimeout, UpstreamError
 
 log = logging.getLogger("llmgw.router.proxy")
 
@@ -90,36 +90,7 @@ class _Retryable(Exception):
         self.refused = refused
 
 
-def pick(
-    ctx: RouterContext,
-    model: str,
-    tried: list[EndpointState],
-    now: float,
-    affinity: int | None = None,
-    pin: EndpointState | None = None,
-) -> EndpointState | None:
-    if pin is not None:
-        # Only this replica holds what the request names: it is asked even while draining (it finishes
-        # what it holds), and retried only on itself (a stale keep-alive connection).
-        return pin if len(tried) < 2 and pin.breaker.acquire(now) else None
-    eps = ctx.pool.by_model.get(model)
-    if not eps:
-        return None
-    cands = [e for e in eps if not e.draining and e not in tried and e.breaker.allows(now)]
-    if not cands and tried:
-        # Every endpoint was tried: a second go at one whose breaker still allows it (a stale
-        # keep-alive connection is the common cause of a one-off failure).
-        cands = [e for e in eps if not e.draining and e.breaker.allows(now)]
-    if affinity is None:
-        ep = choose(cands, now, ctx.limits.load_stale_s, ctx.rng)
-    else:
-        ep = choose_affine(cands, affinity, ctx.limits.prefix_load_factor)
-    if ep is None or not ep.breaker.acquire(now):
-        return None
-    return ep
-
-
-async def forward(ctx: RouterContext, request: Request, out: Outbound) -> tuple[StreamResponse, int]:
+async def forward(ctx: RouterContext, request: Request, out: Outbound) -> tuple[Answer, int]:
     """Proxy the request; return the response and the status to record."""
     t0 = time.perf_counter()
     model = out.model
@@ -131,7 +102,7 @@ async def forward(ctx: RouterContext, request: Request, out: Outbound) -> tuple[
     refused = 0
     for attempt in range(ctx.limits.retries + 1):
         now = ctx.clock()
-        ep = pick(ctx, model, tried, now, out.affinity, out.pin)
+        ep = pick(ctx.pool, ctx.choosing, model, tried, now, out.affinity, out.pin)
         if ep is None:
             break
         if attempt:
@@ -180,7 +151,7 @@ async def _attempt(
     out: Outbound,
     t0: float,
     mig: Migration | None,
-) -> tuple[StreamResponse, int, bool | None]:
+) -> tuple[Answer, int, bool | None]:
     assert ctx.upstream is not None
     model = out.model
     try:
@@ -240,7 +211,7 @@ async def _stream(
     verdict: bool,
     mig: Migration | None,
     lines: bytes = b"",
-) -> tuple[StreamResponse, int, bool | None]:
+) -> tuple[Answer, int, bool | None]:
     """``lines``: the engine's header lines to relay (relay_lines)."""
     status = up.status
     model, key_id, want_usage, started = out.model, out.key_id, out.want_usage, out.started
@@ -330,7 +301,7 @@ async def _stream(
             return resp, 502, False
         # Say so now, not when the continuation ends: others should not be sent to it meanwhile.
         ep.breaker.failure(ctx.clock())
-        status = await mig.resume(ctx, resp, pick, f"{ep.replica_id}: {e}")
+        status = await mig.resume(ctx, resp, f"{ep.replica_id}: {e}")
         if status == 200:
             used = mig.relay.sent.usage
             ctx.usage.add(key_id, model, used if want_usage else None, streamed)
@@ -339,7 +310,7 @@ async def _stream(
     return resp, status, verdict
 
 
-def _gateway_timeout(ep: EndpointState) -> Response:
+def _gateway_timeout(ep: EndpointState) -> RouterError:
     return error_response(504, f"{ep.replica_id} did not answer in time")
 
 

@@ -12,21 +12,20 @@ import time
 from typing import Any
 
 from llmgw_common.apis import Api
-from llmgw_router.admission import AdmissionRefused
-from llmgw_router.affinity import prompt_key
-from llmgw_router.auth import request_key
 from llmgw_router.context import RouterContext
-from llmgw_router.endpoints import EndpointState
-from llmgw_router.errors import CLIENT_GONE, RouterError, error_response
-from llmgw_router.forms import form_fields
-from llmgw_router.http_request import HTTPRequestEntityTooLarge, Request
-from llmgw_router.http_response import StreamResponse
-from llmgw_router.keycheck import ANONYMOUS, Handler
-from llmgw_router.keys import allows_model
+from llmgw_router.dialects.forms import form_fields
+from llmgw_router.dialects.routes import BodyKind, Dialect, Route
+from llmgw_router.dialects.stored import untag
+from llmgw_router.errors import CLIENT_GONE, Answer, RouterError, error_response
+from llmgw_router.http.request import HTTPRequestEntityTooLarge, Request
 from llmgw_router.proxy import Outbound, forward, parse_request
 from llmgw_router.refusals import gone, not_found_message
-from llmgw_router.routes import BodyKind, Dialect, Route
-from llmgw_router.stored import untag
+from llmgw_router.routing.affinity import prompt_key
+from llmgw_router.routing.endpoints import EndpointState
+from llmgw_router.tenancy.admission import AdmissionRefused
+from llmgw_router.tenancy.auth import request_key
+from llmgw_router.tenancy.keycheck import ANONYMOUS, Handler
+from llmgw_router.tenancy.keys import allows_model
 
 # Metrics label for model names that are not in the catalog (client-chosen: unbounded otherwise).
 UNKNOWN_MODEL = "-"
@@ -90,9 +89,9 @@ async def read_body(ctx: RouterContext, request: Request) -> bytes | RouterError
     except TimeoutError:
         # A body that trickles in holds a connection and a handler: answer while we still can.
         ctx.metrics.request(UNKNOWN_MODEL, 408)
-        late = error_response(408, f"the request body did not arrive within {ctx.limits.body_timeout_s:g}s")
-        late.force_close()
-        return late
+        return RouterError(
+            408, f"the request body did not arrive within {ctx.limits.body_timeout_s:g}s", close=True
+        )
 
 
 def make_proxy_handler(ctx: RouterContext, route: Route) -> Handler:
@@ -103,7 +102,7 @@ def make_proxy_handler(ctx: RouterContext, route: Route) -> Handler:
     usage_always = route.api in (Api.RESPONSES, Api.MESSAGES)
     anthropic = route.dialect is Dialect.ANTHROPIC
 
-    async def handle(request: Request) -> StreamResponse:
+    async def handle(request: Request) -> Answer:
         t0 = time.perf_counter()
         # keycheck.authenticate, with the record kept here: nothing else reads it from a proxied request.
         rec = None
@@ -162,7 +161,7 @@ def make_proxy_handler(ctx: RouterContext, route: Route) -> Handler:
                 return admitted
             ticket = admitted
 
-        async def turn(last: bool) -> tuple[StreamResponse, bool]:
+        async def turn(last: bool) -> tuple[Answer, bool]:
             """Held while no replica is ready, admitted, forwarded; the answer, and (when not ``last``)
             whether every replica named refused the connection: nothing was sent, the table is likely
             stale, and the answer (a 502) is not counted yet."""

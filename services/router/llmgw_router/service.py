@@ -26,18 +26,19 @@ from llmgw_common.subjects import ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
 from llmgw_common.tenancy import month_bounds
 from llmgw_router.admin import build_admin_app
 from llmgw_router.app import build_app
-from llmgw_router.auth import Exemptions
-from llmgw_router.connections import ConnectionGuard, ConnectionMetrics, fit_to_fd_limit
 from llmgw_router.context import Limits, RouterContext
 from llmgw_router.demand import DemandMeter
-from llmgw_router.endpoints import Pool
-from llmgw_router.http_server import HttpServer
-from llmgw_router.keymetrics import KeyUsageMetrics
-from llmgw_router.keys import KeyTable
-from llmgw_router.ledger import Ledger
-from llmgw_router.migration import abort_withdrawn
+from llmgw_router.errors import error_body
+from llmgw_router.failover.migration import abort_withdrawn
+from llmgw_router.http.guard import ConnectionGuard, ConnectionMetrics, fit_to_fd_limit
+from llmgw_router.http.server import HttpServer
+from llmgw_router.routing.endpoints import Pool
 from llmgw_router.settings import RouterSettings
 from llmgw_router.static import load_static
+from llmgw_router.tenancy.auth import Exemptions
+from llmgw_router.tenancy.keymetrics import KeyUsageMetrics
+from llmgw_router.tenancy.keys import KeyTable
+from llmgw_router.tenancy.ledger import Ledger
 from llmgw_runtime import bus
 from llmgw_runtime.kv_follower import KvFollower
 from llmgw_runtime.runtime import PassGuard, cancel_and_wait, until_stopped
@@ -124,13 +125,15 @@ class Router:
         if s.admin_port and s.admin_host not in _ADMIN_LOOPBACK:
             raise ValueError(f"admin listener must be on loopback, not {s.admin_host}")
         self.ctx.upstream = self.ctx.new_upstream()
-        # The router's own HTTP/1.1 server (http_server.py), with the deadlines and cap of connections.py.
+        # The router's own HTTP/1.1 server (http/), with the deadlines and cap of http/guard.py; the server's
+        # own refusals (400, 431, ...) in OpenAI's shape.
         self.http = HttpServer(
             build_app(self.ctx),
             self.connections,
             s.max_body_bytes,
             s.idle_timeout_s,
             trusted_proxies=s.trusted_proxies,
+            error_body=error_body,
         )
         self.port = await self.http.listen(s.host, s.port, backlog=4096, reuse_port=self.reuse_port)
         if s.admin_port:

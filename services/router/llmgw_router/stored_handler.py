@@ -7,22 +7,21 @@ import time
 from collections.abc import Awaitable, Callable
 
 from llmgw_router.context import RouterContext
-from llmgw_router.errors import CLIENT_GONE, error_response
-from llmgw_router.http_request import Request
-from llmgw_router.http_response import StreamResponse
-from llmgw_router.keycheck import ANONYMOUS, authenticate, request_record
-from llmgw_router.keys import allows_model
+from llmgw_router.dialects.routes import CANCEL_SUFFIX, STORED_PREFIX
+from llmgw_router.dialects.stored import untag
+from llmgw_router.errors import CLIENT_GONE, Answer, error_response
+from llmgw_router.http.request import Request
 from llmgw_router.proxy import Outbound, forward
 from llmgw_router.refusals import gone
-from llmgw_router.routes import CANCEL_SUFFIX, STORED_PREFIX
-from llmgw_router.stored import untag
+from llmgw_router.tenancy.keycheck import ANONYMOUS, authenticate, request_record
+from llmgw_router.tenancy.keys import allows_model
 
 
-def make_stored_handler(ctx: RouterContext) -> Callable[[Request, bool], Awaitable[StreamResponse]]:
+def make_stored_handler(ctx: RouterContext) -> Callable[[Request, bool], Awaitable[Answer]]:
     """GET /v1/responses/{id} and POST /v1/responses/{id}/cancel, sent to the replica storing the
     response (its id names it: stored.py)."""
 
-    async def handle(request: Request, cancel: bool) -> StreamResponse:
+    async def handle(request: Request, cancel: bool) -> Answer:
         t0 = time.perf_counter()
         refused = authenticate(ctx, request)
         if refused is not None:

@@ -1,0 +1,193 @@
+"""The endpoint pool: what each model can be routed to, with live state that outlives updates.
+
+Routing updates (``RoutingEndpoints`` from the control plane, or a static file) replace the set of
+endpoints per model; each endpoint's live state (in-flight count, breaker, latency, last load report)
+is keyed by replica id + URL and carried across updates, so an unrelated change resets nothing. An
+endpoint that leaves the set is dropped from the routing lists and returned by :meth:`Pool.set_endpoints`:
+the control plane withdraws an endpoint whose node was lost or whose replica failed or was stopped, so
+the caller aborts the answers still in flight to it (they continue elsewhere, mid-stream failover). A
+``draining`` endpoint stays in the set: it takes no new requests and finishes what it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from llmgw_common.catalog import Catalog, ModelProfile
+from llmgw_common.messages import Endpoint, LoadReport, RoutingEndpoints
+from llmgw_router.dialects.stored import tag_of
+from llmgw_router.routing.breaker import Breaker, BreakerState
+from llmgw_router.routing.scheduling import stable_id
+from llmgw_router.upstream.connection import Answers
+
+# Weight of the newest sample in the latency average.
+EWMA_ALPHA = 0.2
+
+
+class EndpointState:
+    """One endpoint and what this router knows about it right now."""
+
+    __slots__ = (
+        "affinity_id",
+        "answers",
+        "breaker",
+        "draining",
+        "ewma_latency_s",
+        "in_flight",
+        "kv_use",
+        "load_at",
+        "model",
+        "node",
+        "replica_id",
+        "running",
+        "tag",
+        "url",
+        "waiting",
+    )
+
+    def __init__(self, ep: Endpoint, breaker: Breaker) -> None:
+        self.replica_id = ep.replica_id
+        # The replica's place in prefix-affinity orders: the same in every router.
+        self.affinity_id = stable_id(ep.replica_id)
+        # The replica's mark in the ids of the responses it stores (stored.py), the same in every router.
+        self.tag = tag_of(self.affinity_id)
+        self.model = ep.model
+        self.url = ep.url.rstrip("/")
+        self.node = ep.node
+        self.draining = ep.draining
+        self.in_flight = 0
+        # The attempts in flight to this endpoint, one handle each (the connection while the answer's head
+        # is awaited, then the answer; removed in the attempt's ``finally``): aborted if it is withdrawn.
+        self.answers = Answers()
+        self.breaker = breaker
+        self.ewma_latency_s: float | None = None
+        self.running: float | None = None
+        self.waiting: float | None = None
+        self.kv_use: float | None = None
+        # Our clock's time when the load report arrived (freshness by our own clock).
+        self.load_at: float | None = None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.replica_id, self.url)
+
+    def observe_latency(self, seconds: float) -> None:
+        prev = self.ewma_latency_s
+        self.ewma_latency_s = seconds if prev is None else prev + EWMA_ALPHA * (seconds - prev)
+
+    def __repr__(self) -> str:
+        return f"EndpointState({self.replica_id} {self.url} in_flight={self.in_flight})"
+
+
+def endpoint_key(ep: Endpoint) -> tuple[str, str]:
+    return (ep.replica_id, ep.url.rstrip("/"))
+
+
+class Pool:
+    """Models -> endpoint states, plus the catalog and why models without endpoints are unavailable."""
+
+    def __init__(self, breaker_threshold: int = 3, breaker_cooldown_s: float = 2.0) -> None:
+        self.catalog: Catalog | None = None
+        self.catalog_version = -1
+        self.endpoints_version = -1
+        self.profiles: dict[str, ModelProfile] = {}
+        self.by_model: dict[str, list[EndpointState]] = {}
+        self.by_key: dict[tuple[str, str], EndpointState] = {}
+        self.by_replica: dict[str, list[EndpointState]] = {}
+        # stored.tag_of(replica) -> its endpoint: where a tagged response id is answered.
+        self.by_tag: dict[str, EndpointState] = {}
+        self.unavailable: dict[str, str] = {}
+        # Models with an endpoint that takes new requests (not draining): the request path's one check.
+        self.ready: set[str] = set()
+        # From the control plane: what is on its way per model, and the models scaled to zero.
+        self.coming: dict[str, str] = {}
+        self.cold: frozenset[str] = frozenset()
+        # False until the first routing endpoints arrive (a static file's included): until then a
+        # catalog model's requests are held, not refused (a cluster starting: no control plane led yet).
+        self.table_read = False
+        self._breaker_threshold = breaker_threshold
+        self._breaker_cooldown_s = breaker_cooldown_s
+
+    # ------------------------------------------------------------ updates
+
+    def set_catalog(self, catalog: Catalog, version: int = 0) -> None:
+        self.catalog = catalog
+        self.catalog_version = version
+        self.profiles = {m.name: m for m in catalog.models}
+
+    def set_endpoints(self, routing: RoutingEndpoints) -> list[EndpointState]:
+        """Replace the endpoints; return those withdrawn (in the old set, not the new)."""
+        old = self.by_key
+        self._apply(routing.endpoints.values(), routing.unavailable)
+        self.coming = dict(routing.coming)
+        self.cold = frozenset(routing.cold)
+        self.endpoints_version = routing.version
+        self.table_read = True
+        return [st for k, st in old.items() if k not in self.by_key]
+
+    def _apply(self, groups: Iterable[Iterable[Endpoint]], unavailable: dict[str, str]) -> None:
+        by_key: dict[tuple[str, str], EndpointState] = {}
+        by_model: dict[str, list[EndpointState]] = {}
+        by_replica: dict[str, list[EndpointState]] = {}
+        for group in groups:
+            for ep in group:
+                k = endpoint_key(ep)
+                st = self.by_key.get(k)
+                if st is None:
+                    st = EndpointState(ep, Breaker(self._breaker_threshold, self._breaker_cooldown_s))
+                else:
+                    st.draining = ep.draining
+                    st.node = ep.node
+                by_key[k] = st
+                by_model.setdefault(ep.model, []).append(st)
+                by_replica.setdefault(ep.replica_id, []).append(st)
+        self.by_key, self.by_model, self.by_replica = by_key, by_model, by_replica
+        self.by_tag = {st.tag: st for st in by_key.values()}
+        self.ready = {m for m, eps in by_model.items() if any(not e.draining for e in eps)}
+        self.unavailable = dict(unavailable)
+
+    def apply_load(self, report: LoadReport, now: float) -> None:
+        """Record an agent's load report; shards other than 0 (followers) carry no routing load."""
+        for r in report.replicas:
+            if r.shard != 0:
+                continue
+            for st in self.by_replica.get(r.replica_id, ()):
+                st.running, st.waiting, st.kv_use, st.load_at = r.running, r.waiting, r.kv_use, now
+
+    # ------------------------------------------------------------ reads
+
+    def known(self, model: str) -> bool:
+        return model in self.profiles
+
+    def routable(self, model: str, now: float) -> list[EndpointState]:
+        """Endpoints that may take a new request now: not draining, breaker permitting."""
+        eps = self.by_model.get(model)
+        if not eps:
+            return []
+        return [e for e in eps if not e.draining and e.breaker.allows(now)]
+
+    def why_unavailable(self, model: str, now: float) -> str:
+        eps = self.by_model.get(model)
+        if eps:
+            if all(e.draining for e in eps):
+                return f"every replica of model {model!r} is draining"
+            return f"every replica of model {model!r} is failing (circuit open); retrying shortly"
+        reason = self.unavailable.get(model)
+        if reason:
+            return f"model {model!r} has no ready replica: {reason}"
+        return f"model {model!r} has no ready replica"
+
+    def breakers_not_closed(self) -> dict[str, str]:
+        """replica id -> breaker state, for replicas whose breaker is open or half-open."""
+        out: dict[str, str] = {}
+        for st in self.by_key.values():
+            if st.breaker.state is not BreakerState.CLOSED:
+                out[st.replica_id] = st.breaker.state.value
+        return out
+
+    def busy(self) -> set[str]:
+        """Replicas with a request of this router in flight (a stream being relayed included)."""
+        return {e.replica_id for e in self.by_key.values() if e.in_flight > 0}
+
+    def in_flight_total(self) -> int:
+        return sum(e.in_flight for e in self.by_key.values())
