@@ -130,6 +130,10 @@ class KvIndex:
         keys = self._keys.get(replica)
         return len(keys) if keys is not None else 0
 
+    def keys_of(self, replica: str) -> frozenset[int]:
+        """A copy of ``replica``'s keys (for tests and inspection: a copy costs its size)."""
+        return frozenset(self._keys.get(replica, ()))
+
     def holds(self, replica: str, key: int) -> bool:
         keys = self._keys.get(replica)
         return keys is not None and key in keys
