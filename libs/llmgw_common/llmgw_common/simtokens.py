@@ -17,7 +17,6 @@ Pure and cheap: a word's id is cached (bounded), and nothing here is called when
 from __future__ import annotations
 
 import hashlib
-from functools import lru_cache
 from typing import Any
 
 __all__ = [
@@ -35,15 +34,36 @@ __all__ = [
 TOKEN_ID_LIMIT = 1 << 32
 _WORD_MASK = (1 << 31) - 1
 _PERSON = b"llmgw-simtok"
+# Words whose ids are remembered; past this many the memory starts over (a bound, not an LRU: a
+# workload's vocabulary is far smaller).
+_REMEMBERED = 1 << 17
 
 
-@lru_cache(maxsize=1 << 16)
-def word_id(word: str) -> int:
-    """A word's token id: 31 bits of BLAKE2b over its UTF-8, the same in every process (never Python's
-    salted ``hash``)."""
+def _hash_word(word: str) -> int:
     # surrogatepass: JSON may carry a lone surrogate, which plain UTF-8 refuses.
     d = hashlib.blake2b(word.encode("utf-8", "surrogatepass"), digest_size=4, person=_PERSON).digest()
     return int.from_bytes(d, "little") & _WORD_MASK
+
+
+class _Ids(dict[str, int]):
+    """Word -> id, computed on a miss: a hit is one C-level dict lookup (half an lru_cache's cost), which
+    is most of tokenizing a long prompt on a router's hot path."""
+
+    def __missing__(self, word: str) -> int:
+        if len(self) >= _REMEMBERED:
+            self.clear()
+        tid = self[word] = _hash_word(word)
+        return tid
+
+
+_IDS = _Ids()
+_id_of = _IDS.__getitem__
+
+
+def word_id(word: str) -> int:
+    """A word's token id: 31 bits of BLAKE2b over its UTF-8, the same in every process (never Python's
+    salted ``hash``)."""
+    return _id_of(word)
 
 
 def role_id(role: str) -> int:
@@ -101,7 +121,7 @@ def chat_token_ids(messages: Any, generation_prompt: bool = True) -> list[int] |
         if not isinstance(role, str) or words is None:
             return None
         ids.append(role_id(role))
-        ids += map(word_id, words)
+        ids += map(_id_of, words)
     if generation_prompt:
         ids.append(role_id("assistant"))
     return ids
@@ -119,5 +139,5 @@ def prompt_token_ids(body: dict[str, Any]) -> list[int] | None:
     prompt = body.get("prompt")
     words = text_prompt_words(prompt)
     if words is not None:
-        return list(map(word_id, words))
+        return list(map(_id_of, words))
     return _token_ids(prompt)

@@ -38,7 +38,8 @@ GROUP_IDX = 0
 SPEC_KIND = "full_attention"
 MEDIUM = "GPU"
 
-_PERSON = b"llmgw-simblock"
+# Copied per block: cheaper than building a keyed hasher each time.
+_HASHER = hashlib.blake2b(digest_size=8, person=b"llmgw-simblock")
 # The parent of a first block: a fixed seed, as vLLM's (a constant unless PYTHONHASHSEED is set).
 _ROOT = b"\x00" * 8
 
@@ -53,7 +54,8 @@ def hash_blocks(
     packed = array("I", tokens[len(out) * block_size :]).tobytes()
     parent = out[-1].to_bytes(8, "little") if out else _ROOT
     for end in range(width, len(packed) + 1, width):
-        h = hashlib.blake2b(parent, digest_size=8, person=_PERSON)
+        h = _HASHER.copy()
+        h.update(parent)
         if not out and salt:
             # vLLM puts the cache_salt in the first block's extra keys only.
             h.update(b"\x01" + salt.encode("utf-8", "surrogatepass") + b"\x00")
