@@ -148,11 +148,21 @@ def ensure_vllm_router(venv: Path = PEER_VENV, version: str = VLLM_ROUTER_VERSIO
     exe = venv / "bin" / "vllm-router"
     if installed_vllm_router(venv) == version:
         return exe
+    try:
+        _install_vllm_router(venv, version)
+    except OSError as e:  # a venv folder that cannot be made or locked
+        raise PeerUnavailable(f"cannot install into {venv}: {e}") from e
+    if installed_vllm_router(venv) != version:
+        raise PeerUnavailable(f"vllm-router {version} still not in {venv} after pip install")
+    return exe
+
+
+def _install_vllm_router(venv: Path, version: str) -> None:
     venv.parent.mkdir(parents=True, exist_ok=True)
     with open(venv.parent / ".vllm-router.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if installed_vllm_router(venv) == version:  # another bench installed it while we waited
-            return exe
+            return
         print(f"installing vllm-router=={version} into {venv} (once) ...", file=sys.stderr, flush=True)
         py = venv / "bin" / "python"
         steps = [[sys.executable, "-m", "venv", str(venv)]] if not py.exists() else []
@@ -165,9 +175,6 @@ def ensure_vllm_router(venv: Path = PEER_VENV, version: str = VLLM_ROUTER_VERSIO
             if r.returncode != 0:
                 tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
                 raise PeerUnavailable(f"{shlex.join(cmd)} exited {r.returncode}: {' | '.join(tail)}")
-    if installed_vllm_router(venv) != version:
-        raise PeerUnavailable(f"vllm-router {version} still not in {venv} after pip install")
-    return exe
 
 
 async def up(gw: Gateway, timeout: float = 60.0) -> Gateway:
@@ -224,15 +231,18 @@ def write_static(directory: Path, endpoints: Sequence[str], model: str = MODEL, 
     return path
 
 
-def spawn_llmgw(endpoints: Sequence[str], workdir: Path, rev: str | None = None) -> Gateway:
+def spawn_llmgw(
+    endpoints: Sequence[str], workdir: Path, rev: str | None = None, static: Path | None = None
+) -> Gateway:
     """``llmgw router --static`` over ``endpoints`` (auth on, key ``ro.KEY``), as router_overhead starts it.
 
     ``rev``: run that git revision's router (exported with router_ab.export_tree) instead of the work
-    tree's, e.g. while the work tree is mid-change.
+    tree's, e.g. while the work tree is mid-change. ``static``: a static file of the caller's own
+    (e.g. with cache routing) instead of ``write_static``'s.
     """
     pythonpath = router_ab.export_tree(rev, workdir / "llmgw-rev") if rev else None
     port = free_port()
-    proc = ro.start_router(write_static(workdir, endpoints), port, pythonpath)
+    proc = ro.start_router(static or write_static(workdir, endpoints), port, pythonpath)
     return Gateway("llmgw" if not rev else f"llmgw@{rev}", f"http://127.0.0.1:{port}", proc)
 
 
@@ -490,7 +500,12 @@ async def peer_bench(a: argparse.Namespace, workdir: Path) -> dict[str, object]:
             [
                 ("llmgw", lambda: spawn_llmgw([engine_url], workdir, a.llmgw_rev)),
                 *(
-                    [("vllm-router", lambda: spawn_vllm_router([engine_url], workdir, a.vllm_router_policy))]
+                    [
+                        (
+                            "vllm-router",
+                            lambda: spawn_vllm_router([engine_url], workdir, a.vllm_router_policy, _peer(a)),
+                        )
+                    ]
                     if not a.no_peer
                     else []
                 ),
@@ -683,7 +698,12 @@ async def realistic_bench(a: argparse.Namespace, workdir: Path) -> dict[str, obj
                 ("llmgw", lambda: spawn_llmgw(urls, workdir, a.llmgw_rev)),
                 ("aiohttp.web", lambda: spawn_aiohttp_proxy(urls)),
                 *(
-                    [("vllm-router", lambda: spawn_vllm_router(urls, workdir, a.vllm_router_policy))]
+                    [
+                        (
+                            "vllm-router",
+                            lambda: spawn_vllm_router(urls, workdir, a.vllm_router_policy, _peer(a)),
+                        )
+                    ]
                     if not a.no_peer
                     else []
                 ),
@@ -789,6 +809,10 @@ def realistic_table(results: dict[str, dict[str, Sample]], nominal_ms: float, st
 # ---------------------------------------------------------------- main
 
 
+def _peer(a: argparse.Namespace) -> Path:
+    return ensure_vllm_router(a.peer_venv)
+
+
 def _header(a: argparse.Namespace) -> str:
     rev = subprocess.run(
         ["git", "-C", str(Path(__file__).resolve().parents[1]), "describe", "--always", "--dirty"],
@@ -798,7 +822,7 @@ def _header(a: argparse.Namespace) -> str:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return (
         f"command: {shlex.join(sys.orig_argv)}\n"
-        f"llmgw {a.llmgw_rev or rev or '?'} | vllm-router {installed_vllm_router() or 'not installed'} "
+        f"llmgw {a.llmgw_rev or rev or '?'} | vllm-router {installed_vllm_router(a.peer_venv) or 'not installed'} "
         f"(--policy {a.vllm_router_policy}) | python {sys.version.split()[0]} | "
         f"{os.cpu_count()} cores, load average {load} | {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"
     )
@@ -856,26 +880,29 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     ap.add_argument("--quick", action="store_true", help="a smoke of about a minute (rough figures)")
-    ap.add_argument("--seconds", type=float, default=10.0, help="per case and target (peer bench)")
-    ap.add_argument("--repeats", type=int, default=2, help="repeats per case; the median is reported")
+    ap.add_argument("--seconds", type=float, help="per case and target (peer bench; 10, quick 2)")
+    ap.add_argument("--repeats", type=int, help="repeats per case, the median reported (2, quick 1)")
     ap.add_argument("--clients", type=ints, default=[1, 8, 32], help="closed-loop clients, comma list")
     ap.add_argument("--vllm-router-policy", default="round_robin")
+    ap.add_argument("--peer-venv", type=Path, default=PEER_VENV, help="where vllm-router is (installed)")
     ap.add_argument("--no-peer", action="store_true", help="leave vllm-router out")
     ap.add_argument("--with-aiohttp", action="store_true", help="peer bench: add the aiohttp.web proxy")
     ap.add_argument("--llmgw-rev", help="run this git revision's llmgw router instead of the work tree's")
     ap.add_argument("--realistic", action="store_true", help="point 3: routers under realistic timing")
-    ap.add_argument("--streams", type=ints, default=[100, 400, 1000], help="open streams (realistic)")
+    ap.add_argument("--streams", type=ints, help="open streams (realistic; 100,400,1000, quick 50,100)")
     ap.add_argument("--engines", type=int, default=2, help="simulated engines (realistic)")
     ap.add_argument("--ttft-ms", type=float, default=200.0)
     ap.add_argument("--tokens-per-s", type=float, default=50.0)
     ap.add_argument("--tokens", type=int, default=100, help="tokens per streamed answer (realistic)")
-    ap.add_argument("--window", type=float, default=10.0, help="measured seconds per level (realistic)")
+    ap.add_argument("--window", type=float, help="measured seconds per level (realistic; 10, quick 5)")
     ap.add_argument("--json", help="also write every sample to this file")
     a = ap.parse_args(argv)
-    if a.quick:
-        a.seconds, a.repeats, a.window = 2.0, 1, 5.0
-        if "--streams" not in sys.argv:
-            a.streams = [50, 100]
+    # What was not given explicitly: the full run's value, or --quick's.
+    defaults = {"seconds": (10.0, 2.0), "repeats": (2, 1), "streams": ([100, 400, 1000], [50, 100])}
+    defaults["window"] = (10.0, 5.0)
+    for name, (full, quick) in defaults.items():
+        if getattr(a, name) is None:
+            setattr(a, name, quick if a.quick else full)
     return a
 
 
