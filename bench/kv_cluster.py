@@ -32,6 +32,7 @@ from tests.kit.ports import free_port  # noqa: E402
 MODEL = "bench"
 GPU = "H100-80GB"
 GPUS_PER_NODE = 4
+VLLM_MAX_MODEL_LEN = 4096
 
 
 def sim_catalog(replicas: int, mode: str | None, sim: dict[str, Any]) -> str:
@@ -135,6 +136,26 @@ class Cluster:
         self.ctl("catalog", "apply", str(path))
         self.catalog, self.mode = text, mode
         time.sleep(settle_s)
+        # Where routers report their mode (ctl models' cache, merged over them), wait until it is this.
+        if mode is None:
+            return
+        deadline = time.monotonic() + 15.0
+        while time.monotonic() < deadline:
+            seen = self.reported_mode()
+            if seen is None or seen == mode:
+                return
+            time.sleep(1.0)
+        print(
+            f"kv_routing: routers still report mode {self.reported_mode()} after applying {mode}", flush=True
+        )
+
+    def reported_mode(self) -> str | None:
+        """The model's routing mode as the routers report it (``ctl models``), None where none does."""
+        with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired, ValueError):
+            for m in json.loads(self.ctl("models", "-o", "json")).get("models", []):
+                if m.get("name") == MODEL and m.get("cache"):
+                    return str(m["cache"].get("mode"))
+        return None
 
     def close(self) -> None:
         for c in reversed(self.closers):
@@ -186,13 +207,23 @@ def start_vllm(root: Path, mode: str | None, timeout: float) -> Cluster:
     """Two real vLLM replicas of Gemma 3 270M, one core each (the tests' cluster, tests/vllm)."""
     from tests.chaos.chaos_waits import mint_key
     from tests.vllm.vllm_cluster import SETTINGS, VllmCluster, catalog_yaml, profile
-    from tests.vllm.vllm_kit import GEMMA, find_vllm
+    from tests.vllm.vllm_kit import GEMMA, ONE_WORKER_ARGS, find_vllm
 
     install = find_vllm()
     if install is None:
         raise RuntimeError("no vLLM install (make vllm; see docs/vllm.md)")
-    extra = {} if mode is None else {"cache_routing": mode}
-    catalog = catalog_yaml(profile(MODEL, GEMMA, replicas=2, **extra))
+    # The tests' arguments but a longer context: a conversation's later turns pass the tests' 512.
+    args = (
+        "--max-model-len",
+        str(VLLM_MAX_MODEL_LEN),
+        "--enforce-eager",
+        "--enable-prefix-caching",
+        *ONE_WORKER_ARGS,
+    )
+    entry = profile(MODEL, GEMMA, replicas=2, args=args)
+    if mode is not None:
+        entry["cache_routing"] = mode
+    catalog = catalog_yaml(entry)
     vc = VllmCluster(root, prefix="kvb", settings=dict(SETTINGS), catalog=catalog, install=install)
     c = Cluster(root, prefix="kvb", catalog=catalog, mode=mode, closers=[vc.close])
     try:
@@ -268,7 +299,7 @@ async def index_size(admin_url: str) -> float | None:
                 text = await r.text()
     except (aiohttp.ClientError, TimeoutError):
         return None
-    found = [v for (n, _), v in samples(text).items() if "kv" in n and ("index" in n and "block" in n)]
+    found = [v for (n, _), v in samples(text).items() if "index" in n and "block" in n]
     return sum(found) if found else None
 
 

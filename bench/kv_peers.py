@@ -125,7 +125,7 @@ class Relays:
                 out[url] = ep
                 continue
             port = _port()
-            d = zmq.devices.ThreadProxy(zmq.XSUB, zmq.XPUB)
+            d = zmq.devices.ThreadProxy(zmq.XSUB, zmq.XPUB)  # type: ignore[no-untyped-call]
             d.connect_in(ep)
             d.bind_out(f"tcp://127.0.0.1:{port}")
             d.daemon = True
