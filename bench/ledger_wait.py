@@ -7,8 +7,9 @@ production configs), every bucket R3, and two ``llmgw router`` processes for eac
 - ``sync``: today's router: an answer's last bytes wait for the ledger's group-commit write.
 - ``async``: the same router with the wait patched out (``Ledger.settled`` returns at once); the writer
   is still woken by every answer's usage, so it writes back to back, one KV round trip each.
-- ``async-interval``: the wait patched out and the writer replaced by one that flushes what changed at
-  most every ``--interval-ms`` (100 ms): fewer writes, a longer loss window.
+- ``async-paced``: the wait patched out and the writer paced: woken by usage as before (a lone answer
+  is written at once), but at most one write per ``--interval-ms`` (100 ms): fewer writes under load,
+  a loss window of at most that plus one write.
 
 The two patched variants are BENCH-ONLY monkeypatches, applied by this script's own router launcher
 (``ledger_wait.py router-child VARIANT -- ARGS``) before it starts ``llmgw router ARGS``: nothing in
@@ -75,7 +76,9 @@ from llmgw_runtime import bus
 from llmgw_runtime.apikeys import create_key
 from llmgw_runtime.usage_ledger import By, fold, read_hours
 
-VARIANTS = ("sync", "async", "async-interval")
+VARIANTS = ("sync", "async", "async-paced")
+# Ledger.run's back-off after a failed flush (llmgw_router.ledger.RETRY_S), for the paced writer.
+RETRY_S = 0.5
 PREFIX = "lw"
 MAX_TOKENS = 16
 CLIENT_TIMEOUT_S = 30.0
@@ -95,31 +98,88 @@ def _ledger_class() -> Any:
     raise SystemExit("ledger_wait: no Ledger in llmgw_router.tenancy.ledger nor llmgw_router.ledger")
 
 
+class _Probe:
+    """BENCH ONLY, in each router: how long each answer's end waited in ``settled`` (sync), and, for
+    each acknowledged write, how long the oldest usage it covered had been unwritten (the loss window a
+    SIGKILL at that moment would have cut). Dumped to ``<file>.<n>`` on SIGUSR1, then emptied."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.dumps = path, 0
+        self.waits: list[float] = []
+        self.exposure: list[float] = []
+        self.first: float | None = None  # when the oldest usage not yet in a flush was added
+
+    def dump(self) -> None:
+        tmp = f"{self.path}.tmp"
+        Path(tmp).write_text(json.dumps({"waits": self.waits, "exposure": self.exposure}))
+        os.rename(tmp, f"{self.path}.{self.dumps}")
+        self.dumps += 1
+        self.waits, self.exposure = [], []
+
+
 def _router_child(variant: str, interval_s: float, argv: list[str]) -> None:
     """BENCH ONLY: ``llmgw router ARGV`` with the ledger's wait patched out (``async``), and its writer
-    made periodic (``async-interval``). ``sync`` runs the router as it is."""
+    paced to one write per ``interval_s`` at most (``async-paced``). ``sync`` runs the router's ledger
+    as it is. All three carry the probe (a clock read and a list append per answer and per write)."""
     if variant not in VARIANTS:
         raise SystemExit(f"ledger_wait: unknown variant {variant!r}")
     ledger = _ledger_class()
-    if variant in ("async", "async-interval"):
+    probe = _Probe(os.environ["LW_PROBE_FILE"])
+    clock = time.perf_counter
+    orig_kick, orig_flush, orig_settled, orig_run = ledger.kick, ledger.flush, ledger.settled, ledger.run
 
-        async def settled(self: Any, version: int) -> None:
-            # No wait: the answer's end goes out at once; the writer (woken by the usage's add) writes
-            # it with the next flush.
-            return None
+    def kick(self: Any) -> None:
+        if probe.first is None:
+            probe.first = clock()
+        orig_kick(self)
 
-        setattr(ledger, "settled", settled)  # noqa: B010 (a monkeypatch, said as one)
-    if variant == "async-interval":
+    async def flush(self: Any) -> bool:
+        # Ledger.flush takes the hours marked so far before its first await: the adds until now are
+        # this write's, those after it the next one's.
+        first, probe.first = probe.first, None
+        ok: bool = await orig_flush(self)
+        if first is not None:
+            if ok:
+                probe.exposure.append(clock() - first)
+            elif probe.first is None or first < probe.first:
+                probe.first = first  # still unwritten: kept marked for the next
+        return ok
 
-        async def run(self: Any) -> None:
-            # Whatever changed, written at most every interval_s; a failed flush keeps its hours marked
-            # (Ledger.flush), so the next interval retries them. Stop's last flush is the router's own.
-            while True:
-                await asyncio.sleep(interval_s)
-                if self.table.dirty:
-                    await self.flush()
+    async def timed_settled(self: Any, version: int) -> None:
+        t0 = clock()
+        await orig_settled(self, version)
+        probe.waits.append(clock() - t0)
 
-        setattr(ledger, "run", run)  # noqa: B010
+    async def no_wait(self: Any, version: int) -> None:
+        # No wait: the answer's end goes out at once; the writer, woken by the usage's add (kick), writes
+        # it with its next flush.
+        return None
+
+    async def paced_run(self: Any) -> None:
+        # Ledger.run with one line added (the pacing sleep): woken by usage as before, so a lone answer is
+        # written at once, but at most one write per interval_s, whatever the rate. Reaches the class's
+        # own _wanted: this replaces one of its methods.
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wanted.wait()
+            self._wanted.clear()
+            t0 = loop.time()
+            if not await self.flush():
+                await asyncio.sleep(RETRY_S)
+                self._wanted.set()
+                continue
+            await asyncio.sleep(max(0.0, interval_s - (loop.time() - t0)))
+
+    base_run = paced_run if variant == "async-paced" else orig_run
+
+    async def run(self: Any) -> None:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, probe.dump)
+        await base_run(self)
+
+    setattr(ledger, "kick", kick)  # noqa: B010 (monkeypatches, said as such)
+    setattr(ledger, "flush", flush)  # noqa: B010
+    setattr(ledger, "settled", timed_settled if variant == "sync" else no_wait)  # noqa: B010
+    setattr(ledger, "run", run)  # noqa: B010
     from llmgw_cli.main import main  # the router's own entry point, as `python -m llmgw_cli`
 
     sys.argv = ["llmgw", "router", *argv]
@@ -166,6 +226,8 @@ class RouterProc:
     logs: Path
     interval_s: float
     proc: subprocess.Popen[bytes] | None = None
+    incarnation: int = 0
+    dumps: int = 0
 
     @property
     def url(self) -> str:
@@ -176,14 +238,42 @@ class RouterProc:
         assert self.proc is not None
         return self.proc.pid
 
+    @property
+    def probe_file(self) -> Path:
+        return self.logs / f"{self.rid}.{self.incarnation}.probe"
+
     def start(self) -> None:
+        self.incarnation += 1
+        self.dumps = 0
         env = dict(os.environ, LLMGW_LOG_LEVEL="WARNING", LLMGW_KV_REPLICAS="3")
+        env["LW_PROBE_FILE"] = str(self.probe_file)
         argv = [sys.executable, str(Path(__file__).resolve()), "router-child", self.variant]
         argv += [str(self.interval_s), "--", "--nats", self.nats, "--prefix", PREFIX]
         argv += ["--port", str(self.port), "--router-id", self.rid, "--admin-port", "0"]
         out = (self.logs / f"{self.rid}.log").open("ab")
         self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out, start_new_session=True)
         out.close()
+
+    async def probe(self) -> dict[str, list[float]]:
+        """The router's probe since the last call (see _Probe): answers' waits, writes' exposure."""
+        os.kill(self.pid, signal.SIGUSR1)
+        path = Path(f"{self.probe_file}.{self.dumps}")
+        for _ in range(100):
+            data = _read_probe(path)
+            if data is not None:
+                self.dumps += 1
+                return data
+            await asyncio.sleep(0.05)
+        raise RuntimeError(f"router {self.rid} wrote no {path}")
+
+
+def _read_probe(path: Path) -> dict[str, list[float]] | None:
+    """A probe's dump once it is there (renamed into place: whole)."""
+    try:
+        data: dict[str, list[float]] = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    return data
 
 
 # ---------------------------------------------------------------- load
@@ -213,6 +303,8 @@ class Tally:
     router_cpu_s: float = 0.0
     nats_cpu_s: float = 0.0
     writes: int = 0
+    waits_ms: list[float] = field(default_factory=list)  # in the routers: each answer's wait (sync)
+    exposure_ms: list[float] = field(default_factory=list)  # each write: its oldest usage's age at the ack
     done_at: list[float] = field(default_factory=list)  # monotonic time of each whole answer
 
 
@@ -262,6 +354,8 @@ def merge(into: Tally, part: Tally) -> None:
     into.router_cpu_s += part.router_cpu_s
     into.nats_cpu_s += part.nats_cpu_s
     into.writes += part.writes
+    into.waits_ms += part.waits_ms
+    into.exposure_ms += part.exposure_ms
 
 
 # ---------------------------------------------------------------- the run
@@ -375,6 +469,8 @@ class Bench:
                     rs = self.routers[v]
                     await closed_loop(s, [r.url for r in rs], data, stream, conc, 0.3)  # warm
                     await asyncio.sleep(0.1)  # the warm-up's writes land before the slice
+                    for r in rs:
+                        await r.probe()  # emptied: the slice's own from here
                     w0, t0 = await self.kv_seq(), time.monotonic()
                     c0, n0 = sum(cpu_s(r.pid) for r in rs), self.nats_cpu()
                     t = await closed_loop(s, [r.url for r in rs], data, stream, conc, seconds)
@@ -383,6 +479,10 @@ class Bench:
                     t.router_cpu_s = c1 - c0 - took * sum(idle[r.pid] for r in rs)
                     t.nats_cpu_s = n1 - n0 - took * idle_nats
                     t.writes = await self.kv_seq() - w0
+                    for r in rs:
+                        got = await r.probe()
+                        t.waits_ms += [1000 * x for x in got["waits"]]
+                        t.exposure_ms += [1000 * x for x in got["exposure"]]
                     merge(tallies[v], t)
             base = tallies["async"]
             row: dict[str, Any] = {}
@@ -399,6 +499,11 @@ class Bench:
                     "router_cpu_ms_per_req": round(t.router_cpu_s * 1000 / n, 3),
                     "nats_cpu_ms_per_req": round(t.nats_cpu_s * 1000 / n, 3),
                     "kv_writes_per_req": round(t.writes / n, 3),
+                    "wait_p50_ms": round(pct(t.waits_ms, 0.5), 2) if t.waits_ms else 0.0,
+                    "wait_p99_ms": round(pct(t.waits_ms, 0.99), 2) if t.waits_ms else 0.0,
+                    "unwritten_p50_ms": round(pct(t.exposure_ms, 0.5), 2),
+                    "unwritten_p99_ms": round(pct(t.exposure_ms, 0.99), 2),
+                    "unwritten_max_ms": round(max(t.exposure_ms, default=float("nan")), 2),
                 }
             out[name] = row
             print(name, json.dumps(row), flush=True)
@@ -512,16 +617,17 @@ async def amain(args: argparse.Namespace) -> int:
 def summary(lat: dict[str, Any], losses: list[dict[str, Any]]) -> str:
     """The figures as Markdown tables: latency and CPU per case, then the loss per variant."""
     out = [
-        "| case | variant | n | p50 ms | p99 ms | added p50 / p99 ms (vs async) "
-        "| router CPU ms/req | nats CPU ms/req | KV writes/req |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| case | variant | n | p50 ms | p99 ms | added p50 / p99 ms (vs async) | wait in the router p50 / "
+        "p99 ms | router CPU ms/req | nats CPU ms/req | KV writes/req | unwritten p50 / p99 / max ms |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for case, row in lat.items():
         for v, m in row.items():
             out.append(
                 f"| {case} | {v} | {m['n']} | {m['p50_ms']} | {m['p99_ms']} "
-                f"| {m['added_p50_ms']:+} / {m['added_p99_ms']:+} | {m['router_cpu_ms_per_req']} "
-                f"| {m['nats_cpu_ms_per_req']} | {m['kv_writes_per_req']} |"
+                f"| {m['added_p50_ms']:+} / {m['added_p99_ms']:+} | {m['wait_p50_ms']} / {m['wait_p99_ms']} "
+                f"| {m['router_cpu_ms_per_req']} | {m['nats_cpu_ms_per_req']} | {m['kv_writes_per_req']} "
+                f"| {m['unwritten_p50_ms']} / {m['unwritten_p99_ms']} / {m['unwritten_max_ms']} |"
             )
     out += ["", "| variant | signal | answered | in the ledger | lost (- : billed, not had) | rate before, /s "
             "| loss window ms |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
@@ -535,7 +641,9 @@ def summary(lat: dict[str, Any], losses: list[dict[str, Any]]) -> str:
 
 def main() -> int:
     if sys.argv[1:2] == ["router-child"]:
-        # ledger_wait.py router-child VARIANT INTERVAL_S -- ROUTER ARGS
+        # ledger_wait.py router-child VARIANT INTERVAL_S -- ROUTER ARGS. SIGUSR1 (the probe's dump) is
+        # ignored until the ledger's writer installs its handler: never the signal's default, an exit.
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         variant, interval_s = sys.argv[2], float(sys.argv[3])
         rest = sys.argv[4:]
         _router_child(variant, interval_s, rest[1:] if rest[:1] == ["--"] else rest)
@@ -543,7 +651,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="shorter slices, one round less, one kill")
     ap.add_argument("--rev", default="HEAD", help="the revision the routers and engines run, or 'worktree'")
-    ap.add_argument("--interval-ms", type=float, default=100.0, help="async-interval's write period")
+    ap.add_argument("--interval-ms", type=float, default=100.0, help="async-paced: at most one write per")
     ap.add_argument("--ttft-ms", type=float, default=100.0, help="the realistic engine's first token")
     ap.add_argument("--tokens-per-s", type=float, default=50.0, help="the realistic engine's rate")
     ap.add_argument("--rounds", type=int, default=2)
