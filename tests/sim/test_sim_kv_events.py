@@ -232,3 +232,19 @@ async def test_reset_is_refused_while_a_request_holds_blocks(
 async def test_a_socket_that_cannot_be_bound_stops_the_start(sock_dir: Path) -> None:
     with pytest.raises(OSError, match="cannot bind the KV-event socket"):
         await start(SimOptions(port=0, kv_events_endpoint=f"ipc://{sock_dir}/no/such/dir/kv.sock"))
+
+
+@pytest.mark.parametrize("salt", ["", "a/b", "x" * 129, "t@x", 5])
+async def test_a_cache_salt_vllm_refuses_is_refused(
+    engine: Callable[..., Awaitable[Listening]], http: aiohttp.ClientSession, salt: object
+) -> None:
+    srv = await engine(zero=True, prefix_caching=True)
+    for path, body in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"prompt": "hi"}),
+    ):
+        async with http.post(srv.url + path, json={**body, "cache_salt": salt}) as r:
+            assert r.status == 400
+            err = (await r.json())["error"]
+        assert err["param"] == "body.cache_salt" and "Parameter 'cache_salt' must" in err["message"]
+    assert srv.engine.cache is not None and srv.engine.cache.queries == 0

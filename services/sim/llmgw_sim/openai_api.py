@@ -81,6 +81,27 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, include_usage
 
 
+# vLLM's limits on a cache_salt (``validate_cache_salt``): it becomes part of a block hash and of
+# external cache keys.
+_MAX_CACHE_SALT = 128
+_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def check_cache_salt(body: dict[str, Any]) -> None:
+    """Refuse a ``cache_salt`` vLLM refuses: not a non-empty string, longer than 128 characters, or
+    holding '@', '/', '\\' or NUL."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        msg = "Parameter 'cache_salt' must be a non-empty string if provided."
+    elif len(salt) > _MAX_CACHE_SALT or not _SALT_FORBIDDEN.isdisjoint(salt):
+        msg = "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL."
+    else:
+        return
+    raise invalid("cache_salt", "value_error", "Value error, " + msg, salt)
+
+
 def _content_words(content: Any, where: str) -> list[str]:
     words = simtokens.content_words(content)
     if words is None:
@@ -128,6 +149,7 @@ def read_chat(body: dict[str, Any], default_max_tokens: int) -> GenRequest:
     if messages is None:
         raise missing("messages", body)
     words = message_words(messages)
+    check_cache_salt(body)
     continued = _continued_text(body, messages)
     max_tokens, capped = _max_tokens(body, default_max_tokens)
     stream, include_usage = _stream(body)
@@ -160,6 +182,7 @@ def read_completion(body: dict[str, Any], default_max_tokens: int) -> GenRequest
     words = simtokens.text_prompt_words(prompt)
     if words is None:
         words = _token_id_words(prompt)
+    check_cache_salt(body)
     max_tokens, capped = _max_tokens(body, default_max_tokens)
     stream, include_usage = _stream(body)
     # A text prompt that ends in a word is continued after a space, as a real model's next token is.
