@@ -200,6 +200,7 @@ async def test_prefill_speed_without_a_cache_counts_every_prompt_token(
     assert srv.engine.snapshot().prompt_seconds_total == pytest.approx(0.010)
 
 
+@pytest.mark.slow
 async def test_reset_is_refused_while_a_request_holds_blocks(
     engine: Callable[..., Awaitable[Listening]], http: aiohttp.ClientSession
 ) -> None:
@@ -248,3 +249,22 @@ async def test_a_cache_salt_vllm_refuses_is_refused(
             err = (await r.json())["error"]
         assert err["param"] == "body.cache_salt" and "Parameter 'cache_salt' must" in err["message"]
     assert srv.engine.cache is not None and srv.engine.cache.queries == 0
+
+
+async def test_a_client_that_hangs_up_frees_its_blocks(
+    engine: Callable[..., Awaitable[Listening]], http: aiohttp.ClientSession
+) -> None:
+    srv = await engine(ttft_ms=0, tokens_per_s=10, block_size=4, prefix_caching=True)
+    cache = srv.engine.cache
+    assert cache is not None
+    body = {"model": MODEL, "prompt": "a b c d e f g h i", "max_tokens": 50, "stream": True}
+    async with http.post(srv.url + "/v1/completions", json=body) as r:
+        await r.content.readline()  # the prefill is done: its 2 blocks are cached and held
+        assert cache.held == 2
+        r.close()
+    for _ in range(200):
+        if cache.held == 0:
+            break
+        await asyncio.sleep(0.01)
+    # Freed, still cached (evictable), and nothing of the unfinished answer was stored.
+    assert cache.held == 0 and len(cache) == 2
