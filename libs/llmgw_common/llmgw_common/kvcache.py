@@ -43,7 +43,7 @@ MAX_KEYS_PER_MESSAGE = 60_000
 class TokenizerKind(StrEnum):
     # A Hugging Face tokenizer (tokenizer.json) and its chat template, from the model's directory.
     HF = "hf"
-    # The simulator's own tokenizer (llmgw_common.simtokens): words and punctuation, ids by hash.
+    # The simulator's own tokenizer (llmgw_common.simtokens): whitespace-separated words, ids by hash.
     SIM = "sim"
 
 
