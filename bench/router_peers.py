@@ -507,6 +507,20 @@ async def start_all(
     return ready, skipped
 
 
+def _spawners(
+    a: argparse.Namespace, urls: list[str], workdir: Path, with_aiohttp: bool
+) -> list[tuple[str, Callable[[], Gateway]]]:
+    """The gateways a run asks for, in the order they take turns."""
+    out: list[tuple[str, Callable[[], Gateway]]] = [
+        ("llmgw", lambda: spawn_llmgw(urls, workdir, a.llmgw_rev))
+    ]
+    if with_aiohttp:
+        out.append(("aiohttp.web", lambda: spawn_aiohttp_proxy(urls)))
+    if not a.no_peer:
+        out.append(("vllm-router", lambda: spawn_vllm_router(urls, workdir, a.vllm_router_policy, _peer(a))))
+    return out
+
+
 def _median(samples: list[Sample], f: Callable[[Sample], float]) -> float:
     return statistics.median(f(x) for x in samples)
 
@@ -515,22 +529,7 @@ async def peer_bench(a: argparse.Namespace, workdir: Path) -> dict[str, object]:
     engine, engine_url = ro.start_engine("--zero", "--slots", "4096", model=MODEL)
     gateways: list[Gateway] = []
     try:
-        gateways, skipped = await start_all(
-            [
-                ("llmgw", lambda: spawn_llmgw([engine_url], workdir, a.llmgw_rev)),
-                *(
-                    [
-                        (
-                            "vllm-router",
-                            lambda: spawn_vllm_router([engine_url], workdir, a.vllm_router_policy, _peer(a)),
-                        )
-                    ]
-                    if not a.no_peer
-                    else []
-                ),
-                *([("aiohttp.web", lambda: spawn_aiohttp_proxy([engine_url]))] if a.with_aiohttp else []),
-            ]
-        )
+        gateways, skipped = await start_all(_spawners(a, [engine_url], workdir, a.with_aiohttp))
         targets = {g.name: g for g in [Gateway("direct", engine_url), *gateways]}
         cases = [Case(stream, c) for stream in (False, True) for c in a.clients]
         results: dict[str, dict[str, list[Sample]]] = {}
@@ -734,22 +733,7 @@ async def realistic_bench(a: argparse.Namespace, workdir: Path) -> dict[str, obj
     gateways: list[Gateway] = []
     nominal_ms = a.ttft_ms + a.tokens * 1000 / a.tokens_per_s
     try:
-        gateways, skipped = await start_all(
-            [
-                ("llmgw", lambda: spawn_llmgw(urls, workdir, a.llmgw_rev)),
-                ("aiohttp.web", lambda: spawn_aiohttp_proxy(urls)),
-                *(
-                    [
-                        (
-                            "vllm-router",
-                            lambda: spawn_vllm_router(urls, workdir, a.vllm_router_policy, _peer(a)),
-                        )
-                    ]
-                    if not a.no_peer
-                    else []
-                ),
-            ]
-        )
+        gateways, skipped = await start_all(_spawners(a, urls, workdir, with_aiohttp=True))
         body = chat_body(a.tokens, True)
         results: dict[str, dict[str, Sample]] = {}
         async with session(timeout_s=max(ro.CLIENT_TIMEOUT_S, nominal_ms / 1000 * 5)) as s:
@@ -829,7 +813,8 @@ def realistic_table(results: dict[str, dict[str, Sample]], nominal_ms: float, st
     lines.append(
         f"\nA request: {nominal_ms:.0f} ms nominal ({streams_per_req} tokens). 'share of request wall': router "
         "CPU per request over the request's p50 wall time (the issue's rule: a well-kept server under 1 %). "
-        "aiohttp.web is a bare pass-through (no auth, no routing, no usage): the floor a swap would start from."
+        "aiohttp.web is a bare pass-through (no auth, no routing, no usage): the floor a swap would start from. "
+        "llmgw's figure is its whole router (server, auth, routing, usage): an upper bound on its HTTP server's."
     )
     for name in dict.fromkeys(x for per in results.values() for x in per):
         worst = max(
