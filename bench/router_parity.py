@@ -52,7 +52,7 @@ async def main(old_rev: str) -> int:
     procs = [eng]
     urls = {}
     for name, pp in (("old", old), ("new", None)):
-        port = b._free_port()
+        port = b.free_port()
         p = b.start_router(static, port, pp)
         procs.append(p)
         await b.wait_http(f"http://127.0.0.1:{port}/health")
