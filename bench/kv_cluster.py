@@ -106,20 +106,24 @@ class Cluster:
             raise RuntimeError(f"llmgw ctl {' '.join(args)}: {r.stderr.strip()[-400:]}")
         return r.stdout
 
-    def replicas(self) -> list[dict[str, Any]]:
+    def replicas(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """The model's ready replicas, and the errors of those that failed lately."""
         reply = json.loads(self.ctl("replicas", "--model", MODEL, "-o", "json"))
-        return [r for r in reply.get("replicas", []) if r.get("state") == "ready" and r.get("endpoint")]
+        ready = [r for r in reply.get("replicas", []) if r.get("state") == "ready" and r.get("endpoint")]
+        return ready, [str(r.get("error")) for r in reply.get("failed", [])]
 
     def wait_engines(self, count: int, timeout: float) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout
         seen: list[dict[str, Any]] = []
+        failed: list[str] = []
         while time.monotonic() < deadline:
             with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired, ValueError):
-                seen = self.replicas()
+                seen, failed = self.replicas()
                 if len(seen) >= count:
                     return seen
             time.sleep(1.0)
-        raise RuntimeError(f"{len(seen)} of {count} replicas of {MODEL} ready after {timeout:.0f} s")
+        why = f"; {len(failed)} failed, the last: {failed[0][-600:]}" if failed else ""
+        raise RuntimeError(f"{len(seen)} of {count} replicas of {MODEL} ready after {timeout:.0f} s{why}")
 
     def set_mode(self, mode: str | None, settle_s: float) -> None:
         """The model's ``cache_routing`` (None: the engine's default); routers follow the catalog."""
@@ -136,6 +140,11 @@ class Cluster:
         self.ctl("catalog", "apply", str(path))
         self.catalog, self.mode = text, mode
         time.sleep(settle_s)
+        # The switch is the routers': were it a field of the replicas' spec, the apply would roll every
+        # replica (new engines, empty caches, new URLs) and the cases after it would compare nothing.
+        reply = json.loads(self.ctl("replicas", "--model", MODEL, "-o", "json"))
+        if any(r.get("outdated") for r in reply.get("replicas", [])):
+            raise RuntimeError(f"applying cache_routing {mode} rolls the replicas: it cannot switch per case")
         # Where routers report their mode (ctl models' cache, merged over them), wait until it is this.
         if mode is None:
             return

@@ -223,13 +223,13 @@ async def engine_counters(engines: list[str]) -> dict[str, float]:
     return out
 
 
-def computed_tokens(before: dict[str, float], after: dict[str, float]) -> tuple[float | None, float | None]:
-    """(prompt tokens the engines computed, their prefix-cache hit rate) between two scrapes: queries -
-    hits where the cache counters exist, else every prompt token (no cache: all computed; rate None)."""
+def cache_delta(before: dict[str, float], after: dict[str, float]) -> tuple[float | None, float, float]:
+    """(prompt tokens the engines computed, tokens looked up, tokens found) between two scrapes:
+    queries - hits where the cache counters exist, else every prompt token (no cache: all computed)."""
     if QUERIES in after and HITS in after:
         q = after[QUERIES] - before.get(QUERIES, 0.0)
         h = after[HITS] - before.get(HITS, 0.0)
-        return q - h, (h / q if q > 0 else None)
+        return q - h, q, h
     if PROMPT in after:
-        return after[PROMPT] - before.get(PROMPT, 0.0), None
-    return None, None
+        return after[PROMPT] - before.get(PROMPT, 0.0), 0.0, 0.0
+    return None, 0.0, 0.0
