@@ -23,10 +23,20 @@ Command lines, checked against the engines' current sources:
 - **simulated**: ``python -m llmgw_cli sim-engine`` with the engine's metric style. On a node with
   ``simulate_engines`` every engine runs as the simulator (profile ``args`` are then dropped: they
   are flags of the real engine).
+
+KV-cache events (``cache_routing`` events, the default for vLLM and the simulator): shard 0 publishes
+vLLM's KV events on ``ipc://<state_dir>/run/<replica>-<shard>/kv.sock`` (a shorter path under the
+temporary directory when that one exceeds a Unix socket's 107 bytes), which the agent's relay reads
+(:mod:`llmgw_agent.kvrelay`). vLLM gets ``--enable-prefix-caching --kv-events-config {...}`` and
+``PYTHONHASHSEED=0`` unless the profile sets them; a profile's own ``--kv-events-config`` with an
+ipc:// endpoint is used as given, and one that turns events off, or names a tcp:// endpoint (vLLM
+connects to those instead of binding, and events must not leave the node), is refused. The simulator
+gets the same endpoint as ``kv_events_endpoint``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -35,13 +45,16 @@ import os
 import shlex
 import shutil
 import sys
-from collections.abc import Callable, Mapping
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmgw_agent.enginelogs import safe_name
 from llmgw_agent.metrics import LLAMACPP_METRICS, VLLM_METRICS, MetricNames
 from llmgw_agent.settings import AgentSettings
+from llmgw_common.catalog import CacheRouting
 from llmgw_common.messages import ShardAssignment
 from llmgw_common.sim_options import SimOptions
 
@@ -53,6 +66,27 @@ VLLM_API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 VLLM_CPU_UNSET = ("OMP_NUM_THREADS",)
 DEFAULT_MASTER_PORT = 29500
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+# The topic frame of the KV-event messages an agent asks its engines for.
+KV_TOPIC = "kv"
+# sun_path holds 108 bytes with its NUL: a longer ipc:// path cannot be bound.
+MAX_IPC_PATH = 107
+# vLLM's default block size where the profile does not set --block-size: 16 on GPUs, 128 on CPU.
+VLLM_BLOCK_SIZE_GPU = 16
+VLLM_BLOCK_SIZE_CPU = 128
+
+
+@dataclass(frozen=True, slots=True)
+class KvSource:
+    """Where a shard's engine publishes its KV-cache events (read by :mod:`llmgw_agent.kvrelay`)."""
+
+    endpoint: str
+    topic: str
+    # The engine's block size as configured (the events carry it too; this names it before the first).
+    block_size: int
+
+    @property
+    def ipc_path(self) -> Path | None:
+        return Path(self.endpoint.removeprefix("ipc://")) if self.endpoint.startswith("ipc://") else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +103,8 @@ class LaunchSpec:
     simulated: bool = False
     # Removed from the agent's environment before ``env`` is added.
     unset: tuple[str, ...] = ()
+    # Where its KV-cache events come from; None: the shard publishes none.
+    kv_events: KvSource | None = None
 
     @property
     def argv_hash(self) -> str:
@@ -134,6 +170,83 @@ def _gguf_in(path: Path) -> Path | None:
     files = sorted(p for p in path.glob("*.gguf") if p.is_file())
     # Split models are named ...-00001-of-0000N.gguf: llama.cpp loads the rest from the first.
     return files[0] if files else None
+
+
+def cache_routing_of(a: ShardAssignment) -> CacheRouting:
+    """The replica's routing by cached prefix: the assignment's ``cache_routing`` where the control
+    plane sends one, else the catalog's default for the engine (``ModelProfile.cache_routing_mode``)."""
+    given = getattr(a, "cache_routing", None)
+    if given is not None:
+        return CacheRouting(given)
+    return CacheRouting.APPROXIMATE if a.engine == "llamacpp" else CacheRouting.EVENTS
+
+
+def kv_socket_path(s: AgentSettings, a: ShardAssignment) -> Path:
+    """The shard's KV-event socket: in its run directory, or where a Unix socket's path fits.
+
+    Its directory is made here (the one side effect of an adapter): the engine binds the socket and
+    neither vLLM nor ZMQ makes a missing directory, whoever starts the command line."""
+    path = Path(s.state_dir).absolute() / "run" / f"{safe_name(a.replica_id)}-{a.shard}" / "kv.sock"
+    if len(str(path)) > MAX_IPC_PATH:
+        digest = hashlib.sha256(str(path).encode()).hexdigest()[:20]
+        path = Path(tempfile.gettempdir()) / f"llmgw-kv-{os.getuid()}" / f"{digest}.sock"
+    with contextlib.suppress(OSError):  # unwritable: the engine's bind fails and says where
+        path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of ``flag`` in ``args`` (``--flag V`` or ``--flag=V``; the last one wins), or None."""
+    found: str | None = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith(flag + "="):
+            found = arg[len(flag) + 1 :]
+    return found
+
+
+def vllm_kv_events(a: ShardAssignment, s: AgentSettings) -> tuple[list[str], KvSource | None] | Refusal:
+    """The flags that make shard 0 of a vLLM replica publish KV events, and where; nothing for a
+    replica not routed by events, or a follower (the API server's scheduler on shard 0 publishes)."""
+    if cache_routing_of(a) is not CacheRouting.EVENTS or a.shard != 0:
+        return [], None
+    args = list(a.args)
+    size = _flag_value(args, "--block-size")
+    try:
+        block_size = int(size) if size else (VLLM_BLOCK_SIZE_CPU if on_cpu(a) else VLLM_BLOCK_SIZE_GPU)
+    except ValueError:
+        return Refusal(f"--block-size {size!r} is not a number")
+    flags: list[str] = []
+    if "--no-enable-prefix-caching" in args:
+        return Refusal("cache_routing events needs vLLM's prefix caching: the profile's args turn it off")
+    if "--enable-prefix-caching" not in args:
+        flags.append("--enable-prefix-caching")
+    given = _flag_value(args, "--kv-events-config")
+    if given is None:
+        endpoint = f"ipc://{kv_socket_path(s, a)}"
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": KV_TOPIC}
+        flags += ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
+        return flags, KvSource(endpoint, KV_TOPIC, block_size)
+    try:
+        cfg = json.loads(given)
+    except ValueError:
+        return Refusal(f"the profile's --kv-events-config is not JSON: {given!r}")
+    if not isinstance(cfg, dict):
+        return Refusal(f"the profile's --kv-events-config is not a JSON object: {given!r}")
+    given_endpoint = cfg.get("endpoint")
+    if not cfg.get("enable_kv_cache_events") or cfg.get("publisher", "zmq") != "zmq":
+        return Refusal(
+            "cache_routing events needs vLLM's KV events published over zmq: the profile's "
+            f"--kv-events-config {given} does not (drop it: the agent sets one)"
+        )
+    if not isinstance(given_endpoint, str) or not given_endpoint.startswith("ipc://"):
+        return Refusal(
+            f"the profile's --kv-events-config endpoint {given_endpoint!r} is not ipc://: with tcp:// vLLM connects "
+            "instead of binding, and KV events must stay on the node (drop the endpoint: the agent sets one)"
+        )
+    topic = cfg.get("topic", "")
+    return flags, KvSource(given_endpoint, topic if isinstance(topic, str) else "", block_size)
 
 
 def on_cpu(a: ShardAssignment) -> bool:
@@ -224,9 +337,17 @@ def vllm_adapter(a: ShardAssignment, s: AgentSettings) -> LaunchSpec | Refusal:
         if a.shard > 0:
             argv.append("--headless")
             headless = True
+    kv = vllm_kv_events(a, s)
+    if isinstance(kv, Refusal):
+        return kv
+    kv_flags, kv_source = kv
+    argv += kv_flags
     argv += list(a.args)
     env = dict(c.env)
     unset: tuple[str, ...] = ()
+    if kv_source is not None:
+        # vLLM seeds its block hashes from it: fixed, so that a restart names the same blocks alike.
+        env.setdefault("PYTHONHASHSEED", "0")
     if on_cpu(a):
         # Without it vLLM's internal queue binds the machine's outside address.
         env.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -239,6 +360,7 @@ def vllm_adapter(a: ShardAssignment, s: AgentSettings) -> LaunchSpec | Refusal:
         metrics=c.names,
         bind_host=c.host,
         unset=unset,
+        kv_events=kv_source,
     )
 
 
@@ -302,10 +424,19 @@ def sim_adapter(a: ShardAssignment, s: AgentSettings, style: str = "vllm") -> La
     if isinstance(c, Refusal):
         return c
     opts.update(port=a.port, host=c.host, model=a.model, rank=a.shard, world=a.shards, leader=a.leader)
+    wants_events = cache_routing_of(a) is CacheRouting.EVENTS and a.shard == 0
+    if wants_events and "kv_events_endpoint" in SIM_FIELDS and not opts.get("kv_events_endpoint"):
+        opts["kv_events_endpoint"] = f"ipc://{kv_socket_path(s, a)}"
+        opts.setdefault("kv_events_topic", KV_TOPIC)
     try:
-        sim_argv = SimOptions.from_dict(opts).to_argv()
+        sim = SimOptions.from_dict(opts)
+        sim_argv = sim.to_argv()
     except (TypeError, ValueError) as e:
         return Refusal(f"bad simulator options for {a.model}: {e}")
+    endpoint: str | None = getattr(sim, "kv_events_endpoint", None)
+    kv_source = None
+    if endpoint is not None and a.shard == 0:
+        kv_source = KvSource(endpoint, getattr(sim, "kv_events_topic", ""), getattr(sim, "block_size", 16))
     argv = [sys.executable, "-m", "llmgw_cli", "sim-engine", *sim_argv]
     if a.engine == "sim":
         argv += list(a.args)
@@ -318,8 +449,11 @@ def sim_adapter(a: ShardAssignment, s: AgentSettings, style: str = "vllm") -> La
         metrics=c.names,
         bind_host=c.host,
         simulated=True,
+        kv_events=kv_source,
     )
 
+
+SIM_FIELDS = frozenset(f.name for f in dataclasses.fields(SimOptions))
 
 REFUSALS: dict[str, Callable[[ShardAssignment], Refusal | None]] = {
     "vllm": vllm_refusal,

@@ -25,6 +25,7 @@ from pydantic import BaseModel
 
 from llmgw_agent.converge import Running, ShardKey, Wanted, assignment_fingerprint, plan_converge
 from llmgw_agent.engines import LaunchSpec, Refusal, launch_spec
+from llmgw_agent.kvrelay import Feed, KvRelay
 from llmgw_agent.metrics import extract_load, parse_prometheus
 from llmgw_agent.settings import AgentSettings
 from llmgw_agent.statefile import EngineRecord
@@ -108,6 +109,8 @@ class Agent:
         self._reconnects = 0
         # Set when the control plane asks for the inventory: sent at the next tick, as after a reconnect.
         self._inventory_asked = False
+        # The replicas' KV-cache events, relayed as batched deltas (kvrelay.py).
+        self.kv = KvRelay(nc, self.subjects, s.node, self.boot_id, clock=clock)
 
     # ---------------------------------------------------------------- publishing
 
@@ -117,7 +120,19 @@ class Agent:
         except nats.errors.Error as e:
             log.warning("cannot publish on %s: %s", subject, e)
 
+    def kv_feeds(self) -> dict[str, Feed]:
+        """The replicas whose engines publish KV events and run now (starting or ready): the relay
+        follows these, and drops the entries of any other."""
+        return {
+            sh.assignment.replica_id: Feed(sh.assignment.model, sh.spec.kv_events)
+            for sh in self.supervisor.shards.values()
+            if sh.spec is not None
+            and sh.spec.kv_events is not None
+            and sh.state in (ShardState.STARTING, ShardState.READY)
+        }
+
     async def _on_shard_change(self, sh: Shard) -> None:
+        self.kv.sync(self.kv_feeds())
         a = sh.assignment
         status = ShardStatus(
             node=self.s.node,
@@ -190,6 +205,7 @@ class Agent:
         next_heartbeat = loop.time()
         while True:
             started = loop.time()
+            self.kv.sync(self.kv_feeds())
             await self._publish(self.subjects.load(self.s.node), await self.load_report())
             if loop.time() >= next_heartbeat:
                 await self._publish(self.subjects.heartbeat(self.s.node), self.heartbeat())
@@ -294,6 +310,8 @@ class Agent:
             # control plane replaces the old boot's reports with it, and a replica it does not say is
             # ready leaves the routers' endpoints.
             await self.converge(adopt_only=True)
+            await self.kv.start()
+            tasks += self.kv.tasks
             tasks += [
                 asyncio.create_task(self._tick_loop(), name="agent-tick"),
                 asyncio.create_task(self._converge_loop(), name="agent-converge"),
@@ -308,6 +326,8 @@ class Agent:
             with contextlib.suppress(nats.errors.Error):
                 await asked.unsubscribe()
             await self.supervisor.stop_all()
+            # After the engines: every replica it followed is announced gone, in one last batch.
+            await self.kv.stop()
             await self._publish(self.subjects.heartbeat(self.s.node), self.heartbeat())
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await flush(self.nc, timeout=1)

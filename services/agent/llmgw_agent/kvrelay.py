@@ -1,0 +1,239 @@
+"""The KV-event relay: each replica's engine events in (ZMQ SUB on its ipc:// socket), the node's
+batched deltas out (``<prefix>.node.<node>.kv``), and snapshots on request (``…kv-snapshot``).
+
+The decisions are elsewhere, on plain data: :mod:`llmgw_agent.kvtranslate` (events -> llmgw keys,
+restarts, gaps), :mod:`llmgw_agent.kvdeltas` (batches, pages). This module only moves bytes: one reader
+task per replica, one publishing loop, one snapshot responder, all owned by :class:`KvRelay` and
+cancelled by :meth:`KvRelay.stop`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import nats.errors
+import zmq
+import zmq.asyncio
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from pydantic import BaseModel
+
+from llmgw_agent.engines import KvSource
+from llmgw_agent.kvdeltas import IDLE_S, TICK_S, DeltaBatcher, ReplicaView, snapshot_page
+from llmgw_agent.kvtranslate import Change, ReplicaBlocks
+from llmgw_common.codec import DecodeError, decode, encode
+from llmgw_common.kvcache import KvSnapshotRequest
+from llmgw_common.subjects import Subjects
+from llmgw_common.vllm_kv_events import KvWireError, decode_frames
+from llmgw_runtime.bus import DropLog
+from llmgw_runtime.runtime import cancel_and_wait
+
+log = logging.getLogger("llmgw.agent.kvrelay")
+
+# A publisher's messages queued before ZMQ drops (a drop shows as a sequence gap, then a resync).
+RCV_HWM = 100_000
+# The publishing loop wakes this often to see whether a batch is due.
+POLL_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class Feed:
+    """One replica whose engine publishes KV events, as the agent runs it."""
+
+    model: str
+    source: KvSource
+
+
+@dataclass
+class _Reader:
+    feed: Feed
+    blocks: ReplicaBlocks
+    sock: zmq.asyncio.Socket
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def block_size(self) -> int:
+        return self.blocks.block_size or self.feed.source.block_size
+
+
+@dataclass
+class RelayCounters:
+    batches: int = 0
+    # Batches that did not decode, or came with another topic: dropped, the replica cleared.
+    dropped: int = 0
+    # Replicas cleared for any reason (restart, gap, drop, the engine's own AllBlocksCleared).
+    clears: int = 0
+    orphans: int = 0
+    messages: int = 0
+    snapshots: int = 0
+
+
+@dataclass
+class KvRelay:
+    nc: NATS
+    subjects: Subjects
+    node: str
+    stream: str
+    clock: Callable[[], float] = time.time
+    tick_s: float = TICK_S
+    idle_s: float = IDLE_S
+    counters: RelayCounters = field(default_factory=RelayCounters)
+
+    def __post_init__(self) -> None:
+        self.batcher = DeltaBatcher(self.node, self.stream, tick_s=self.tick_s, idle_s=self.idle_s)
+        self.readers: dict[str, _Reader] = {}
+        self.drops = DropLog(log)
+        self._ctx = zmq.asyncio.Context()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._sub: Subscription | None = None
+        self._closed = False
+
+    # ---------------------------------------------------------------- replicas
+
+    def sync(self, feeds: Mapping[str, Feed]) -> None:
+        """Follow exactly these replicas: start readers for new ones, stop (and announce ``gone``)
+        those no longer listed or whose source changed."""
+        if self._closed:
+            return
+        for rid in [r for r, rd in self.readers.items() if feeds.get(r) != rd.feed]:
+            self._drop_reader(rid)
+        for rid, feed in feeds.items():
+            if rid not in self.readers:
+                self._add_reader(rid, feed)
+
+    def _add_reader(self, rid: str, feed: Feed) -> None:
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, RCV_HWM)
+        # Every topic: a message of another topic on this socket is counted and dropped, not filtered.
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        # Connecting before the engine binds is fine: ZMQ retries until the socket file exists.
+        sock.connect(feed.source.endpoint)
+        rd = _Reader(feed, ReplicaBlocks(), sock)
+        rd.task = asyncio.create_task(self._read(rid, rd), name=f"kv-read-{rid}")
+        self.readers[rid] = rd
+        log.info("following KV events of %s on %s", rid, feed.source.endpoint)
+
+    def _drop_reader(self, rid: str) -> None:
+        rd = self.readers.pop(rid)
+        if rd.task is not None:
+            rd.task.cancel()  # its socket is closed as it ends
+        self.batcher.gone(rid, rd.feed.model, rd.block_size)
+        log.info("replica %s left: its KV entries are dropped", rid)
+
+    async def _read(self, rid: str, rd: _Reader) -> None:
+        try:
+            while True:
+                frames = await rd.sock.recv_multipart()
+                self.on_frames(rid, rd, frames)
+        except zmq.ZMQError as e:
+            # Never the agent's end: the replica is cleared and followed anew at the next sync.
+            log.warning("KV events of %s: %s; following it anew", rid, e)
+            if self.readers.get(rid) is rd:
+                del self.readers[rid]
+                self.batcher.add(rid, rd.feed.model, rd.block_size, rd.blocks.lost(str(e)))
+        finally:
+            rd.sock.close(linger=0)
+
+    def on_frames(self, rid: str, rd: _Reader, frames: list[bytes]) -> None:
+        self.counters.batches += 1
+        try:
+            topic, seq, batch = decode_frames(frames)
+        except KvWireError as e:
+            change = self._lost(rid, rd, f"undecodable KV-event batch: {e}")
+        else:
+            if topic != rd.feed.source.topic:
+                change = self._lost(
+                    rid, rd, f"KV-event batch of topic {topic!r}, expected {rd.feed.source.topic!r}"
+                )
+            else:
+                change = rd.blocks.apply(seq, batch)
+                if change.cleared:
+                    self.counters.clears += 1
+                    if change.reason:
+                        log.info("replica %s: KV entries cleared: %s", rid, change.reason)
+        self.counters.orphans += change.orphans
+        self.batcher.add(rid, rd.feed.model, rd.block_size, change)
+
+    def _lost(self, rid: str, rd: _Reader, why: str) -> Change:
+        self.counters.dropped += 1
+        self.counters.clears += 1
+        self.drops.drop(f"{rd.feed.source.endpoint} ({rid})", f"{why}; the replica's entries are cleared")
+        return rd.blocks.lost(why)
+
+    # ---------------------------------------------------------------- bus
+
+    async def _publish(self, subject: str, msg: BaseModel) -> None:
+        try:
+            await self.nc.publish(subject, encode(msg))
+            self.counters.messages += 1
+        except nats.errors.Error as e:
+            log.warning("cannot publish on %s: %s", subject, e)
+
+    async def flush_deltas(self) -> None:
+        """Publish everything pending now (a snapshot is taken after it, at its ``seq``)."""
+        for m in self.batcher.take(self.clock()):
+            await self._publish(self.subjects.kv(self.node), m)
+
+    async def _loop(self) -> None:
+        while True:
+            if self.batcher.due(self.clock()):
+                await self.flush_deltas()
+            await asyncio.sleep(POLL_S)
+
+    def views(self) -> dict[str, ReplicaView]:
+        return {
+            rid: ReplicaView(rd.feed.model, rd.block_size, rd.blocks.refs.keys())
+            for rid, rd in self.readers.items()
+        }
+
+    async def _on_snapshot(self, msg: Msg) -> None:
+        try:
+            req = decode(msg.data, KvSnapshotRequest)
+        except DecodeError as e:
+            self.drops.drop(msg.subject, str(e))
+            return
+        if not msg.reply:
+            return
+        # Pending changes first, taken and built without an await between: the page is the state
+        # after the batcher's seq exactly.
+        pending = self.batcher.take(self.clock()) if self.batcher.changed() else []
+        page = snapshot_page(
+            req, self.views(), node=self.node, stream=self.stream, seq=self.batcher.seq, now=self.clock()
+        )
+        for m in pending:
+            await self._publish(self.subjects.kv(self.node), m)
+        self.counters.snapshots += 1
+        try:
+            await msg.respond(encode(page))
+        except nats.errors.Error as e:
+            log.warning("cannot answer a KV snapshot request: %s", e)
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(self.subjects.kv_snapshot(self.node), cb=self._on_snapshot)
+        self._tasks.append(asyncio.create_task(self._loop(), name="kv-relay"))
+
+    @property
+    def tasks(self) -> list[asyncio.Task[None]]:
+        return list(self._tasks)
+
+    async def stop(self) -> None:
+        """Stop reading, announce every replica gone, publish the last batch."""
+        self._closed = True
+        await cancel_and_wait(self._tasks)
+        readers = [rd.task for rd in self.readers.values() if rd.task is not None]
+        for rid in list(self.readers):
+            self._drop_reader(rid)
+        await cancel_and_wait(readers)
+        if self._sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self._sub.unsubscribe()
+        if self.batcher.changed():
+            await self.flush_deltas()
+        self._ctx.term()
