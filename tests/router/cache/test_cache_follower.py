@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
-import nats
 import pytest
 from nats.aio.client import Client as NATS
 
@@ -15,21 +14,12 @@ from llmgw_common.kvcache import KvDeltas, ReplicaKv
 from llmgw_common.subjects import Subjects
 from llmgw_router.cache.follower import KvEventFollower
 from llmgw_router.cache.index import KvIndex
-from llmgw_runtime.natsserver import NatsServer
 from tests.kit.poll import eventually
 from tests.router.cache.kvagent import FakeKvAgent
 
 pytestmark = pytest.mark.slow
 
 Follow = Callable[..., Awaitable[KvEventFollower]]
-
-
-@pytest.fixture
-async def agent_nc(nats_server: NatsServer) -> AsyncIterator[NATS]:
-    """The agents' own connection (the router's is ``nc``)."""
-    client = await nats.connect(nats_server.url)
-    yield client
-    await client.close()
 
 
 @pytest.fixture

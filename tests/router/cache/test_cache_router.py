@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
 
 from llmgw_common import simtokens
 from llmgw_common.catalog import CacheRouting, ModelProfile
@@ -12,16 +11,7 @@ from llmgw_common.kvcache import ReplicaKv, block_keys
 from llmgw_router.cache.index import KvIndex
 from llmgw_router.cache.router import CacheLimits, PrefixRouting, text_units
 from llmgw_router.cache.tokenizers import PromptTokenizer, SimPromptTokenizer
-
-
-@dataclass
-class Ep:
-    replica_id: str
-    in_flight: int = 0
-    running: float | None = None
-    waiting: float | None = None
-    kv_use: float | None = None
-    load_at: float | None = None
+from tests.router.cache.cache_helpers import Ep
 
 
 class Toks:

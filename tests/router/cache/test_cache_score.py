@@ -5,26 +5,16 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw_router.cache.score import bound, choose, load_score
+from tests.router.cache.cache_helpers import Ep
 
 NOW = 1000.0
 STALE = 5.0
-
-
-@dataclass
-class Ep:
-    replica_id: str
-    in_flight: int = 0
-    running: float | None = None
-    waiting: float | None = None
-    kv_use: float | None = None
-    load_at: float | None = None
 
 
 def p2c(cands: Sequence[Ep], r: Callable[[], float]) -> Ep:
@@ -169,3 +159,35 @@ def test_edges() -> None:
         )
     }
     assert seen == {"a", "b"}
+
+
+def _simulate(pick: Callable[[list[Ep], random.Random], Ep], seed: int) -> float:
+    """Mean latency of 20,000 requests over 8 FIFO replicas at ~85 % load (Poisson arrivals, exponential
+    service), each replica's in-flight count as the choice sees it: the control workload, no prefixes."""
+    rnd, choice_rng = random.Random(seed), random.Random(seed + 1)
+    eps = [Ep(f"r{i}") for i in range(8)]
+    free_at = [0.0] * 8
+    ends: list[list[float]] = [[] for _ in range(8)]
+    t, total = 0.0, 0.0
+    for _ in range(20_000):
+        t += rnd.expovariate(8 * 0.85)
+        for i, e in enumerate(eps):
+            ends[i] = [x for x in ends[i] if x > t]
+            e.in_flight = len(ends[i])
+        c = pick(eps, choice_rng)
+        i = eps.index(c)
+        start = max(t, free_at[i])
+        free_at[i] = start + rnd.expovariate(1.0)
+        ends[i].append(free_at[i])
+        total += free_at[i] - t
+    return total / 20_000
+
+
+@pytest.mark.slow
+def test_the_control_workload_is_within_5_percent_of_least_loaded() -> None:
+    """The issue's workload (c): seen on one run, mean latency 2.36 (P2C) against 1.95 (this choice)."""
+    for seed in (1, 2, 3):
+        plain = _simulate(lambda eps, r: p2c(eps, r.random), seed)
+        cached = _simulate(lambda eps, r: choose(eps, {}, 16, 20, NOW, STALE, r, 1.25) or eps[0], seed)
+        # Not worse by more than 5 % (the bound makes it better: P2C alone sometimes draws two busy ones).
+        assert cached < plain * 1.05, (seed, plain, cached)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import io
 import zipfile
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,6 +26,7 @@ from llmgw_router.cache.tokenizers import (
     read_bundle,
 )
 from tests.kit.poll import eventually
+from tests.router.cache.cache_helpers import bundle
 
 pytestmark = pytest.mark.slow
 
@@ -40,25 +40,6 @@ def tiny_tokenizer_json() -> bytes:
     tok = Tokenizer(WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = Whitespace()  # type: ignore[assignment]
     return tok.to_str().encode()
-
-
-def bundle(
-    model: str,
-    kind: TokenizerKind,
-    files: dict[str, bytes] | None = None,
-    *,
-    lie: bool = False,
-    info_model: str = "",
-) -> bytes:
-    files = files or {}
-    sums = {n: hashlib.sha256(b"other" if lie else b).hexdigest() for n, b in files.items()}
-    info = TokenizerInfo(model=info_model or model, kind=kind, files=sums, published_at=1.0)
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-        z.writestr(INFO_ENTRY, encode(info))
-        for n, b in files.items():
-            z.writestr(n, b)
-    return buf.getvalue()
 
 
 def test_read_bundle_refuses_what_it_cannot_use() -> None:
