@@ -21,9 +21,12 @@ Part 1, latency and CPU: a zero-delay sim engine and a realistic one (``--ttft-m
 ``--tokens-per-s 50``), 16-token answers, 1 and 32 closed-loop clients over the variant's two routers,
 streamed (with ``stream_options.include_usage``) and not. The variants' slices alternate (rotated
 order, ``--rounds`` rounds) so whatever else loads the machine loads all three. Per variant: client
-latency p50/p99, the added latency against ``async`` (the wait's own cost), router CPU per request
-(both routers), the three nats-servers' CPU per request, and KV writes per request (the usage stream's
-sequence).
+latency p50/p99 and its difference to ``async`` (noisy on a shared box); the wait itself, timed inside
+the routers (a probe in each: every answer's time in ``settled``, the direct figure); router CPU per
+request (both routers) and the three nats-servers' (each net of its idle rate: meaningless at the
+realistic engine's 2.5 answers/s); KV writes per request (the usage stream's sequence); and for each
+acknowledged write, the age of the oldest usage it covered ("unwritten"): for the async variants what
+a SIGKILL at that moment would lose; for ``sync`` the same time spent waiting instead, nothing lost.
 
 Part 2, loss: for each variant, 32 clients (half streamed) on one router, a fresh API key, and the
 router SIGKILLed 2-3 s in (``--kills`` times), then SIGTERMed once; lost = answers the clients had
@@ -31,8 +34,8 @@ whole minus the requests the ledger holds for the key (read after the kill), the
 the answer rate of the second before the kill. A negative loss is an answer billed but not had
 (written, then the router died before its last byte).
 
-    .venv/bin/python bench/ledger_wait.py             # about 5 minutes on a loaded 2-core box
-    .venv/bin/python bench/ledger_wait.py --quick     # about 2 minutes, rougher
+    .venv/bin/python bench/ledger_wait.py             # about 7 minutes on a loaded 2-core box
+    .venv/bin/python bench/ledger_wait.py --quick     # about 3 minutes, rougher
 """
 
 from __future__ import annotations
