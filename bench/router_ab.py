@@ -25,8 +25,8 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import router_overhead as b
 
-PACKAGES = ("libs/llmgw_common", "services/router", "services/cli", "services/agent",
-            "services/controlplane", "services/notifier")  # fmt: skip
+PACKAGES = ("libs/llmgw_common", "libs/llmgw_runtime", "services/router", "services/cli", "services/agent",
+            "services/controlplane", "services/notifier", "services/sim")  # fmt: skip
 
 
 def export_tree(rev: str, into: Path) -> str:
