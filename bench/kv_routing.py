@@ -129,24 +129,17 @@ async def works(t: Target, timeout: float) -> str | None:
     return None
 
 
-def build_targets(
-    a: argparse.Namespace,
-    c: kc.Cluster,
-    engines: list[dict[str, Any]],
-    skipped: dict[str, str],
-    notes: list[str],
-) -> tuple[list[Target], dict[str, kc.Routers]]:
+def llmgw_targets(a: argparse.Namespace, c: kc.Cluster) -> tuple[list[Target], dict[str, kc.Routers]]:
+    """The llmgw modes: two router groups (plain; with today's affinity), the mode a catalog switch."""
     auth = {"Authorization": f"Bearer {c.key}"}
-    urls = [str(e["endpoint"]) for e in engines]
-    out: list[Target] = []
     wanted = a.targets.split(",")
     plain = aff = None
     if {"ll", "kv", "kv1", "approx"} & set(wanted):
         plain = kc.Routers("kvb", c, {}).start(a.routers)
     if "affinity" in wanted:
         aff = kc.Routers("kvb-aff", c, {"LLMGW_PREFIX_AFFINITY": "true"}).start(a.routers)
-    groups = {g.name: g for g in (plain, aff) if g is not None}
     n = a.routers
+    out: list[Target] = []
     for key, label, mode, group, k in (
         ("ll", f"llmgw least-loaded x{n}", "off", plain, n),
         ("affinity", f"llmgw affinity (text) x{n}", "off", aff, n),
@@ -156,25 +149,30 @@ def build_targets(
     ):
         if key in wanted and group is not None:
             out.append(Target(key, label, group.urls[:k], [p.pid for p in group.procs[:k]], auth, mode))
-    peers = [w for w in wanted if w in ("vr-kv", "vr-cache", "smg")]
-    if not peers:
-        return out, groups
-    why = kp.ensure_peers(install=not a.no_install)
+    return out, {g.name: g for g in (plain, aff) if g is not None}
+
+
+def peer_specs(
+    a: argparse.Namespace, engines: list[dict[str, Any]], skipped: dict[str, str], notes: list[str]
+) -> list[tuple[str, list[kp.PeerSpec]]]:
+    """The Rust peers wanted, ``--peer-routers`` instances each; a peer that cannot run is in ``skipped``."""
+    peers = [w for w in a.targets.split(",") if w in ("vr-kv", "vr-cache", "smg")]
+    why = kp.ensure_peers(install=not a.no_install) if peers else None
     if why:
-        for w in peers:
-            skipped[w] = why
-        return out, groups
+        skipped.update(dict.fromkeys(peers, why))
+        return []
+    urls = [str(e["endpoint"]) for e in engines]
+    n = a.peer_routers
     specs: list[tuple[str, list[kp.PeerSpec]]] = []
     if "vr-kv" in peers:
         found = {u: kp.events_endpoint(u, e) for u, e in zip(urls, engines, strict=True)}
         missing = [u for u, ep in found.items() if ep is None]
-        tokenizer = str(GEMMA_DIR) if GEMMA_DIR.exists() else None
         if missing:
             skipped["vr-kv"] = (
                 f"no KV event endpoint for {len(missing)} of {len(urls)} engines (not in the replica records "
                 "nor in the engines' command lines): the engines do not publish events yet"
             )
-        elif tokenizer is None:
+        elif not GEMMA_DIR.exists():
             skipped["vr-kv"] = f"no tokenizer for its --kv-event-model ({GEMMA_DIR} missing)"
         else:
             if not a.vllm:
@@ -185,39 +183,32 @@ def build_targets(
                 )
             # The relays are daemon threads: they end with the bench.
             _, tcp = kp.Relays.start({u: ep for u, ep in found.items() if ep})
+            bs = VLLM_CPU_BLOCK_SIZE if a.vllm else BLOCK_SIZE
             specs.append(
-                (
-                    "vr-kv",
-                    [
-                        kp.vllm_router(
-                            "kv_aware", urls, tcp, VLLM_CPU_BLOCK_SIZE if a.vllm else BLOCK_SIZE, tokenizer
-                        )
-                        for _ in range(a.peer_routers)
-                    ],
-                )
+                ("vr-kv", [kp.vllm_router("kv_aware", urls, tcp, bs, str(GEMMA_DIR)) for _ in range(n)])
             )
     if "vr-cache" in peers:
         specs.append(
-            (
-                "vr-cache",
-                [kp.vllm_router("cache_aware", urls, {}, BLOCK_SIZE, None) for _ in range(a.peer_routers)],
-            )
+            ("vr-cache", [kp.vllm_router("cache_aware", urls, {}, BLOCK_SIZE, None) for _ in range(n)])
         )
     if "smg" in peers:
-        specs.append(("smg", [kp.smg(urls) for _ in range(a.peer_routers)]))
-    for key, group_specs in specs:
-        procs = [kp.start_peer(s, c.root / f"peer-{key}.log") for s in group_specs]
+        specs.append(("smg", [kp.smg(urls) for _ in range(n)]))
+    return specs
+
+
+def build_targets(
+    a: argparse.Namespace,
+    c: kc.Cluster,
+    engines: list[dict[str, Any]],
+    skipped: dict[str, str],
+    notes: list[str],
+) -> tuple[list[Target], dict[str, kc.Routers]]:
+    out, groups = llmgw_targets(a, c)
+    for key, specs in peer_specs(a, engines, skipped, notes):
+        procs = [kp.start_peer(s, c.root / f"peer-{key}.log") for s in specs]
         c.procs.extend(procs)
-        out.append(
-            Target(
-                key,
-                f"{group_specs[0].name} x{len(procs)}",
-                [s.url for s in group_specs],
-                [p.pid for p in procs],
-                mode=None,
-                llmgw=False,
-            )
-        )
+        label = f"{specs[0].name} x{len(procs)}"
+        out.append(Target(key, label, [s.url for s in specs], [p.pid for p in procs], mode=None, llmgw=False))
     return out, groups
 
 
