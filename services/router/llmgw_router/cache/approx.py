@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 DEFAULT_TTL_S = 120.0
@@ -131,7 +131,7 @@ class ApproxIndex:
         self._alive &= ~(1 << s)
         self._retired[s] = self._gens[-1].id if self._gens else -1
 
-    def retain(self, replicas: Sequence[str] | set[str]) -> list[str]:
+    def retain(self, replicas: Iterable[str]) -> list[str]:
         keep = set(replicas)
         gone = [r for r in self._slot_of if r not in keep]
         for r in gone:

@@ -14,6 +14,12 @@ Per model, the mode is the catalog profile's ``cache_routing_mode``: ``events`` 
 approximate mode a model with no tokenizer in the store (llama.cpp's GGUF carries its own) is keyed by
 its prompt's text instead: only this router compares those keys, so any prefix-stable function does.
 Nothing here does I/O; the follower and the tokenizer store run beside it.
+
+Cost on the request path, gemma-3-270m's tokenizer, a 9-message chat of ~2,050 tokens, 16 replicas
+(2 holding the whole prompt), median of 200 on the loaded 2-core build machine: block keys 0.08 ms
+(16-token blocks; 0.02 ms at vLLM CPU's 128), match + choice + sent 0.02 ms; tokenizing is the rest
+and dominates: 0.07 ms for a body seen before, 0.35 ms for a new last turn (earlier turns from the
+tokenizer's segment cache), 2.4 ms for a wholly new conversation.
 """
 
 from __future__ import annotations
