@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from llmgw_agent.kvdeltas import DeltaBatcher, ReplicaView, snapshot_page
 from llmgw_agent.kvtranslate import Change
 from llmgw_common.codec import encode
-from llmgw_common.kvcache import MAX_KEYS_PER_MESSAGE, KvDeltas, KvSnapshotRequest
+from llmgw_common.kvcache import MAX_KEYS_PER_MESSAGE, KvDeltas, KvSnapshot, KvSnapshotRequest
 
 
 def batcher(**kw: object) -> DeltaBatcher:
@@ -142,8 +142,8 @@ VIEWS = {
 }
 
 
-def pages(views: dict[str, ReplicaView], max_keys: int) -> list[object]:
-    out = []
+def pages(views: dict[str, ReplicaView], max_keys: int) -> list[KvSnapshot]:
+    out: list[KvSnapshot] = []
     req = KvSnapshotRequest()
     while True:
         p = snapshot_page(req, views, node="n1", stream="s", seq=9, now=1.0, max_keys=max_keys)
@@ -155,24 +155,24 @@ def pages(views: dict[str, ReplicaView], max_keys: int) -> list[object]:
 
 def test_one_page_holds_everything_when_it_fits() -> None:
     (p,) = pages(VIEWS, 100)
-    assert p.running == ["r1", "r2", "r3"] and p.seq == 9 and p.stream == "s"  # type: ignore[attr-defined]
-    got = {r.replica: (r.cleared, r.stored, r.block_size) for r in p.replicas}  # type: ignore[attr-defined]
+    assert p.running == ["r1", "r2", "r3"] and p.seq == 9 and p.stream == "s"
+    got = {r.replica: (r.cleared, r.stored, r.block_size) for r in p.replicas}
     assert got == {"r1": (True, list(range(10, 17)), 16), "r2": (True, [1, 3, 5], 16), "r3": (True, [], 128)}
 
 
 def test_pages_continue_by_key_and_a_receiver_rebuilds_every_set() -> None:
     ps = pages(VIEWS, 3)
-    assert all(sum(len(r.stored) for r in p.replicas) <= 3 for p in ps)  # type: ignore[attr-defined]
+    assert all(sum(len(r.stored) for r in p.replicas) <= 3 for p in ps)
     held: dict[str, set[int]] = {}
     for p in ps:
-        for r in p.replicas:  # type: ignore[attr-defined]
+        for r in p.replicas:
             s = held.setdefault(r.replica, set())
             if r.cleared:
                 s.clear()
             s |= set(r.stored)
     assert held == {"r1": set(range(10, 17)), "r2": {1, 3, 5}, "r3": set()}
     # The continuation of r1 starts at a key, and is not cleared (it adds to the first page).
-    cont = [r for p in ps for r in p.replicas if r.replica == "r1"]  # type: ignore[attr-defined]
+    cont = [r for p in ps for r in p.replicas if r.replica == "r1"]
     assert [r.cleared for r in cont] == [True, False, False]
 
 

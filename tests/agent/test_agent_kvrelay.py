@@ -1,0 +1,169 @@
+"""The relay's I/O with real sockets: a ZMQ PUB sending vLLM-format frames, a real nats-server.
+
+Frames come from a real ZMQ PUB socket (bound on ipc:// as vLLM binds), made with the same encoder the
+simulator uses; deltas and snapshots are read from the bus as a router reads them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.asyncio
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from llmgw_agent.engines import KvSource
+from llmgw_agent.kvrelay import Feed, KvRelay
+from llmgw_common.codec import decode, encode
+from llmgw_common.kvcache import KvDeltas, KvSnapshot, KvSnapshotRequest, block_keys
+from llmgw_common.subjects import Subjects
+from llmgw_common.vllm_kv_events import BlockRemoved, BlockStored, EventBatch, encode_frames
+from tests.kit.poll import eventually
+
+pytestmark = pytest.mark.slow
+BS = 4
+NODE = "n1"
+
+
+class Pub:
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PUB)
+        self.sock.bind(endpoint)
+
+    def send(self, seq: int, *events: object, topic: str = "kv") -> None:
+        self.sock.send_multipart(encode_frames(topic, seq, EventBatch(1.0, tuple(events))))  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+class Deltas:
+    def __init__(self) -> None:
+        self.msgs: list[KvDeltas] = []
+
+    async def cb(self, msg: Msg) -> None:
+        self.msgs.append(decode(msg.data, KvDeltas))
+
+    def held(self) -> dict[str, set[int]]:
+        out: dict[str, set[int]] = {}
+        for m in self.msgs:
+            for r in m.replicas:
+                if r.gone:
+                    out.pop(r.replica, None)
+                    continue
+                s = out.setdefault(r.replica, set())
+                if r.cleared:
+                    s.clear()
+                s |= set(r.stored)
+                s -= set(r.removed)
+        return out
+
+    def entries(self, replica: str) -> list[tuple[bool, bool]]:
+        return [(r.cleared, r.gone) for m in self.msgs for r in m.replicas if r.replica == replica]
+
+
+@pytest.fixture
+async def relay(nc: NATS, prefix: str) -> AsyncIterator[KvRelay]:
+    r = KvRelay(nc, Subjects(prefix), NODE, "boot-1", tick_s=0.05, idle_s=0.5)
+    await r.start()
+    yield r
+    await r.stop()
+
+
+def stored(hashes: tuple[int, ...], parent: int | None, start: int) -> BlockStored:
+    return BlockStored(hashes, parent, tuple(range(start, start + BS * len(hashes))), BS)
+
+
+async def test_deltas_restart_gap_garbage_snapshot_and_gone(
+    nc: NATS, prefix: str, relay: KvRelay, tmp_path: Path
+) -> None:
+    subjects = Subjects(prefix)
+    seen = Deltas()
+    await nc.subscribe(subjects.kv(NODE), cb=seen.cb)
+    endpoint = f"ipc://{tmp_path / 'kv.sock'}"
+    relay.sync({"r1": Feed("m", KvSource(endpoint, "kv", BS))})
+    pub = Pub(endpoint)
+    try:
+        k = block_keys(tuple(range(3 * BS)), BS)
+        # A SUB joins a PUB some time after connecting: send until the first batch is through.
+        seq = 0
+
+        async def first_through() -> bool:
+            nonlocal seq
+            if not relay.readers["r1"].blocks.keys:
+                pub.send(seq, stored((1, 2), None, 0))
+                seq += 1
+            return seen.held().get("r1") == set(k[:2])
+
+        await eventually(first_through, timeout=10, what="the first stored blocks relayed")
+        pub.send(seq, stored((3,), 2, 2 * BS), BlockRemoved((1,)))
+        await eventually(lambda: seen.held()["r1"] == {k[1], k[2]}, timeout=5, what="store+remove relayed")
+        assert relay.counters.clears == 0
+
+        # The engine restarted: its sequence falls; the replica is cleared, then holds the new block.
+        pub.send(0, stored((7,), None, 100))
+        k7 = block_keys(tuple(range(100, 100 + BS)), BS)
+        await eventually(lambda: seen.held()["r1"] == set(k7), timeout=5, what="restart cleared")
+        # A gap: batch 1 never came.
+        pub.send(2, stored((8,), None, 200))
+        k8 = block_keys(tuple(range(200, 200 + BS)), BS)
+        await eventually(lambda: seen.held()["r1"] == set(k8), timeout=5, what="gap cleared")
+        assert relay.counters.clears == 2 and relay.counters.dropped == 0
+
+        # Garbage, then a foreign topic: dropped, counted, cleared; the agent goes on.
+        pub.sock.send_multipart([b"kv", b"\x00" * 8, b"\xc1garbage"])
+        await eventually(lambda: relay.counters.dropped == 1, timeout=5, what="garbage dropped")
+        pub.send(3, stored((9,), None, 300))
+        await eventually(lambda: bool(seen.held()["r1"]), timeout=5, what="stores after garbage")
+        pub.send(4, stored((10,), None, 400), topic="other")
+        await eventually(lambda: relay.counters.dropped == 2, timeout=5, what="foreign topic dropped")
+        await eventually(
+            lambda: seen.held()["r1"] == set(), timeout=5, what="cleared after the foreign batch"
+        )
+        assert relay.counters.clears == 4
+
+        # A router that starts now: a snapshot, then the deltas after its seq.
+        pub.send(10, stored((11, 12), None, 500))
+        k11 = block_keys(tuple(range(500, 500 + 2 * BS)), BS)
+        await eventually(lambda: relay.readers["r1"].blocks.keys == set(k11), timeout=5, what="stored")
+        reply = await nc.request(subjects.kv_snapshot(NODE), encode(KvSnapshotRequest()), timeout=5)
+        snap = decode(reply.data, KvSnapshot)
+        assert snap.node == NODE and snap.stream == "boot-1" and snap.running == ["r1"]
+        assert snap.next_replica is None and [
+            (r.replica, set(r.stored), r.cleared) for r in snap.replicas
+        ] == [("r1", set(k11), True)]
+        # Consistent with its seq: the deltas up to it hold the same set.
+        await asyncio.sleep(0.2)
+        upto = Deltas()
+        upto.msgs = [m for m in seen.msgs if m.seq <= snap.seq]
+        assert upto.held()["r1"] == set(k11)
+        first = seen.msgs[0].seq  # the relay's first (empty) batch may precede the subscription
+        assert [m.seq for m in seen.msgs] == list(range(first, first + len(seen.msgs)))
+
+        # The replica stops: gone.
+        relay.sync({})
+        await eventually(lambda: "r1" not in seen.held() and seen.entries("r1")[-1] == (False, True), timeout=5,
+                         what="gone")  # fmt: skip
+    finally:
+        pub.close()
+
+
+async def test_an_idle_relay_sends_an_empty_batch_now_and_then(nc: NATS, prefix: str, relay: KvRelay) -> None:
+    seen = Deltas()
+    await nc.subscribe(Subjects(prefix).kv(NODE), cb=seen.cb)
+    await eventually(lambda: len(seen.msgs) >= 2, timeout=5, what="two idle batches")
+    assert all(m.replicas == [] for m in seen.msgs)
+    assert seen.msgs[1].seq == seen.msgs[0].seq + 1
+
+
+async def test_a_garbage_snapshot_request_is_dropped(nc: NATS, prefix: str, relay: KvRelay) -> None:
+    await nc.publish(Subjects(prefix).kv_snapshot(NODE), b"\xc1", reply="_INBOX.x")
+    await eventually(lambda: relay.drops.count == 1, timeout=5, what="the request dropped")
+    reply = await nc.request(Subjects(prefix).kv_snapshot(NODE), encode(KvSnapshotRequest()), timeout=5)
+    assert decode(reply.data, KvSnapshot).replicas == []
