@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import psutil
 import yaml
 
@@ -264,16 +263,16 @@ class Routers:
     def urls(self) -> list[str]:
         return [f"http://127.0.0.1:{p}" for p, _ in self.ports]
 
-    def admin(self, i: int) -> str:
-        return f"http://127.0.0.1:{self.ports[i][1]}"
+    def router_id(self, i: int) -> str:
+        return f"{self.name}-{i}"
 
-    def _start_one(self, i: int) -> subprocess.Popen[bytes]:
+    def start_one(self, i: int, extra: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         port, admin = self.ports[i]
         c = self.cluster
         argv = [sys.executable, "-m", "llmgw_cli", "router", "--nats", c.nats_url, "--prefix", c.prefix]
-        argv += ["--port", str(port), "--admin-port", str(admin), "--router-id", f"{self.name}-{i}"]
+        argv += ["--port", str(port), "--admin-port", str(admin), "--router-id", self.router_id(i)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
-        env.update(LLMGW_LOG_LEVEL="WARNING", **self.env)
+        env.update(LLMGW_LOG_LEVEL="WARNING", **self.env, **(extra or {}))
         with (c.root / f"router-{self.name}-{i}.log").open("ab") as log:
             return subprocess.Popen(
                 argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -282,48 +281,71 @@ class Routers:
     def start(self, count: int) -> Routers:
         for i in range(count):
             self.ports.append((free_port(), free_port()))
-            self.procs.append(self._start_one(i))
+            self.procs.append(self.start_one(i))
         self.cluster.closers.append(self.stop)
         return self
 
-    def restart(self, i: int) -> None:
+    def restart(self, i: int, extra: dict[str, str] | None = None) -> float:
+        """Stop router ``i`` and start it again; the wall-clock time of its new process's start."""
         stop_group(self.procs[i], 15.0)
-        self.procs[i] = self._start_one(i)
+        t = time.time()
+        self.procs[i] = self.start_one(i, extra)
+        return t
 
     def stop(self) -> None:
         for p in self.procs:
             stop_group(p, 15.0)
 
 
-async def index_size(admin_url: str) -> float | None:
-    """The KV index's size a router reports on /metrics (blocks), or None while it reports none.
+@dataclass
+class IndexWatch:
+    """The KV index size one router reports for the bench's model in its demand reports (every tick,
+    ``ModelDemand.cache.index_blocks``): (router start, sent at, blocks) of the latest."""
 
-    TODO(issue 32): the name is the router's to choose; any gauge named for the KV index's blocks is
-    taken until it lands (then pin the name here)."""
-    from tests.kit.promtext import samples
+    latest: tuple[float, float, int] | None = None
+
+    def on_report(self, data: bytes) -> None:
+        from llmgw_common.codec import decode
+        from llmgw_common.router_messages import DemandReport
+
+        r = decode(data, DemandReport)
+        m = r.models.get(MODEL)
+        if m is not None and m.cache is not None:
+            self.latest = (r.since, r.sent_at, m.cache.index_blocks)
+
+
+async def restart_to_full_index(c: Cluster, group: Routers, timeout: float) -> tuple[float | None, str]:
+    """Restart router 0 of ``group``; seconds from its new process's start until the index it reports
+    holds what the old one's last report held (99 %: the engines evict meanwhile)."""
+    from nats.aio.msg import Msg
+
+    from llmgw_common.subjects import Subjects
+    from llmgw_runtime import bus
+    from llmgw_runtime.settings import BusSettings
+
+    nc = await bus.connect(BusSettings(nats_urls=[c.nats_url], prefix=c.prefix), "kv-bench", wait=False)
+    watch = IndexWatch()
+
+    async def cb(msg: Msg) -> None:
+        watch.on_report(msg.data)
 
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
-            async with s.get(f"{admin_url}/metrics") as r:
-                text = await r.text()
-    except (aiohttp.ClientError, TimeoutError):
-        return None
-    found = [v for (n, _), v in samples(text).items() if "index" in n and "block" in n]
-    return sum(found) if found else None
-
-
-async def restart_to_full_index(group: Routers, timeout: float) -> tuple[float | None, str]:
-    """Restart router 0 of ``group`` and time until its index holds what it held before (99 %)."""
-    before = await index_size(group.admin(0))
-    if before is None:
-        return None, "TODO: the router reports no KV index size on /metrics yet"
-    if before <= 0:
-        return None, "the index was empty before the restart"
-    group.restart(0)
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        now = await index_size(group.admin(0))
-        if now is not None and now >= 0.99 * before:
-            return time.monotonic() - t0, f"{now:.0f} of {before:.0f} blocks"
-        await asyncio.sleep(0.1)
-    return None, f"index not full {timeout:.0f} s after the restart"
+        await nc.subscribe(Subjects(c.prefix).demand(group.router_id(0)), cb=cb)
+        t0 = time.monotonic()
+        while watch.latest is None and time.monotonic() - t0 < 5.0:
+            await asyncio.sleep(0.1)
+        if watch.latest is None:
+            return None, "TODO: the router reports no KV index (ModelDemand.cache) yet"
+        before = watch.latest[2]
+        if before <= 0:
+            return None, "the index was empty before the restart"
+        # A faster tick for the restarted router only: its reports then tell the moment within 0.25 s.
+        start = group.restart(0, {"LLMGW_TICK_S": "0.25"})
+        while time.time() - start < timeout:
+            now = watch.latest
+            if now is not None and now[0] >= start and now[2] >= 0.99 * before:
+                return now[1] - start, f"{now[2]:,} of {before:,} blocks"
+            await asyncio.sleep(0.05)
+        return None, f"index not full {timeout:.0f} s after the restart ({watch.latest})"
+    finally:
+        await nc.close()

@@ -20,7 +20,9 @@ cost ~10x a cached one), or ``--vllm``: two real vLLM replicas of Gemma 3 270M o
 Workloads (bench/kv_workloads.py): ``chat`` (pauses between turns), ``chat-closed``, ``agent``,
 ``control``. Each case (workload, round, target) runs the same seeded scripts, tagged so no case
 reuses another's cache; before and after each, every engine's /metrics is read: prompt tokens
-computed = ``vllm:prefix_cache_queries_total - vllm:prefix_cache_hits_total``.
+computed = ``vllm:prefix_cache_queries_total - vllm:prefix_cache_hits_total``. Last, one router of the
+``kv`` group restarts: the seconds until the index it reports (its demand reports' ``index_blocks``)
+holds what it held before.
 
     .venv/bin/python bench/kv_routing.py --quick                     # under 3 minutes: chat, agent, control
     .venv/bin/python bench/kv_routing.py --quick --workloads chat    # a smoke
@@ -332,7 +334,7 @@ async def main(a: argparse.Namespace) -> int:
         idx_note = "no llmgw kv target"
         if any(t.key == "kv" for t in targets):
             c.set_mode("events", a.settle)
-            idx_s, idx_note = await kc.restart_to_full_index(groups["kvb"], 30.0)
+            idx_s, idx_note = await kc.restart_to_full_index(c, groups["kvb"], 30.0)
     finally:
         t_close = time.monotonic()
         await asyncio.to_thread(c.close)
