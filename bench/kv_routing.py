@@ -1,16 +1,15 @@
 """KV-cache-aware routing, measured side by side (issue 32): llmgw's modes and the Rust peers, one run,
 the same engines, cases interleaved.
 
-Targets (``--targets``, default all but ``kv1``/``approx`` in --quick):
+Targets (``--targets``; default all but ``approx``, and --quick and --vllm leave ``kv1`` out too):
 
-- ``ll``      llmgw least-loaded             catalog ``cache_routing: off``
-- ``affinity``llmgw today's text-hash affinity ``cache_routing: off``, routers with ``prefix_affinity``
-- ``kv``      llmgw KV-aware from the engines' events   ``cache_routing: events``
-- ``kv1``     the same through one router only (goal: 3 routers' hit rate >= 0.95x one router's)
-- ``approx``  llmgw approximate (learns from its own decisions)   ``cache_routing: approximate``
-- ``vr-kv``   ``vllm-router --policy kv_aware``, fed the same engines' events (bench/kv_peers.py)
-- ``vr-cache````vllm-router --policy cache_aware``
-- ``smg``     ``smg launch --policy cache_aware``
+- ``ll``: llmgw least-loaded (catalog ``cache_routing: off``);
+- ``affinity``: llmgw's text-hash affinity of today (``off``, routers with ``prefix_affinity``);
+- ``kv``: llmgw KV-aware from the engines' events (``cache_routing: events``);
+- ``kv1``: the same through one router only (goal: 3 routers' hit rate >= 0.95x one router's);
+- ``approx``: llmgw approximate, learning from its own decisions (``cache_routing: approximate``);
+- ``vr-kv``: ``vllm-router --policy kv_aware``, fed the same engines' events (bench/kv_peers.py);
+- ``vr-cache``: ``vllm-router --policy cache_aware``; ``smg``: ``smg launch --policy cache_aware``.
 
 Setups: the simulator (default; ``llmgw up`` over simulated nodes, ``--replicas`` 16, 3 routers per
 llmgw group and per peer, sim ``block_size`` 16 and a prefill rate that makes a 2,000-token prompt
