@@ -9,21 +9,32 @@ tokenizer, ``llmgw_common.simtokens``). A snapshot answers the same; unassigning
 from __future__ import annotations
 
 import asyncio
+import io
+import zipfile
 from pathlib import Path
 
 import httpx
 import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.js.errors import ObjectNotFoundError
 
 from llmgw_agent.service import serve
 from llmgw_agent.settings import AgentSettings
+from llmgw_agent.tokenizer_store import INFO_ENTRY
 from llmgw_common.codec import decode, encode
-from llmgw_common.kvcache import KvDeltas, KvSnapshot, KvSnapshotRequest, block_keys
+from llmgw_common.kvcache import (
+    KvDeltas,
+    KvSnapshot,
+    KvSnapshotRequest,
+    TokenizerInfo,
+    TokenizerKind,
+    block_keys,
+)
 from llmgw_common.messages import Assignment, ShardAssignment, ShardState
 from llmgw_common.simtokens import prompt_token_ids
 from llmgw_common.subjects import Subjects
-from llmgw_runtime.bus import ensure_kv
+from llmgw_runtime.bus import ensure_kv, ensure_object_store
 from llmgw_runtime.natsserver import NatsServer
 from tests.agent.agent_helpers import fake_collect, free_port, shard_of, watch_node
 from tests.kit.poll import eventually
@@ -106,6 +117,21 @@ async def test_agent_relays_the_simulators_kv_events(
             await eventually(relayed, timeout=20, what="the prompt's blocks relayed")
         entry = next(r for m in deltas for r in m.replicas if r.replica == "rs" and r.stored)
         assert entry.model == "ms" and entry.block_size == BS
+
+        # The ready replica's tokenizer is in the object store: the simulator's, no files.
+        store = await ensure_object_store(nc.jetstream(), subjects.bucket_tokenizers)
+
+        async def tokenizer() -> TokenizerInfo | None:
+            try:
+                data = (await store.get("ms")).data
+            except ObjectNotFoundError:
+                return None
+            assert data is not None
+            with zipfile.ZipFile(io.BytesIO(data)) as z:
+                return decode(z.read(INFO_ENTRY), TokenizerInfo)
+
+        info = await eventually(tokenizer, timeout=10, what="the tokenizer put")
+        assert info.kind is TokenizerKind.SIM and info.model == "ms" and info.files == {}
 
         reply = await nc.request(subjects.kv_snapshot(node), encode(KvSnapshotRequest()), timeout=5)
         snap = decode(reply.data, KvSnapshot)

@@ -8,9 +8,13 @@ What each role may do:
 
 - ``controlplane`` and ``admin`` (ctl, keys, setup): everything. Only they can write ``assign``,
   ``desired``, ``replicas``, ``keys``, ``routing``.
-- ``agent-<node>``: publish its own ``node.<node>.*`` subjects; read only its own assignment key.
+- ``agent-<node>``: publish its own ``node.<node>.*`` subjects (its KV-cache deltas ``node.<node>.kv``
+  among them); read only its own assignment key; answer snapshot requests on its own
+  ``node.<node>.kv-snapshot`` (``allow_responses``: a reply to the asker's inbox, nothing else there);
+  write the ``tokenizers`` object store (any agent may: one model is served on many nodes).
 - ``router``: publish its idle and usage reports and wake requests; read ``routing`` and ``keys``; hear load
-  reports; write and read the ``usage`` ledger (a router writes only keys named for itself, by convention:
+  reports and every node's KV-cache deltas, ask any node for a KV snapshot; read the ``tokenizers``
+  object store; write and read the ``usage`` ledger (a router writes only keys named for itself, by convention:
   NATS permissions cannot tell one router user from another).
 - ``notifier``: consume the events stream and publish model events; read ``routing`` and ``desired``.
 
@@ -38,6 +42,9 @@ class Role:
     subscribe: tuple[str, ...] = ()
     full: bool = False
     extra: dict[str, str] = field(default_factory=dict)
+    # May publish one reply to the reply subject of each request it received (nats-server's
+    # ``allow_responses``), whatever its publish list says.
+    allow_responses: bool = False
 
 
 def _kv_read(bucket: str, watch: bool = True) -> list[str]:
@@ -54,6 +61,34 @@ def _kv_read(bucket: str, watch: bool = True) -> list[str]:
     return subjects
 
 
+def _obj_read(bucket: str) -> list[str]:
+    """An object store's reads: its meta by last-message get, its chunks through an ordered consumer."""
+    stream = f"OBJ_{bucket}"
+    return [
+        # nats-py's object get subscribes by subject, and first asks which stream holds it (names only).
+        f"{API}.STREAM.NAMES",
+        f"{API}.STREAM.INFO.{stream}",
+        f"{API}.STREAM.MSG.GET.{stream}",
+        f"{API}.DIRECT.GET.{stream}",
+        f"{API}.DIRECT.GET.{stream}.>",
+        f"{API}.CONSUMER.CREATE.{stream}",
+        f"{API}.CONSUMER.CREATE.{stream}.>",
+        f"{API}.CONSUMER.DELETE.{stream}.>",
+        f"{API}.CONSUMER.INFO.{stream}.>",
+    ]
+
+
+def _obj_write(bucket: str) -> list[str]:
+    """An object store's writes: made if missing (bind first), chunks and meta put, old chunks purged."""
+    stream = f"OBJ_{bucket}"
+    return [
+        f"{API}.STREAM.CREATE.{stream}",
+        f"{API}.STREAM.PURGE.{stream}",
+        f"$O.{bucket}.C.>",
+        f"$O.{bucket}.M.>",
+    ]
+
+
 def agent_role(subjects: Subjects, node: str, password: str) -> Role:
     check_token(node, "node")
     stream = f"KV_{subjects.bucket_assign}"
@@ -66,8 +101,11 @@ def agent_role(subjects: Subjects, node: str, password: str) -> Role:
             f"{subjects.prefix}.node.{node}.>",
             f"{API}.STREAM.INFO.{stream}",
             f"{API}.DIRECT.GET.{stream}.$KV.{subjects.bucket_assign}.{node}",
+            *_obj_read(subjects.bucket_tokenizers),
+            *_obj_write(subjects.bucket_tokenizers),
         ),
-        subscribe=(f"{inbox}.>", subjects.inventory_request(node)),
+        subscribe=(f"{inbox}.>", subjects.inventory_request(node), subjects.kv_snapshot(node)),
+        allow_responses=True,
     )
 
 
@@ -104,9 +142,16 @@ def router_role(subjects: Subjects, password: str) -> Role:
             *_kv_read(subjects.bucket_usage),
             *_stream_info(subjects),
             "$JS.FC.>",
+            subjects.all_nodes("kv-snapshot"),
+            *_obj_read(subjects.bucket_tokenizers),
         ),
         # Peers' usage reports: each router's quota share of a key's limits follows them (quota.py).
-        subscribe=(f"{inbox}.>", subjects.all_nodes("load"), f"{subjects.prefix}.router.*.usage"),
+        subscribe=(
+            f"{inbox}.>",
+            subjects.all_nodes("load"),
+            f"{subjects.prefix}.router.*.usage",
+            subjects.all_nodes("kv"),
+        ),
     )
 
 
@@ -168,6 +213,8 @@ def authorization_config(roles: list[Role]) -> str:
             pub = ", ".join(_q(s) for s in r.publish)
             sub = ", ".join(_q(s) for s in r.subscribe)
             perms = f"publish: {{allow: [{pub}]}}, subscribe: {{allow: [{sub}]}}"
+            if r.allow_responses:
+                perms += ", allow_responses: true"
         lines.append(f"    {{user: {_q(r.user)}, password: {_q(r.password)}, permissions: {{{perms}}}}}")
     lines += ["  ]", "}", ""]
     return "\n".join(lines)

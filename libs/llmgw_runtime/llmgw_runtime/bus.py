@@ -21,9 +21,10 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import KeyValueConfig, ObjectStoreConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BucketNotFoundError, NoKeysError, NotFoundError
 from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
 from pydantic import BaseModel
 
 from llmgw_common.codec import DecodeError, decode
@@ -191,6 +192,21 @@ async def forget_key(kv: KeyValue, key: str) -> None:
 def leader_reads(kv: KeyValue) -> KeyValue:
     """``kv`` read from its stream's leader (:class:`LeaderReads`)."""
     return LeaderReads(name=kv._name, stream=kv._stream, pre=kv._pre, js=kv._js, direct=False)
+
+
+async def ensure_object_store(js: JetStreamContext, bucket: str, *, replicas: int = 1) -> ObjectStore:
+    """Bind to an object store, creating it only when it does not exist (as :func:`ensure_kv`)."""
+    try:
+        return await js.object_store(bucket)
+    except BucketNotFoundError:
+        pass
+    try:
+        return await js.create_object_store(
+            bucket, config=ObjectStoreConfig(bucket=bucket, replicas=replicas)
+        )
+    except nats.js.errors.BadRequestError:
+        # Someone else created it between our bind and create.
+        return await js.object_store(bucket)
 
 
 async def ensure_stream(

@@ -249,6 +249,15 @@ def vllm_kv_events(a: ShardAssignment, s: AgentSettings) -> tuple[list[str], KvS
     return flags, KvSource(given_endpoint, topic if isinstance(topic, str) else "", block_size)
 
 
+def vllm_model_dir(a: ShardAssignment, s: AgentSettings) -> Path | None:
+    """The model vLLM is given: ``options.model_path`` as written, else the weights found on this node
+    (None: neither; vLLM is then given the name, e.g. a Hugging Face id)."""
+    model_path = a.options.get("model_path")
+    if model_path:
+        return Path(str(model_path))
+    return find_weights(s, a.weights or a.model)
+
+
 def on_cpu(a: ShardAssignment) -> bool:
     """The profile says, explicitly, that this vLLM runs on CPU (``options.device: cpu``)."""
     return a.options.get("device") == "cpu"
@@ -308,9 +317,8 @@ def vllm_adapter(a: ShardAssignment, s: AgentSettings) -> LaunchSpec | Refusal:
     c = _common(a, s, VLLM_METRICS)
     if isinstance(c, Refusal):
         return c
-    model_path = a.options.get("model_path")
-    found = find_weights(s, a.weights or a.model)
-    model_ref = str(model_path) if model_path else (str(found) if found else (a.weights or a.model))
+    found = vllm_model_dir(a, s)
+    model_ref = str(found) if found else (a.weights or a.model)
     # As written (the program is found on PATH at exec): a missing one is the shard's reported failure.
     try:
         command = tuple(shlex.split(s.vllm))

@@ -23,8 +23,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from pydantic import BaseModel
 
+from llmgw_agent import tokenizer_store
 from llmgw_agent.converge import Running, ShardKey, Wanted, assignment_fingerprint, plan_converge
-from llmgw_agent.engines import LaunchSpec, Refusal, launch_spec
+from llmgw_agent.engines import LaunchSpec, Refusal, launch_spec, vllm_model_dir
 from llmgw_agent.kvrelay import Feed, KvRelay
 from llmgw_agent.metrics import extract_load, parse_prometheus
 from llmgw_agent.settings import AgentSettings
@@ -42,7 +43,7 @@ from llmgw_common.messages import (
     ShardStatus,
 )
 from llmgw_common.subjects import Subjects, check_token
-from llmgw_runtime.bus import DropLog, connect_unless_stopped, ensure_kv, flush
+from llmgw_runtime.bus import DropLog, connect_unless_stopped, ensure_kv, ensure_object_store, flush
 from llmgw_runtime.kv_follower import KvFollower
 from llmgw_runtime.runtime import cancel_and_wait, until_stopped
 
@@ -111,6 +112,9 @@ class Agent:
         self._inventory_asked = False
         # The replicas' KV-cache events, relayed as batched deltas (kvrelay.py).
         self.kv = KvRelay(nc, self.subjects, s.node, self.boot_id, clock=clock)
+        # Tokenizers put in the object store, model -> digest (tokenizer_store.py), and the puts under way.
+        self._tokenizers: dict[str, str] = {}
+        self._tokenizer_tasks: set[asyncio.Task[None]] = set()
 
     # ---------------------------------------------------------------- publishing
 
@@ -131,8 +135,42 @@ class Agent:
             and sh.state in (ShardState.STARTING, ShardState.READY)
         }
 
+    def _tokenizer_bundle(self, sh: Shard) -> tokenizer_store.Bundle | None:
+        """What to put for a ready replica's model: its HF tokenizer (vLLM), the simulator's, or none."""
+        a = sh.assignment
+        if a.shard != 0 or sh.spec is None:
+            return None
+        if sh.spec.simulated:
+            return tokenizer_store.sim_bundle(a.model, self.clock())
+        d = vllm_model_dir(a, self.s) if a.engine == "vllm" else None
+        return tokenizer_store.hf_bundle(a.model, d, self.clock()) if d is not None and d.is_dir() else None
+
+    async def _publish_tokenizer(self, sh: Shard) -> None:
+        model = sh.assignment.model
+        bundle = await asyncio.to_thread(self._tokenizer_bundle, sh)
+        if bundle is None or self._tokenizers.get(model) == bundle.digest:
+            return
+        try:
+            store = await ensure_object_store(
+                self.nc.jetstream(), self.subjects.bucket_tokenizers, replicas=self.s.kv_replicas
+            )
+            put = await tokenizer_store.publish(store, bundle)
+        except (nats.errors.Error, TimeoutError) as e:
+            # Not this agent's end: routers fall back without it; the next ready replica tries again.
+            log.warning("cannot put the tokenizer of %s in %s: %s", model, self.subjects.bucket_tokenizers, e)
+            return
+        self._tokenizers[model] = bundle.digest
+        if put:
+            log.info(
+                "tokenizer of %s (%s) put in %s", model, bundle.info.kind, self.subjects.bucket_tokenizers
+            )
+
     async def _on_shard_change(self, sh: Shard) -> None:
         self.kv.sync(self.kv_feeds())
+        if sh.state is ShardState.READY:
+            t = asyncio.create_task(self._publish_tokenizer(sh), name=f"tokenizer-{sh.assignment.model}")
+            self._tokenizer_tasks.add(t)
+            t.add_done_callback(self._tokenizer_tasks.discard)
         a = sh.assignment
         status = ShardStatus(
             node=self.s.node,
@@ -322,6 +360,7 @@ class Agent:
         finally:
             # Not one cancel: a loop's nats request or flush can swallow it (see cancel_and_wait).
             await cancel_and_wait(tasks)
+            await cancel_and_wait(list(self._tokenizer_tasks))
             await follower.stop()
             with contextlib.suppress(nats.errors.Error):
                 await asked.unsubscribe()
