@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -95,6 +96,7 @@ def test_a_full_message_fits_nats_payload_limit() -> None:
     assert len(msgs) == 2 and max(len(encode(m)) for m in msgs) < 1024 * 1024
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(
     st.lists(

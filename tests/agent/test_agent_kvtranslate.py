@@ -190,6 +190,7 @@ def test_two_hashes_one_key_leave_only_with_the_last() -> None:
     assert r.apply(2, batch(BlockRemoved((2,)))).removed == tuple(block_keys(toks(BS), BS))
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 7)), max_size=40))
 def test_the_key_set_is_always_the_keys_of_the_blocks_held(ops: list[tuple[bool, int]]) -> None:

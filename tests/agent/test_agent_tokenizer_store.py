@@ -66,6 +66,7 @@ def test_the_simulators_bundle_has_no_files() -> None:
     assert info.kind is TokenizerKind.SIM and info.files == {}
 
 
+@pytest.mark.slow
 def test_the_real_gemma_directory_bundles() -> None:
     if not (GEMMA / "tokenizer.json").is_file():
         pytest.skip(f"no {GEMMA} (make vllm)")

@@ -93,6 +93,9 @@ class KvRelay:
         self._tasks: list[asyncio.Task[None]] = []
         self._sub: Subscription | None = None
         self._closed = False
+        # Held from taking a batch until it is published: deltas go out in seq order whoever takes
+        # them (the loop, a snapshot answer), even when a publish waits on a full buffer.
+        self._sending = asyncio.Lock()
 
     # ---------------------------------------------------------------- replicas
 
@@ -178,8 +181,9 @@ class KvRelay:
 
     async def flush_deltas(self) -> None:
         """Publish everything pending now (a snapshot is taken after it, at its ``seq``)."""
-        for m in self.batcher.take(self.clock()):
-            await self._publish(self.subjects.kv(self.node), m)
+        async with self._sending:
+            for m in self.batcher.take(self.clock()):
+                await self._publish(self.subjects.kv(self.node), m)
 
     async def _loop(self) -> None:
         while True:
@@ -201,14 +205,15 @@ class KvRelay:
             return
         if not msg.reply:
             return
-        # Pending changes first, taken and built without an await between: the page is the state
-        # after the batcher's seq exactly.
-        pending = self.batcher.take(self.clock()) if self.batcher.changed() else []
-        page = snapshot_page(
-            req, self.views(), node=self.node, stream=self.stream, seq=self.batcher.seq, now=self.clock()
-        )
-        for m in pending:
-            await self._publish(self.subjects.kv(self.node), m)
+        async with self._sending:
+            # Pending changes first, taken and built without an await between: the page is the state
+            # after the batcher's seq exactly.
+            pending = self.batcher.take(self.clock()) if self.batcher.changed() else []
+            page = snapshot_page(
+                req, self.views(), node=self.node, stream=self.stream, seq=self.batcher.seq, now=self.clock()
+            )
+            for m in pending:
+                await self._publish(self.subjects.kv(self.node), m)
         self.counters.snapshots += 1
         try:
             await msg.respond(encode(page))
