@@ -26,7 +26,6 @@ OUTSIDE = {
     "llmgw_runtime.runtime.TaskDied",
     "llmgw_runtime.runtime.FailedPasses",
     "llmgw_sim.engine.FaultExit",
-    "llmgw_router.proxy._Retryable",
     "llmgw_router.failover.migration._Incomplete",
     "llmgw_router.failover.relay.Unframed",
     "llmgw_router.tenancy.admission._Expired",

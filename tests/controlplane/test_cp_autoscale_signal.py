@@ -81,7 +81,7 @@ async def test_a_router_summarises_what_it_holds_and_what_the_engines_said_unkno
         ),
         T0 + 2,
     )
-    gate = ctx.gate(ctx.pool.profiles["m"])
+    gate = ctx.gates.of(ctx.pool.profiles["m"])
     await gate.enter()
     queued = asyncio.create_task(gate.enter())
     await asyncio.sleep(0)

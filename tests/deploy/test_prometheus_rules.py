@@ -73,7 +73,7 @@ def exported(registry: CollectorRegistry) -> set[str]:
 
 
 def all_exported() -> set[str]:
-    router = RouterMetrics(Pool(), {}, lambda: 0)
+    router = RouterMetrics(Pool(), {})
     # The router's recorded families appear once something is recorded.
     router.request("m", 200, 0.1)
     router.first_byte("m", 0.1)

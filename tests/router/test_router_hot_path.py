@@ -196,7 +196,7 @@ def _parse_as_before(body: bytes) -> object:
 
 @pytest.mark.parametrize("body", BODIES)
 def test_a_body_parses_as_json_loads_parses_it(body: bytes) -> None:
-    from llmgw_router.proxy import parse_request
+    from llmgw_router.dialects.dialect import parse_request
 
     got, expected = parse_request(body), _parse_as_before(body)
     assert repr(got) == repr(expected)  # repr: NaN is not equal to itself

@@ -52,7 +52,7 @@ async def test_a_waiter_cancelled_as_it_is_woken_passes_the_slot_to_the_next() -
 
 
 async def _random_gate_schedule(seed: int) -> None:
-    """Requests shaped like proxy_handler.py's handler (try_enter, enter, leave in finally around a body that may
+    """Requests shaped like proxy.py's serve() (try_enter, enter, leave in finally around a body that may
     raise), cancelled at random moments (queued, just woken, holding), some gates with short queue
     timeouts. After every step: no lost wake-up; at the end: every slot returned, nobody queued."""
     rng = random.Random(seed)
@@ -139,7 +139,7 @@ _OPS = st.lists(st.tuples(st.integers(0, 3), st.floats(0, 5)), max_size=60)
 )
 @pytest.mark.slow
 def test_breaker_never_locks_once_nothing_is_in_flight(ops: list[tuple[int, float]]) -> None:
-    # Every permission forward() takes ends in exactly one of success/failure/abandon (its finally).
+    # Every permission an attempt takes (proxy.attempt) ends in exactly one of success/failure/abandon (its finally).
     # Whatever the order, once nothing is in flight and the longest cool-down has passed, a request is
     # let through again: no probe slot stays taken, no state refuses forever.
     b = Breaker(threshold=2, cooldown_s=1.0, max_cooldown_s=4.0)
@@ -184,7 +184,7 @@ async def test_every_endpoint_excluded_answers_at_once(
         ) as resp:
             assert resp.status == 503 and "circuit open" in (await resp.json())["error"]["message"]
         assert time.monotonic() - t0 < 2.0
-    assert r.ctx.in_flight == 0 and r.ctx.gates["m1"].active == 0
+    assert r.ctx.metrics.in_flight == 0 and r.ctx.gates.by_model["m1"].active == 0
 
 
 @pytest.mark.slow
@@ -217,4 +217,4 @@ async def test_a_long_stream_as_half_open_probe_does_not_hold_the_endpoint_shut(
             assert breaker_state(ep.breaker) is BreakerState.CLOSED
         finally:
             probe.close()
-    await eventually(lambda: r.ctx.in_flight == 0, timeout=5.0, what="no request to be in flight")
+    await eventually(lambda: r.ctx.metrics.in_flight == 0, timeout=5.0, what="no request to be in flight")

@@ -374,7 +374,8 @@ def test_unavailable_reason_comes_from_routing() -> None:
 
 
 def test_metrics_exposition_counts_buckets_like_prometheus() -> None:
-    m = RouterMetrics(Pool(), {}, lambda: 2)
+    m = RouterMetrics(Pool(), {})
+    m.in_flight = 2
     # 0.005 is a bound: it belongs to le="0.005" (Prometheus buckets are "less or equal").
     for v in (0.001, 0.005, 0.0051, 500.0):
         m.request("a", 200, v)

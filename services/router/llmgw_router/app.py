@@ -1,6 +1,6 @@
 """The router's HTTP surface: one handler dispatching on the path, then the method, to the proxied
 routes (``routes.py``: the OpenAI API, the Responses API, Anthropic Messages, pooling, tokenizing,
-audio; handled in ``proxy_handler.py``), the stored responses (``stored_handler.py``) and the routes
+audio; handled in ``proxy.py``), the stored responses (``stored_handler.py``) and the routes
 answered here (``local_routes.py``: the catalog, the landing page, health). Every route checks the key
 first (``keycheck.py``). Metrics are on the admin listener (``admin.py``). Nothing here touches NATS.
 """
@@ -8,25 +8,16 @@ first (``keycheck.py``). Metrics are on the admin listener (``admin.py``). Nothi
 from __future__ import annotations
 
 from llmgw_router.context import RouterContext
-from llmgw_router.dialects.routes import CANCEL_SUFFIX, PROXIED, STORED_PREFIX, Dialect
+from llmgw_router.dialects.dialect import Dialect
+from llmgw_router.dialects.routes import CANCEL_SUFFIX, PROXIED, STORED_PREFIX
 from llmgw_router.errors import Answer, RouterError, error_response
 from llmgw_router.http.request import Request
 from llmgw_router.http.response import StreamResponse
 from llmgw_router.http.server import Handler as ServerHandler
 from llmgw_router.local_routes import health, landing_page, make_model_handler, make_models_handler
-from llmgw_router.proxy_handler import make_proxy_handler
+from llmgw_router.proxy import make_proxy_handler
 from llmgw_router.stored_handler import make_stored_handler
-from llmgw_router.tenancy.keycheck import Handler, guarded
-
-
-def _anthropic(handler: Handler) -> Handler:
-    """On Anthropic's paths the router's own refusals take Anthropic's shape (errors.py)."""
-
-    async def answer(request: Request) -> Answer:
-        resp = await handler(request)
-        return resp.response(anthropic=True) if type(resp) is RouterError else resp
-
-    return answer
+from llmgw_router.tenancy.keycheck import Handler
 
 
 def _not_in_api(status: int) -> Handler:
@@ -47,25 +38,24 @@ def build_app(ctx: RouterContext) -> ServerHandler:
     paths and methods are answered after it too (405 for a known path with another method, else 404),
     as a middleware in front of the routes would order them. HEAD is answered as GET, without a body.
     """
-    refuse_method = guarded(ctx, _not_in_api(405))
-    not_found = guarded(ctx, _not_in_api(404))
+    guarded = ctx.keycheck.guarded
+    refuse_method = guarded(_not_in_api(405))
+    not_found = guarded(_not_in_api(404))
     routes: dict[str, dict[str, Handler]] = {}
-    anthropic_paths: set[str] = set()
+    # A proxied path's refusals take its dialect's shape (the proxy handler renders its own).
+    dialects: dict[str, Dialect] = {}
     for route in PROXIED:
-        handler = make_proxy_handler(ctx, route)
-        if route.dialect is Dialect.ANTHROPIC:
-            handler = _anthropic(handler)
-            anthropic_paths.add(route.path)
-        routes[route.path] = {"POST": handler}
+        routes[route.path] = {"POST": make_proxy_handler(ctx, route)}
+        dialects[route.path] = route.dialect
     for path, handler in (
         ("/v1/models", make_models_handler(ctx)),
         ("/", landing_page),
         ("/health", health),
         ("/healthz", health),
     ):
-        g = guarded(ctx, handler)
+        g = guarded(handler)
         routes[path] = {"GET": g, "HEAD": g}
-    model = guarded(ctx, make_model_handler(ctx))
+    model = guarded(make_model_handler(ctx))
     stored = make_stored_handler(ctx)
     models_prefix = "/v1/models/"
 
@@ -74,8 +64,9 @@ def build_app(ctx: RouterContext) -> ServerHandler:
         resp = await refuse_method(request)
         if resp.status == 405:
             resp.headers["Allow"] = allow
-        if request.path in anthropic_paths and type(resp) is RouterError:
-            return resp.response(anthropic=True)
+        dialect = dialects.get(request.path)
+        if dialect is not None and isinstance(resp, RouterError):
+            return dialect.refusal(resp)
         return resp
 
     async def off_table(request: Request, path: str) -> Answer:

@@ -63,7 +63,7 @@ class DemandMeter:
         finished = {m: n for m, n in ctx.metrics.finished_counts().items() if m in follows}
         here: dict[str, tuple[int, int, int]] = {}
         for name in follows:
-            gate = ctx.gates.get(name)
+            gate = ctx.gates.by_model.get(name)
             in_flight = sum(e.in_flight for e in ctx.pool.by_model.get(name, []))
             here[name] = (in_flight, gate.queued if gate is not None else 0, ctx.holding.held(name))
         outstanding = {m: sum(v) for m, v in here.items()}

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from llmgw_common.catalog import ModelProfile
 from llmgw_common.router_messages import WakeReply, WakeRequest, WakeState
+from llmgw_router.dialects.dialect import OPENAI, Dialect
 from llmgw_router.errors import CLIENT_GONE, Answer, RouterError, error_body, error_response
 from llmgw_router.http.request import Request
 from llmgw_router.http.response import Response, StreamResponse
@@ -122,10 +123,10 @@ class Holding:
     # ------------------------------------------------------------ the request path
 
     async def hold(
-        self, request: Request, profile: ModelProfile, gate: Gate, stream: bool, anthropic: bool = False
+        self, request: Request, profile: ModelProfile, gate: Gate, stream: bool, dialect: Dialect = OPENAI
     ) -> Held:
-        """Hold a request for a model without a ready endpoint until one appears, or refuse it
-        (``anthropic``: a begun stream's refusal in Anthropic's shape, :meth:`finish`)."""
+        """Hold a request for a model without a ready endpoint until one appears, or refuse it (a begun
+        stream's refusal in its dialect's shape, :meth:`finish`)."""
         model = profile.name
         now = prospect(self.pool, model)
         if now is Prospect.READY:
@@ -179,27 +180,24 @@ class Holding:
         if started is None:
             return self._refused(model, 503, problem, 5, loop.time() - t0)
         self.metrics.request(model, 503, loop.time() - t0)
-        return Held(answer=await self.finish(started, error_response(503, problem), anthropic))
+        return Held(answer=await self.finish(started, error_response(503, problem), dialect))
 
     async def finish(
-        self, started: StreamResponse, answer: Answer, anthropic: bool = False
+        self, started: StreamResponse, answer: Answer, dialect: Dialect = OPENAI
     ) -> StreamResponse:
         """The client's answer when a held stream had begun before ``answer`` was made: ``answer`` itself
-        if the proxy wrote into the begun stream, else its body as the stream's last SSE event.
-        ``anthropic``: the stream is Anthropic's (/v1/messages), whose clients read a failure as an
-        ``event: error`` in its own shape, and which has no ``[DONE]``."""
+        if the proxy wrote into the begun stream, else its body as the stream's last SSE event, as the
+        dialect ends a stream (Anthropic's clients read a failure as an ``event: error`` in its own
+        shape, and its streams have no ``[DONE]``)."""
         if answer is started:
             return started
-        if type(answer) is RouterError:
-            body: bytes | None = answer.body(anthropic)
+        if isinstance(answer, RouterError):
+            data = dialect.held_error(answer)
+        elif isinstance(answer, Response):
+            data = answer.body
         else:
-            body = answer.body if isinstance(answer, Response) else None
-        data = body if isinstance(body, bytes) else error_body(502, "the answer could not be relayed")
-        event = b"".join(b"data: " + line + b"\n" for line in data.splitlines()) + b"\n"
-        if anthropic and answer.status >= 300:
-            event = b"event: error\n" + event
-        elif answer.status < 300 and not anthropic:
-            event += b"data: [DONE]\n\n"
+            data = error_body(502, "the answer could not be relayed")
+        event = dialect.held_end(data, answer.status)
         try:
             await started.write_eof(event)
         except ConnectionResetError:

@@ -2,7 +2,7 @@
 
 It is served without a key, so it carries no data: no model names, replicas, nodes or counts. The base
 URL shown is rebuilt from ``X-Forwarded-Proto``/``-Host``/``-Prefix`` for display only, and only when
-they come from a proxy in ``trusted_proxies`` (``http_request.Request.headers`` leaves them out for anyone else:
+they come from a proxy in ``trusted_proxies`` (``http.request.Request.headers`` leaves them out for anyone else:
 a client's own would make the page say "send your key to attacker.example", and it is sent with
 ``Cache-Control: no-store`` so no shared cache keeps it for others); values that do not look like a
 scheme, a host or a path are ignored rather than echoed, and everything is HTML-escaped (the examples

@@ -171,7 +171,7 @@ class _Recorded(Collector):
 
 
 class RouterMetrics:
-    def __init__(self, pool: Pool, gates: dict[str, Gate], in_flight: Callable[[], int]) -> None:
+    def __init__(self, pool: Pool, gates: dict[str, Gate]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self._req: dict[tuple[str, int], _Counter] = {}
         self._lat: dict[str, _Hist] = {}
@@ -180,7 +180,9 @@ class RouterMetrics:
         self._migrations: dict[tuple[str, str], _Counter] = {}
         self._hold: dict[str, _Hist] = {}
         self.registry.register(_Recorded(self))
-        self.registry.register(_Live(pool, gates, in_flight))
+        # Requests being proxied now (an attempt at a first answer under way).
+        self.in_flight = 0
+        self.registry.register(_Live(pool, gates, lambda: self.in_flight))
 
     def request(self, model: str, status: int, seconds: float | None = None) -> None:
         c = self._req.get((model, status))

@@ -1,10 +1,20 @@
-"""Send one admitted request to an endpoint and pass the answer back byte for byte.
+"""A proxied request, top to bottom: admitted, held, let through its model's gate, answered.
 
-A failure before the first byte reaches the client (connect error or refusal, the engine closing
-the connection, a 502/503 from the engine, a stream that dies before its first chunk) is retried on
-another endpoint, up to ``retries`` times. A stream that breaks after its first byte is continued on
-another endpoint (:mod:`llmgw_router.failover.migration`). In-flight counts are released in ``finally`` on every
-path, cancellation included.
+    handle ─> admit()    the key, the body within its limits, the dialect's parse, the catalog and what
+          │              the model serves, a stored response's replica, the key's quota:
+          │              one immutable :class:`Admitted`, or the refusal
+          └─> serve()    held while no replica is ready (holding.py), the model's gate (admission.py),
+                └─> answer()  THE loop: an endpoint picked for each go (routing/pick.py), one list of
+                      │       those tried: a first answer retried elsewhere while nothing reached the
+                      │       client, the stale table waited out when every replica refused the
+                      │       connection, a stream broken after its first byte continued elsewhere
+                      ├─> attempt()   one endpoint asked; its answer relayed whole or as a stream
+                      └─> continue_on() (failover/) the rest of a broken stream from another endpoint
+
+Each step returns a value (an answer and the status to record, or why it failed); the status is
+recorded once, by :func:`serve`. What differs by API family is the route's dialect (dialects/); this
+module never asks which API it serves. Nothing here touches NATS but the usage ledger's wait
+(tenancy/ledger.py).
 """
 
 from __future__ import annotations
@@ -13,23 +23,34 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+from llmgw_common.catalog import ModelProfile
+from llmgw_common.messages import ApiKeyRecord
 from llmgw_router.context import RouterContext
-from llmgw_router.dialects.stored import StreamTagger, tag_ids
+from llmgw_router.dialects.dialect import Dialect
+from llmgw_router.dialects.routes import Route
 from llmgw_router.errors import CLIENT_GONE, Answer, RouterError, error_response
-from llmgw_router.failover.migration import Migration
-from llmgw_router.http.request import Request
+from llmgw_router.failover.continuation import Close, Continue, Refuse
+from llmgw_router.failover.migration import Migration, close_with, continue_on
+from llmgw_router.http.request import HTTPRequestEntityTooLarge, Request
 from llmgw_router.http.response import RelayedResponse, StreamResponse, relay_lines
+from llmgw_router.refusals import not_found_message
+from llmgw_router.routing.affinity import prompt_key
 from llmgw_router.routing.endpoints import EndpointState
 from llmgw_router.routing.pick import pick
+from llmgw_router.tenancy.admission import AdmissionRefused, Gate
+from llmgw_router.tenancy.keycheck import ANONYMOUS, Handler
+from llmgw_router.tenancy.keys import allows_model
+from llmgw_router.tenancy.quota import Ticket
 from llmgw_router.tenancy.usage import TAIL_BYTES, find_usage
 from llmgw_router.upstream.client import UpstreamResponse
 from llmgw_router.upstream.connection import ConnectFailed, ReadTimeout, UpstreamError
 
 log = logging.getLogger("llmgw.router.proxy")
 
+# Metrics label for model names that are not in the catalog (client-chosen: unbounded otherwise).
+UNKNOWN_MODEL = "-"
 RETRY_STATUSES = frozenset({502, 503})
 _DROP = frozenset(
     h.lower()
@@ -47,158 +68,442 @@ _DROP = frozenset(
     )
 )
 _DROP_RAW = frozenset(h.encode() for h in _DROP)
-_DECODER = json.JSONDecoder()
 
 
-@dataclass(slots=True)
-class Outbound:
-    """One admitted request as it goes to an engine, and what its answer is counted under."""
+class Admitted(NamedTuple):
+    """One request as admission made it: what every later step reads, and none writes."""
 
+    dialect: Dialect
+    record: ApiKeyRecord | None
+    key_id: str
+    model: str
+    # The catalog's entry (None for a stored response's GET or cancel: routed by its id alone).
+    profile: ModelProfile | None
+    method: bytes
+    # The engine's path.
     path: str
     body: bytes
-    model: str
-    key_id: str
+    content_type: bytes
+    # The parsed JSON body (None for a form or a bodiless request): the continuation reads it.
+    json: dict[str, Any] | None
+    stream: bool
+    # The stream ends with its usage (else it is counted by its events).
     want_usage: bool
-    # The parsed JSON body (None for a form or a bodiless request): migration reads it.
-    req: dict[str, Any] | None = None
-    # A held stream's answer already begun (holding.py): a streamed answer continues it.
-    started: StreamResponse | None = None
     # The request's prefix key (affinity.py), when prefix-aware routing is on.
-    affinity: int | None = None
-    # The one endpoint that may answer (it stores the response the request names: stored.py).
-    pin: EndpointState | None = None
-    # The answer carries ids of stored responses: tag them with the endpoint's replica (stored.py).
-    stores: bool = False
-    method: bytes = b"POST"
-    content_type: bytes = b"application/json"
-    # Header lines the router adds to the engine's (a limited key's x-ratelimit-*: quota.Ticket).
-    extra_lines: bytes = b""
-    # A limited key's: a stream's events are counted against its tokens per minute as they pass.
-    metered: bool = False
-    # Set by forward(): every attempt found no engine listening (nothing was sent), so the table
-    # that named them is likely stale; the handler waits for the next one and goes again.
-    refused_everywhere: bool = False
+    affinity: int | None
+    # The one endpoint that may answer (it stores the response the request names: dialects/stored.py).
+    pin: EndpointState | None
+    # A limited key's hold on its meters (quota.py): its x-ratelimit-* lines, its streamed tokens.
+    ticket: Ticket | None
+    t0: float
 
 
-class _Retryable(Exception):
-    """The attempt failed before anything reached the client; another endpoint may be tried."""
+class _Failed(NamedTuple):
+    """An attempt that failed before anything reached the client: another endpoint may be tried."""
 
-    def __init__(self, message: str, status: int | None = None, refused: bool = False) -> None:
-        super().__init__(message)
-        self.status = status
-        # No engine listening: the connection was refused (or timed out) before a byte was sent.
-        self.refused = refused
+    why: str
+    # The engine's status (None: no answer at all).
+    status: int | None = None
+    # No engine listening: the connection was refused (or timed out) before a byte was sent.
+    refused: bool = False
 
 
-async def forward(ctx: RouterContext, request: Request, out: Outbound) -> tuple[Answer, int]:
-    """Proxy the request; return the response and the status to record."""
-    t0 = time.perf_counter()
-    model = out.model
-    mig = Migration.of(ctx, out.path, out.req, ctx.pool.profiles.get(model))
-    tried: list[EndpointState] = mig.tried if mig is not None else []
-    problem = ""
-    # Engine statuses of failed attempts (None: no answer at all).
-    statuses: list[int | None] = []
-    refused = 0
-    for attempt in range(ctx.limits.retries + 1):
-        now = ctx.clock()
-        ep = pick(ctx.pool, ctx.choosing, model, tried, now, out.affinity, out.pin)
-        if ep is None:
-            break
-        if attempt:
-            ctx.metrics.retry(model)
-        tried.append(ep)
-        ctx.idle.stamp(ep.replica_id, now)
-        ep.in_flight += 1
-        ctx.in_flight += 1
-        verdict: bool | None = None  # breaker outcome: True success, False failure, None unknown
+class _Broken(NamedTuple):
+    """A stream that broke after its first byte, its client's response begun: to be continued."""
+
+    resp: StreamResponse
+    why: str
+    # Events metered against the key as they passed (made good by the usage at the end).
+    streamed: int
+
+
+# ------------------------------------------------------------ the handler
+
+
+def make_proxy_handler(ctx: RouterContext, route: Route) -> Handler:
+    """The handler of every proxied route (``routes.py``)."""
+    dialect = route.dialect
+    keycheck = ctx.keycheck
+
+    async def handle(request: Request) -> Answer:
+        t0 = time.perf_counter()
+        # The record kept here, not on the request: nothing else reads it from a proxied request.
+        rec = keycheck.record(request)
+        if isinstance(rec, RouterError):
+            return dialect.refusal(rec)
+        body = whole_body(ctx, request)
+        if body is None:
+            body = await read_body(ctx, request)
+        admitted = body if isinstance(body, RouterError) else admit(ctx, route, request, rec, body, t0)
+        if isinstance(admitted, RouterError):
+            return dialect.refusal(admitted)
+        ticket = admitted.ticket
         try:
-            resp, status, verdict = await _attempt(ctx, request, ep, out, t0, mig)
-            return resp, status
-        except _Retryable as e:
-            verdict = False
-            problem = str(e)
-            statuses.append(e.status)
-            refused += e.refused
-            log.debug("attempt %d on %s failed before the first byte: %s", attempt + 1, ep.url, problem)
+            resp = await serve(ctx, request, admitted)
         finally:
-            ep.in_flight -= 1
-            ctx.in_flight -= 1
-            if verdict is True:
-                ep.breaker.success()
-            elif verdict is False:
-                ep.breaker.failure(ctx.clock())
-            else:
-                ep.breaker.abandon()
+            if ticket is not None:
+                ticket.release()
+        return dialect.refusal(resp) if isinstance(resp, RouterError) else resp
+
+    return handle
+
+
+# ------------------------------------------------------------ admission
+
+
+def admit(
+    ctx: RouterContext,
+    route: Route,
+    request: Request,
+    rec: ApiKeyRecord | None,
+    body: bytes,
+    t0: float,
+) -> Admitted | RouterError:
+    """One parse, the catalog, the pin, the quota: the admitted request, or the refusal (counted here)."""
+    metrics = ctx.metrics
+    dialect = route.dialect
+    parsed = dialect.parse(body, request)
+    if isinstance(parsed, RouterError):
+        metrics.request(UNKNOWN_MODEL, 400)
+        return parsed
+    model, stream, req, content_type = parsed
+    profile = ctx.pool.profiles.get(model)
+    if profile is None or not allows_model(rec, model):
+        metrics.request(UNKNOWN_MODEL, 404)
+        return error_response(404, not_found_message(model), param="model")
+    if route.api not in profile.served:
+        metrics.request(model, 404)
+        what = ", ".join(sorted(a.value for a in profile.served)) or "nothing"
+        return error_response(
+            404,
+            f"model {model!r} does not serve POST {route.path} ({route.api.value}); it serves: {what}",
+            param="model",
+            code="unsupported_endpoint",
+        )
+    pin = dialect.pin(ctx.pool, model, req)
+    if pin is not None:
+        if isinstance(pin, RouterError):
+            metrics.request(model, pin.status)
+            return pin
+        # The body names the stored response as its engine made it.
+        body = json.dumps(req).encode()
+    ticket = None
+    if rec is not None and rec.limited:
+        # The key's (and its team's) limits, before the model's gate: a tenant over its own limit is
+        # refused at once with 429 (quota.py), never held, queued nor answered 503.
+        admitted = ctx.quota.admit(rec, model, ctx.clock())
+        if isinstance(admitted, RouterError):
+            metrics.request(model, 429)
+            return admitted
+        ticket = admitted
+    return Admitted(
+        dialect,
+        rec,
+        rec.id if rec is not None else ANONYMOUS,
+        model,
+        profile,
+        b"POST",
+        route.path,
+        body,
+        content_type,
+        req,
+        stream,
+        stream and dialect.usage_wanted(req),
+        prompt_key(req) if ctx.limits.prefix_affinity and req is not None else None,
+        pin,
+        ticket,
+        t0,
+    )
+
+
+def whole_body(ctx: RouterContext, request: Request) -> bytes | RouterError | None:
+    """The body when it arrived with the headers (the usual case: taken in one call, not a read loop of
+    two awaits and a copy), the refusal of a body over the limit, or None when it is still coming."""
+    limit = ctx.limits.max_body_bytes
+    cl = request.content_length
+    if cl is not None and cl > limit:
+        ctx.metrics.request(UNKNOWN_MODEL, 413)
+        return _too_large(limit)
+    content = request.content
+    if content.is_eof():
+        body = content.read_nowait()
+        return _too_large(limit) if len(body) > limit else body
+    return None
+
+
+async def read_body(ctx: RouterContext, request: Request) -> bytes | RouterError:
+    """The rest of a body still coming, within the size and time limits, or the refusal."""
+    limit = ctx.limits.max_body_bytes
+    try:
+        async with asyncio.timeout(ctx.limits.body_timeout_s):
+            return await request.read()
+    except HTTPRequestEntityTooLarge:  # a chunked body that grew past the limit
+        return _too_large(limit)
+    except TimeoutError:
+        # A body that trickles in holds a connection and a handler: answer while we still can.
+        ctx.metrics.request(UNKNOWN_MODEL, 408)
+        return RouterError(
+            408, f"the request body did not arrive within {ctx.limits.body_timeout_s:g}s", close=True
+        )
+
+
+def _too_large(limit: int) -> RouterError:
+    return error_response(413, f"the request body exceeds the limit of {limit} bytes")
+
+
+# ------------------------------------------------------------ held, gated, answered
+
+
+async def serve(ctx: RouterContext, request: Request, a: Admitted) -> Answer:
+    """Held while no replica is ready, through the model's gate, answered; the status counted once."""
+    assert a.profile is not None
+    metrics, holding, model = ctx.metrics, ctx.holding, a.model
+    gate = ctx.gates.of(a.profile)
+    started = None
+    if model not in ctx.pool.ready and a.pin is None:
+        # No ready replica: held while one is coming or waking (holding.py), else 503 and why.
+        held = await holding.hold(request, a.profile, gate, a.stream, a.dialect)
+        if held.answer is not None:
+            return held.answer
+        started = held.started
+    if not gate.try_enter():
+        try:
+            # Served across keys by weight, not first come (admission.py).
+            rec = a.record
+            await gate.enter(rec.id, rec.weight) if rec is not None else await gate.enter()
+        except AdmissionRefused as e:
+            metrics.request(model, 429)
+            refused = error_response(429, e.reason, retry_after=e.retry_after)
+            return refused if started is None else await holding.finish(started, refused, a.dialect)
+    status: int | None = CLIENT_GONE
+    try:
+        if a.ticket is not None:
+            a.ticket.sent = True
+        resp, status = await answer(ctx, request, a, gate, started)
+        return resp if started is None else await holding.finish(started, resp, a.dialect)
+    finally:
+        gate.leave()
+        if status is not None:
+            metrics.request(model, status, time.perf_counter() - a.t0)
+
+
+async def answer(
+    ctx: RouterContext,
+    request: Request,
+    a: Admitted,
+    gate: Gate | None = None,
+    started: StreamResponse | None = None,
+) -> tuple[Answer, int | None]:
+    """The one loop: an endpoint picked for each go, every endpoint tried kept in one list. The answer,
+    and the status to record (None: counted already)."""
+    limits, model = ctx.limits, a.model
+    tried: list[EndpointState] = []
+    failed: list[_Failed] = []
+    # The stream's failover (None when it is not continued: not a stream, or its dialect's is not).
+    mig = Migration.of(a.dialect.continuation, a.json, a.profile, limits.max_migrations)
+    broken: _Broken | None = None
+    # Every replica refused the connection: the table is likely stale; waited for once.
+    stale_wait = limits.refused_wait_s if a.pin is None and started is None else 0.0
+    moves = 0
+    step: Continue | Close | Refuse | None = None
+    while True:
+        if broken is not None:
+            # A stream broken after its first byte: what continues it, before any endpoint is asked.
+            assert mig is not None
+            step = mig.plan()
+            if isinstance(step, Refuse):
+                ctx.metrics.migration(model, "unsupported")
+                log.warning(
+                    "stream of %s broke (%s) and cannot be continued: %s", model, broken.why, step.reason
+                )
+                return broken.resp, 502
+            if isinstance(step, Close):
+                if not await close_with(broken.resp, step.tail):
+                    return broken.resp, CLIENT_GONE
+                return _continued(ctx, a, mig, broken), 200
+            # A continuation goes where the load says: the prefix the request shares is on the broken one.
+            ep = (
+                None
+                if moves == limits.max_migrations
+                else pick(ctx.pool, ctx.choosing, model, tried, ctx.clock())
+            )
+        elif len(tried) > limits.retries:
+            ep = None
+        else:
+            ep = pick(ctx.pool, ctx.choosing, model, tried, ctx.clock(), a.affinity, a.pin)
+        if ep is None:
+            if broken is None and stale_wait and tried and all(f.refused for f in failed):
+                # Every replica the table names refused the connection: the table is likely stale (a
+                # warm start's, read before any control plane rewrote it; replicas moved while this
+                # router was cut off). Nothing was sent, so on the next table's endpoints it goes again
+                # (issue 25: a warm `compose up` answered 502 three times before its first 200),
+                # keeping its place in the gate.
+                wait, stale_wait = stale_wait, 0.0
+                if await ctx.holding.next_endpoints(ctx.pool.endpoints_version, wait):
+                    tried, failed = [], []
+                    if model not in ctx.pool.ready and gate is not None and a.profile is not None:
+                        # A model on its way in the new table is held like any other (without a
+                        # stream's comments: its answer has not begun, and goes on not begun).
+                        held = await ctx.holding.hold(request, a.profile, gate, False, a.dialect)
+                        if held.answer is not None:
+                            return held.answer, None  # counted by the hold
+                    continue
+            break
+        tried.append(ep)
+        if broken is None:
+            if len(tried) > 1:
+                ctx.metrics.retry(model)
+            got = await attempt(ctx, request, a, ep, started, mig)
+            if isinstance(got, _Failed):
+                failed.append(got)
+                log.debug("attempt %d on %s failed before the first byte: %s", len(tried), ep.url, got.why)
+                continue
+            if isinstance(got, _Broken):
+                broken = got
+                assert mig is not None
+                if mig.barred is not None:
+                    ctx.metrics.migration(model, mig.barred.value)
+                    log.warning(
+                        "stream of %s broke after the first byte (%s); failover %s",
+                        model,
+                        got.why,
+                        mig.barred.value,
+                    )
+                    return got.resp, 502
+                continue
+            return got
+        assert mig is not None and ctx.upstream is not None and isinstance(step, Continue)
+        moves += 1
+        log.info(
+            "stream of %s broke (%s): continuing on %s (migration %d)",
+            model,
+            broken.why,
+            ep.replica_id,
+            moves,
+        )
+        done = await continue_on(ctx.upstream, ep, a.path, step.body, mig, broken.resp, ctx.clock)
+        if done is True:
+            return _continued(ctx, a, mig, broken), 200
+        if done is False:
+            return broken.resp, CLIENT_GONE
+        broken = broken._replace(why=done)
+    if broken is not None:
+        ctx.metrics.migration(model, "failed")
+        log.warning("stream of %s broke and no replica continued it: %s", model, broken.why)
+        return broken.resp, 502
+    return _unanswered(ctx, a, tried, failed)
+
+
+def _continued(ctx: RouterContext, a: Admitted, mig: Migration, broken: _Broken) -> StreamResponse:
+    """A broken stream ended whole: counted, and billed what the client was sent (written after its
+    end, not before: docs/tenancy.md, "Usage that lasts")."""
+    ctx.metrics.migration(a.model, "ok")
+    ctx.usage.add(a.key_id, a.model, mig.relay.sent.usage if a.want_usage else None, broken.streamed)
+    return broken.resp
+
+
+def _unanswered(
+    ctx: RouterContext, a: Admitted, tried: list[EndpointState], failed: list[_Failed]
+) -> tuple[RouterError, int]:
+    """No answer from any endpoint: why, as a 503 (none may be tried, or every one said it cannot serve
+    now) or a 502."""
+    model = a.model
     if not tried:
-        if out.pin is not None:
-            why = f"replica {out.pin.replica_id}, which stores the response asked for, is failing (circuit open)"
+        if a.pin is not None:
+            why = (
+                f"replica {a.pin.replica_id}, which stores the response asked for, is failing (circuit open)"
+            )
             return error_response(503, why, retry_after=1), 503
         return error_response(503, ctx.pool.why_unavailable(model, ctx.clock()), retry_after=1), 503
     n = len(tried)
-    out.refused_everywhere = refused == n
+    problem = failed[-1].why if failed else ""
     msg = f"model {model!r}: {n} attempt{'s' if n > 1 else ''} failed before an answer: {problem}"
-    if statuses and all(s == 503 for s in statuses):
+    if failed and all(f.status == 503 for f in failed):
         # Every replica said it cannot serve now (loading, overloaded): unavailable, not broken.
         return error_response(503, msg, retry_after=1), 503
     return error_response(502, msg), 502
 
 
-async def _attempt(
+# ------------------------------------------------------------ one endpoint
+
+
+async def attempt(
     ctx: RouterContext,
     request: Request,
+    a: Admitted,
     ep: EndpointState,
-    out: Outbound,
-    t0: float,
+    started: StreamResponse | None,
     mig: Migration | None,
-) -> tuple[Answer, int, bool | None]:
+) -> tuple[Answer, int] | _Failed | _Broken:
+    """Ask ``ep``: the answer and the status to record, why it failed before anything reached the
+    client, or the stream it broke after its first byte. The endpoint's in-flight count and breaker
+    are kept here, whatever the outcome."""
     assert ctx.upstream is not None
-    model = out.model
+    metrics = ctx.metrics
+    ctx.idle.stamp(ep.replica_id, ctx.clock())
+    ep.in_flight += 1
+    metrics.in_flight += 1
+    verdict: bool | None = None  # breaker outcome: True success, False failure, None unknown
+    up = None
     try:
-        up = await ctx.upstream.post(
-            ep.url, out.path, out.body, out.content_type, held=ep.answers, method=out.method
-        )
-    except ReadTimeout:
-        return _gateway_timeout(ep), 504, False
-    except UpstreamError as e:  # ConnectFailed, Disconnected: nothing came back
-        raise _Retryable(f"{ep.replica_id}: {e}", refused=isinstance(e, ConnectFailed)) from None
-    # Withdrawing the endpoint aborts the answer (migration.abort_withdrawn): retried or continued elsewhere.
-    ep.answers.add(up)
-    try:
+        up = await ctx.upstream.post(ep.url, a.path, a.body, a.content_type, held=ep.answers, method=a.method)
+        # Withdrawing the endpoint aborts the answer (migration.abort_withdrawn): retried or continued
+        # elsewhere.
+        ep.answers.add(up)
         status = up.status
-        if status in RETRY_STATUSES and out.pin is None:
+        if status in RETRY_STATUSES and a.pin is None:
             try:
                 detail = (await up.readany())[:300].decode("utf-8", "replace")
             except UpstreamError:
                 detail = ""
-            raise _Retryable(f"{ep.replica_id} answered {status}: {detail}", status)
-        verdict = status < 500
+            verdict = False
+            return _Failed(f"{ep.replica_id} answered {status}: {detail}", status)
         # The header lines to relay, and the answer's Content-Type and Content-Length, in one pass.
         lines, ctype, clen = relay_lines(up.headers, _DROP_RAW)
-        if out.extra_lines:
-            lines += out.extra_lines
-        length = int(clen) if clen is not None and clen.isdigit() else None
-        if length is not None and not (ctype or b"").startswith(b"text/event-stream"):
-            try:
-                data = await up.read()
-            except ReadTimeout:
-                return _gateway_timeout(ep), 504, False
-            except UpstreamError as e:
-                raise _Retryable(f"{ep.replica_id}: answer cut short: {e}") from None
-            elapsed = time.perf_counter() - t0
+        ticket = a.ticket
+        if ticket is not None:
+            # OpenAI sends its x-ratelimit-* on every answer, not only on a 429.
+            lines += ticket.header_lines(ctx.clock())
+        if clen is not None and clen.isdigit() and not (ctype or b"").startswith(b"text/event-stream"):
+            data = await up.read()
+            verdict = status < 500
+            elapsed = time.perf_counter() - a.t0
             ep.observe_latency(elapsed)
-            ctx.metrics.first_byte(model, elapsed)
+            metrics.first_byte(a.model, elapsed)
             if status < 300:
-                ctx.usage.add(out.key_id, model, find_usage(data))
+                ctx.usage.add(a.key_id, a.model, find_usage(data))
                 # In the durable ledger before the client has the answer (ledger.py: group commit).
                 await ctx.usage.settled()
-                if out.stores:
-                    data = tag_ids(data, ep.tag)
-            return RelayedResponse(status, data, lines, ctype is not None), status, verdict
-        return await _stream(ctx, request, up, ep, out, t0, verdict, mig, lines)
+                data = a.dialect.rewrite(data, ep.tag)
+            return RelayedResponse(status, data, lines, ctype is not None), status
+        got = await _stream(ctx, request, up, ep, a, status < 500, started, mig, lines)
+        if isinstance(got, (_Failed, _Broken)):
+            # A broken stream's failure is said now, not when its continuation ends: others should not
+            # be sent to it meanwhile.
+            verdict = False
+            return got
+        resp, status, verdict = got
+        return resp, status
+    except ReadTimeout:
+        verdict = False
+        return error_response(504, f"{ep.replica_id} did not answer in time"), 504
+    except UpstreamError as e:
+        verdict = False
+        if up is None:  # ConnectFailed, Disconnected: nothing came back
+            return _Failed(f"{ep.replica_id}: {e}", refused=isinstance(e, ConnectFailed))
+        return _Failed(f"{ep.replica_id}: answer cut short: {e}")
     finally:
-        ep.answers.discard(up)
-        up.close()  # no-op after a full read; drops the connection after a partial one
+        ep.in_flight -= 1
+        metrics.in_flight -= 1
+        if up is not None:
+            ep.answers.discard(up)
+            up.close()  # no-op after a full read; drops the connection after a partial one
+        if verdict is True:
+            ep.breaker.success()
+        elif verdict is False:
+            ep.breaker.failure(ctx.clock())
+        else:
+            ep.breaker.abandon()
 
 
 async def _stream(
@@ -206,22 +511,22 @@ async def _stream(
     request: Request,
     up: UpstreamResponse,
     ep: EndpointState,
-    out: Outbound,
-    t0: float,
+    a: Admitted,
     verdict: bool,
+    started: StreamResponse | None,
     mig: Migration | None,
-    lines: bytes = b"",
-) -> tuple[Answer, int, bool | None]:
-    """``lines``: the engine's header lines to relay (relay_lines)."""
+    lines: bytes,
+) -> tuple[Answer, int, bool | None] | _Failed | _Broken:
+    """A streamed answer relayed as it comes; ``lines``: the engine's header lines to relay."""
     status = up.status
-    model, key_id, want_usage, started = out.model, out.key_id, out.want_usage, out.started
+    model, key_id, want_usage = a.model, a.key_id, a.want_usage
     try:
         first = await up.readany()
     except ReadTimeout:
         return _gateway_timeout(ep), 504, False
     except UpstreamError as e:
-        raise _Retryable(f"{ep.replica_id}: stream ended before its first byte: {e}") from None
-    ctx.metrics.first_byte(model, time.perf_counter() - t0)
+        return _Failed(f"{ep.replica_id}: stream ended before its first byte: {e}")
+    ctx.metrics.first_byte(model, time.perf_counter() - a.t0)
     if verdict:
         # The engine answers: say so now, not when the stream ends. A half-open breaker lets one probe
         # through at a time, so a long stream as the probe would keep the endpoint shut for its length.
@@ -231,17 +536,19 @@ async def _stream(
         resp.raw_headers = lines
     else:
         resp = started
-    tagger = StreamTagger(ep.tag) if out.stores and status < 300 else None
+    tagger = a.dialect.tagger(ep.tag) if status < 300 else None
+    if mig is not None and status != 200:
+        mig = None
     tail = b""
     # Events streamed, each taken as one completion token meanwhile: a long stream weighs on its
     # key's tokens per minute while it runs; the answer's usage settles the count (usage.add).
-    metered = out.metered and status < 300
+    metered = a.ticket is not None and status < 300
     streamed = 0
     # Events relayed so far (any key): what a stream whose client left is billed as completion tokens.
     relayed = 0
     added = False
 
-    def client_left() -> tuple[StreamResponse, int, bool | None]:
+    def client_left() -> tuple[Answer, int, bool | None]:
         # The engine produced (and was asked for) what it relayed: that is billed, the request too,
         # though the client has not the whole answer. No wait for the ledger: nobody is waiting.
         nonlocal added
@@ -259,7 +566,7 @@ async def _stream(
             return client_left()
         chunk: bytes = first
         while True:
-            sent = chunk if mig is None or status != 200 else mig.relay_bytes(chunk)
+            sent = chunk if mig is None else mig.relay_bytes(chunk)
             if want_usage:
                 tail = (tail + sent)[-TAIL_BYTES:] if len(sent) < TAIL_BYTES else sent[-TAIL_BYTES:]
             events = sent.count(b"data: {")
@@ -269,7 +576,7 @@ async def _stream(
                 ctx.quota.add_tokens(key_id, model, events, ctx.clock())
             try:
                 if not chunk or up.at_eof():
-                    if mig is not None and status == 200 and not mig.complete():
+                    if mig is not None and not mig.complete():
                         raise UpstreamError("the stream ended without [DONE]")
                     if tagger is not None:
                         sent = tagger.feed(sent) + tagger.flush()
@@ -290,47 +597,19 @@ async def _stream(
                 return client_left()
             chunk = await up.readany()
     except asyncio.CancelledError:
-        # Mostly the client hanging up (its handler is cancelled, see http_connection.py).
+        # Mostly the client hanging up (its handler is cancelled, see http/connection.py).
         client_left()
         raise
     except UpstreamError as e:
-        # The engine failed after the first byte: continue the stream elsewhere, or end the client's.
+        # The engine failed after the first byte: continued elsewhere (the loop), or the client's end.
         up.close()
-        if mig is None or status != 200:
+        if mig is None:
             log.warning("stream from %s broke after the first byte: %s", ep.replica_id, e)
             return resp, 502, False
-        # Say so now, not when the continuation ends: others should not be sent to it meanwhile.
-        ep.breaker.failure(ctx.clock())
-        status = await mig.resume(ctx, resp, f"{ep.replica_id}: {e}")
-        if status == 200:
-            used = mig.relay.sent.usage
-            ctx.usage.add(key_id, model, used if want_usage else None, streamed)
-        return resp, status, None
-    ep.observe_latency(time.perf_counter() - t0)
+        return _Broken(resp, f"{ep.replica_id}: {e}", streamed)
+    ep.observe_latency(time.perf_counter() - a.t0)
     return resp, status, verdict
 
 
 def _gateway_timeout(ep: EndpointState) -> RouterError:
     return error_response(504, f"{ep.replica_id} did not answer in time")
-
-
-def parse_request(body: bytes) -> dict[str, Any] | str:
-    """The request as a dict, or what is wrong with it (a 400 message)."""
-    try:
-        if body[:1] == b"{" and body[1:2] != b"\0":
-            # What json.loads does with these bytes (json.detect_encoding says UTF-8 for them), minus
-            # its checks and the detection: the same object, or the same error.
-            obj = _DECODER.decode(body.decode("utf-8", "surrogatepass"))
-        else:
-            obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        return f"the request body is not valid JSON: {e}"
-    except RecursionError:
-        # json.loads recurses per nesting level: `[[[[...` 100,000 deep must be a 400, not a 500.
-        return "the request body is not valid JSON: nested too deeply"
-    if not isinstance(obj, dict):
-        return "the request body must be a JSON object"
-    model = obj.get("model")
-    if not isinstance(model, str) or not model:
-        return "you must provide a model parameter"
-    return obj

@@ -39,6 +39,7 @@ from llmgw_router.tenancy.auth import Exemptions
 from llmgw_router.tenancy.keymetrics import KeyUsageMetrics
 from llmgw_router.tenancy.keys import KeyTable
 from llmgw_router.tenancy.ledger import Ledger
+from llmgw_router.upstream.client import UpstreamClient
 from llmgw_runtime import bus
 from llmgw_runtime.kv_follower import KvFollower
 from llmgw_runtime.runtime import PassGuard, cancel_and_wait, until_stopped
@@ -124,7 +125,10 @@ class Router:
         s = self.settings
         if s.admin_port and s.admin_host not in _ADMIN_LOOPBACK:
             raise ValueError(f"admin listener must be on loopback, not {s.admin_host}")
-        self.ctx.upstream = self.ctx.new_upstream()
+        lim = self.ctx.limits
+        self.ctx.upstream = UpstreamClient(
+            lim.connect_timeout_s, lim.read_timeout_s, stall_timeout_s=lim.stream_stall_s
+        )
         # The router's own HTTP/1.1 server (http/), with the deadlines and cap of http/guard.py; the server's
         # own refusals (400, 431, ...) in OpenAI's shape.
         self.http = HttpServer(
@@ -266,7 +270,7 @@ class Router:
             if key == ROUTING_CATALOG:
                 cat = decode(value, RoutingCatalog)
                 self.ctx.pool.set_catalog(cat.catalog, cat.version)
-                self.ctx.refresh_gates()
+                self.ctx.gates.configure(self.ctx.pool.profiles)
             elif key == ROUTING_ENDPOINTS:
                 abort_withdrawn(
                     self.ctx.pool.set_endpoints(decode(value, RoutingEndpoints)),

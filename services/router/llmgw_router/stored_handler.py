@@ -1,5 +1,5 @@
 """The stored-response routes: ``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``,
-sent to the replica storing the response (its id names it: ``stored.py``)."""
+sent to the replica storing the response (its id names it: ``dialects/stored.py``), through the request path's one loop (``proxy.py``)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import time
 from collections.abc import Awaitable, Callable
 
 from llmgw_router.context import RouterContext
+from llmgw_router.dialects.dialect import RESPONSES
 from llmgw_router.dialects.routes import CANCEL_SUFFIX, STORED_PREFIX
 from llmgw_router.dialects.stored import untag
 from llmgw_router.errors import CLIENT_GONE, Answer, error_response
 from llmgw_router.http.request import Request
-from llmgw_router.proxy import Outbound, forward
+from llmgw_router.proxy import Admitted, answer
 from llmgw_router.refusals import gone
-from llmgw_router.tenancy.keycheck import ANONYMOUS, authenticate, request_record
+from llmgw_router.tenancy.keycheck import ANONYMOUS, request_record
 from llmgw_router.tenancy.keys import allows_model
 
 
@@ -23,7 +24,7 @@ def make_stored_handler(ctx: RouterContext) -> Callable[[Request, bool], Awaitab
 
     async def handle(request: Request, cancel: bool) -> Answer:
         t0 = time.perf_counter()
-        refused = authenticate(ctx, request)
+        refused = ctx.keycheck.authenticate(request)
         if refused is not None:
             return refused
         rec = request_record(request)
@@ -42,14 +43,30 @@ def make_stored_handler(ctx: RouterContext) -> Callable[[Request, bool], Awaitab
         path = STORED_PREFIX + found[1] + (CANCEL_SUFFIX if cancel else "")
         if request.query_string:
             path += "?" + request.query_string
-        key_id = rec.id if rec is not None else ANONYMOUS
-        out = Outbound(path, b"", ep.model, key_id, False, pin=ep, stores=True)
-        out.method = b"POST" if cancel else b"GET"
-        status = CLIENT_GONE
+        admitted = Admitted(
+            RESPONSES,
+            rec,
+            rec.id if rec is not None else ANONYMOUS,
+            ep.model,
+            None,
+            b"POST" if cancel else b"GET",
+            path,
+            b"",
+            b"application/json",
+            None,
+            False,
+            False,
+            None,
+            ep,
+            None,
+            t0,
+        )
+        status: int | None = CLIENT_GONE
         try:
-            resp, status = await forward(ctx, request, out)
+            resp, status = await answer(ctx, request, admitted)
             return resp
         finally:
-            ctx.metrics.request(ep.model, status, time.perf_counter() - t0)
+            if status is not None:
+                ctx.metrics.request(ep.model, status, time.perf_counter() - t0)
 
     return handle

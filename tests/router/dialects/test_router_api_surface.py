@@ -9,6 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from llmgw_router.dialects.dialect import AUDIO, MESSAGES
 from llmgw_router.dialects.routes import PROXIED
 from llmgw_router.dialects.stored import tag_of
 from llmgw_router.service import Router
@@ -45,7 +46,7 @@ async def test_a_path_the_model_does_not_serve_is_a_404_naming_both(setup: Setup
     r, base = setup
     hdr = {"Authorization": f"Bearer {KEY}"}
     async with aiohttp.ClientSession(headers=hdr) as s:
-        if route.body.value == "multipart":
+        if route.dialect is AUDIO:
             form = aiohttp.FormData()
             form.add_field("model", "emb")
             form.add_field("file", b"RIFF", filename="a.wav", content_type="audio/wav")
@@ -56,7 +57,7 @@ async def test_a_path_the_model_does_not_serve_is_a_404_naming_both(setup: Setup
     assert status == 404, body
     msg = body["error"]["message"]
     assert "'emb'" in msg and route.path in msg and "it serves: embeddings" in msg
-    if route.dialect.value == "anthropic":
+    if route.dialect is MESSAGES:
         assert body["type"] == "error" and body["error"]["type"] == "not_found_error"
     else:
         assert body["error"]["code"] == "unsupported_endpoint"

@@ -66,7 +66,7 @@ async def test_chat_completions_embeddings_and_models(setup: Setup) -> None:
     # Usage is counted per key id and model, from the answers' usage.
     rep = r.ctx.usage.report("x", 0.0).usage
     assert rep["static-0"]["m1"][0] == 2 and rep["static-0"]["m1"][2] == 8
-    assert r.ctx.in_flight == 0
+    assert r.ctx.metrics.in_flight == 0
 
 
 async def test_streaming_is_passed_through_and_usage_counted(setup: Setup) -> None:
@@ -181,7 +181,7 @@ async def test_error_cases(setup: Setup) -> None:
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as s:
         async with s.post(f"{base}/chat/completions", data=b"") as resp:
             assert resp.status == 400 and "not valid JSON" in (await resp.json())["error"]["message"]
-    assert r.ctx.in_flight == 0
+    assert r.ctx.metrics.in_flight == 0
     async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{r.admin_port}/metrics") as resp:
         text = await resp.text()
     assert 'llmgw_router_requests_total{model="down",status="503"} 1.0' in text
@@ -217,7 +217,7 @@ async def test_full_queue_is_429_with_retry_after(engines: EngineFactory, router
 
     first = asyncio.create_task(hold())
     second = asyncio.create_task(hold())
-    gate = r.ctx.gates
+    gate = r.ctx.gates.by_model
     await eventually(
         lambda: "m1" in gate and gate["m1"].queued == 1,
         timeout=2.0,
@@ -237,12 +237,12 @@ async def test_full_queue_is_429_with_retry_after(engines: EngineFactory, router
         with pytest.raises(asyncio.CancelledError):
             await t
     await eventually(
-        lambda: r.ctx.in_flight == 0 and gate["m1"].active == 0,
+        lambda: r.ctx.metrics.in_flight == 0 and gate["m1"].active == 0,
         timeout=3.0,
         every=0.01,
         what="the cancelled requests to leave the router and the gate",
     )
-    assert r.ctx.in_flight == 0 and gate["m1"].active == 0 and gate["m1"].queued == 0
+    assert r.ctx.metrics.in_flight == 0 and gate["m1"].active == 0 and gate["m1"].queued == 0
     await client.close()
     await raw.close()
 

@@ -142,7 +142,7 @@ async def test_streams_on_a_killed_engine_are_continued_whole(
     assert ok >= 2, ok
     assert r.ctx.metrics.migrations_count("m1", "failed") == 0
     await eventually(
-        lambda: r.ctx.in_flight == 0 and all(e.in_flight == 0 for e in r.ctx.pool.by_key.values()),
+        lambda: r.ctx.metrics.in_flight == 0 and all(e.in_flight == 0 for e in r.ctx.pool.by_key.values()),
         timeout=5.0,
         what="no request to be in flight at the router or any endpoint",
     )

@@ -41,7 +41,7 @@ async def test_wrong_types_are_400_naming_the_field(
                 err = (await resp.json())["error"]
                 assert resp.status == 400 and err["param"] == "model", (bad, err)
     assert r.ctx.metrics.requests_count("-", 400) == 4
-    assert r.ctx.in_flight == 0 and eng.engine._served == 0
+    assert r.ctx.metrics.in_flight == 0 and eng.engine._served == 0
 
 
 async def _raw_request(
@@ -80,7 +80,7 @@ async def test_a_body_that_trickles_in_is_served(
         timeout=5.0,
         what="the request to be counted as served with a 200 by router and engine",
     )
-    assert r.ctx.in_flight == 0
+    assert r.ctx.metrics.in_flight == 0
 
 
 async def test_a_client_that_stops_sending_its_body_and_leaves_leaks_nothing(
@@ -103,7 +103,9 @@ async def test_a_client_that_stops_sending_its_body_and_leaves_leaks_nothing(
         timeout=5.0,
         what="the router to release the client connection",
     )
-    assert r.ctx.in_flight == 0 and ("m1" not in r.ctx.gates or r.ctx.gates["m1"].active == 0)
+    assert r.ctx.metrics.in_flight == 0 and (
+        "m1" not in r.ctx.gates.by_model or r.ctx.gates.by_model["m1"].active == 0
+    )
     # Half a body never reaches an engine.
     assert eng.engine._served == 0 and eng.engine.slots.running == 0
     # The router still serves.
@@ -122,14 +124,18 @@ async def test_a_stalled_reader_that_leaves_mid_stream_releases_everything(
     assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"HTTP/1.1 200")
     # Read nothing more: the stream is generating, held open by the router for this client.
     await eventually(
-        lambda: r.ctx.in_flight == 1 and r.ctx.gates["m1"].active == 1 and eng.engine.slots.running == 1,
+        lambda: (
+            r.ctx.metrics.in_flight == 1
+            and r.ctx.gates.by_model["m1"].active == 1
+            and eng.engine.slots.running == 1
+        ),
         timeout=5.0,
         what="the stream to be in flight at the router, its gate and the engine",
     )
     writer.close()
     await writer.wait_closed()
     await eventually(
-        lambda: r.ctx.in_flight == 0 and r.ctx.gates["m1"].active == 0,
+        lambda: r.ctx.metrics.in_flight == 0 and r.ctx.gates.by_model["m1"].active == 0,
         timeout=5.0,
         what="the router to release the request and its gate place",
     )

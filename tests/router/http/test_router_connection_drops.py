@@ -73,7 +73,7 @@ async def test_a_connection_past_its_header_deadline_with_unread_bytes_is_releas
         timeout=5.0,
         what="the router to release the timed-out connection's socket",
     )
-    await eventually(lambda: r.ctx.in_flight == 0, timeout=5.0, what="no request to be in flight")
+    await eventually(lambda: r.ctx.metrics.in_flight == 0, timeout=5.0, what="no request to be in flight")
     writer.close()
 
 

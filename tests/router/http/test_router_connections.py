@@ -114,7 +114,7 @@ async def test_a_body_slower_than_the_body_timeout_gets_408_and_is_closed(
         sender.cancel()
         writer.close()
     await eventually(
-        lambda: r.ctx.in_flight == 0 and router_sockets(r.port) == 0,
+        lambda: r.ctx.metrics.in_flight == 0 and router_sockets(r.port) == 0,
         timeout=5.0,
         what="the router to release the request and every socket",
     )
@@ -208,7 +208,7 @@ async def test_with_every_held_connection_busy_a_new_one_gets_503_and_is_closed(
         what="the router to release every socket and connection",
     )
     await eventually(
-        lambda: r.ctx.in_flight == 0 and eng.engine.slots.running == 0,
+        lambda: r.ctx.metrics.in_flight == 0 and eng.engine.slots.running == 0,
         timeout=5.0,
         what="the router and the engine to finish every request",
     )
@@ -242,10 +242,10 @@ async def test_a_client_that_stops_reading_its_stream_is_closed_after_the_write_
     _reader, writer = await asyncio.open_connection(sock=sock)
     writer.write(_request(stream))
     await writer.drain()
-    await eventually(lambda: r.ctx.in_flight == 1, timeout=5.0, what="the request to be in flight")
+    await eventually(lambda: r.ctx.metrics.in_flight == 1, timeout=5.0, what="the request to be in flight")
     # Nothing read: the router closes the connection once its writes have waited write_timeout_s.
     await eventually(
-        lambda: r.connections.write_timed_out == 1 and r.ctx.in_flight == 0,
+        lambda: r.connections.write_timed_out == 1 and r.ctx.metrics.in_flight == 0,
         timeout=10.0,
         what="the router to time out the blocked write and finish the request",
     )
@@ -254,7 +254,7 @@ async def test_a_client_that_stops_reading_its_stream_is_closed_after_the_write_
         timeout=5.0,
         what="the router to release every socket and connection",
     )
-    assert r.ctx.gates["m1"].active == 0 and r.ctx.metrics.requests_count("m1", 499) == 1
+    assert r.ctx.gates.by_model["m1"].active == 0 and r.ctx.metrics.requests_count("m1", 499) == 1
     assert 'llmgw_router_connections_closed_total{reason="write_timeout"} 1.0' in (
         r.ctx.metrics.exposition().decode()
     )

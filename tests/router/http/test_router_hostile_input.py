@@ -92,7 +92,7 @@ async def test_deeply_nested_json_is_400_without_a_traceback(
         assert err["type"] == "invalid_request_error" and "nested too deeply" in err["message"], err
     assert r.ctx.metrics.requests_count("-", 400) == 2
     _no_traceback_and_at_most_one_line(caplog)
-    assert r.ctx.in_flight == 0
+    assert r.ctx.metrics.in_flight == 0
 
 
 @pytest.mark.parametrize(

@@ -59,7 +59,7 @@ async def test_clients_that_read_nothing_do_not_hold_every_place(
     )
     for _, w in held:
         w.close()
-    await eventually(lambda: r.ctx.in_flight == 0, timeout=10.0, what="every stream to be released")
+    await eventually(lambda: r.ctx.metrics.in_flight == 0, timeout=10.0, what="every stream to be released")
 
 
 class _Conn:

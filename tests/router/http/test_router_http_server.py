@@ -1,4 +1,4 @@
-"""The router's own HTTP/1.1 server (http_server.py): what aiohttp.web did for it, now its own code.
+"""The router's own HTTP/1.1 server (http/server.py): what aiohttp.web did for it, now its own code.
 
 Raw sockets, so the bytes are exactly what a client sends; every check waits for a state the server
 must bring about (an answer, a close, a count back at zero).
@@ -203,7 +203,7 @@ async def test_a_slow_reader_of_a_long_stream_holds_bounded_memory(
     # it paused (256 KB, and one read past it), relayed as one write. Not the stream's length.
     assert peak <= 1024 * 1024, peak
     writer.close()
-    await eventually(lambda: r.ctx.in_flight == 0, timeout=5.0, what="no request to be in flight")
+    await eventually(lambda: r.ctx.metrics.in_flight == 0, timeout=5.0, what="no request to be in flight")
 
 
 @pytest.mark.slow
@@ -218,7 +218,7 @@ async def test_stop_lets_a_stream_in_flight_finish_and_refuses_new_connections(
     await writer.drain()
     idle_reader, idle_writer = await _open(port)
     await eventually(
-        lambda: r.ctx.in_flight == 1 and r.connections.count == 2,
+        lambda: r.ctx.metrics.in_flight == 1 and r.connections.count == 2,
         timeout=5.0,
         what="one request in flight and two connections held",
     )

@@ -47,7 +47,7 @@ async def test_connect_failures_are_retried_on_another_endpoint_and_open_the_bre
     dead_ep = next(e for e in r.ctx.pool.by_key.values() if e.url == dead)
     assert dead_ep.breaker.state is BreakerState.OPEN
     assert r.ctx.metrics.retries_count("m1") >= 1
-    assert r.ctx.in_flight == 0 and all(e.in_flight == 0 for e in r.ctx.pool.by_key.values())
+    assert r.ctx.metrics.in_flight == 0 and all(e.in_flight == 0 for e in r.ctx.pool.by_key.values())
     # With the breaker open the dead endpoint is skipped: no more retries are needed.
     before = r.ctx.metrics.retries_count("m1")
     async with aiohttp.ClientSession() as s:
@@ -124,10 +124,10 @@ async def test_client_disconnect_mid_stream_releases_everything(
         assert resp.status == 200
         first = await resp.content.readany()
         assert first.startswith(b"data: ")
-        assert r.ctx.in_flight == 1 and ep.in_flight == 1 and slow.engine.slots.running == 1
+        assert r.ctx.metrics.in_flight == 1 and ep.in_flight == 1 and slow.engine.slots.running == 1
         resp.close()  # hang up mid-stream
     await eventually(
-        lambda: r.ctx.in_flight == 0 and ep.in_flight == 0 and r.ctx.gates["m1"].active == 0,
+        lambda: r.ctx.metrics.in_flight == 0 and ep.in_flight == 0 and r.ctx.gates.by_model["m1"].active == 0,
         timeout=5.0,
         what="the router, the endpoint and the gate to release the request",
     )
@@ -151,7 +151,7 @@ async def test_client_disconnect_before_first_byte_releases_everything(
             async with s.post(url, json=_chat()) as resp:
                 await resp.read()
     await eventually(
-        lambda: r.ctx.in_flight == 0 and r.ctx.gates["m1"].active == 0,
+        lambda: r.ctx.metrics.in_flight == 0 and r.ctx.gates.by_model["m1"].active == 0,
         timeout=5.0,
         what="the router and the gate to release the request",
     )
@@ -203,7 +203,7 @@ async def test_killing_one_of_two_engines_fails_no_request_started_after_the_kil
         assert r.ctx.metrics.retries_count("m1") >= 1
         dead = next(e for e in r.ctx.pool.by_key.values() if e.url == procs[0][1])
         assert dead.breaker.state is not BreakerState.CLOSED
-        assert r.ctx.in_flight == 0
+        assert r.ctx.metrics.in_flight == 0
     finally:
         for p, _ in procs:
             if p.poll() is None:

@@ -16,8 +16,11 @@ import httpx
 import pytest
 from nats.aio.client import Client as NATS
 
-from llmgw_common.messages import Endpoint
+from llmgw_common.codec import encode
+from llmgw_common.messages import Endpoint, RoutingEndpoints
+from llmgw_common.subjects import Subjects
 from llmgw_router.service import Router
+from llmgw_runtime import bus
 from llmgw_runtime.natsserver import NatsServer
 from llmgw_sim.options import SimOptions
 from tests.kit.ports import free_port
@@ -103,3 +106,31 @@ async def test_a_static_router_answers_502_at_once(routers: RouterFactory, stati
         resp = await c.post(f"http://127.0.0.1:{r.port}/v1/chat/completions", json=CHAT)
     assert resp.status_code == 502
     assert time.monotonic() - t0 < 5.0
+
+
+async def test_a_model_coming_in_the_next_table_is_held_until_its_replica_is_ready(
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory, sim: EngineProcs
+) -> None:
+    # The next table says a replica is on its way (none ready yet): the request, refused everywhere in
+    # the stale one, is held like any other until the replica is there, then answered (and counted) once.
+    await _publish_routing(nc, prefix, _stale(free_port()))
+    r = await _router(routers, nats_server, prefix)
+    kv = await bus.ensure_kv(nc.jetstream(), Subjects(prefix).bucket_routing)
+
+    async def tables() -> None:
+        await asyncio.sleep(0.5)
+        coming = RoutingEndpoints(version=2, coming={"m1": "replica new starting"})
+        await kv.put("endpoints", encode(coming))
+        await asyncio.sleep(1.0)
+        fresh = [Endpoint(replica_id="new", model="m1", url=sim[0][1], node="n1")]
+        await _publish_routing(nc, prefix, {"m1": fresh}, version=3)
+
+    task = asyncio.create_task(tables())
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(timeout=30) as c:
+        resp = await c.post(f"http://127.0.0.1:{r.port}/v1/chat/completions", json=CHAT)
+    await task
+    assert resp.status_code == 200, resp.text
+    assert time.monotonic() - t0 >= 1.4  # it waited for the replica, not only for the table
+    assert r.ctx.metrics.requests_count("m1", 200) == 1
+    assert r.ctx.metrics.requests_count("m1", 502) == 0 and r.ctx.metrics.requests_count("m1", 503) == 0

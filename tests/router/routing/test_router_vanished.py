@@ -115,7 +115,7 @@ async def test_withdrawn_endpoint_aborts_its_frozen_stream(
     assert _check("/v1/chat/completions", body, status, events) == ""
     assert r.ctx.metrics.migrations_count("m1", "ok") == 1
     await eventually(
-        lambda: r.ctx.in_flight == 0 and all(e.in_flight == 0 for e in r.ctx.pool.by_key.values()),
+        lambda: r.ctx.metrics.in_flight == 0 and all(e.in_flight == 0 for e in r.ctx.pool.by_key.values()),
         timeout=5.0,
         what="no request to be in flight at the router or any endpoint",
     )

@@ -139,7 +139,7 @@ async def test_through_a_router_the_light_key_waits_one_answer_not_the_flood(
 
     async with aiohttp.ClientSession() as s:
         flood = [asyncio.create_task(post(s, batch)) for _ in range(30)]
-        gate = r.ctx.gates
+        gate = r.ctx.gates.by_model
         for _ in range(300):
             if "m1" in gate and gate["m1"].queued >= 29:
                 break

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Kind = Literal["chat", "text"]
-KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "text"}
 # Text of one answer kept for a continuation; a longer answer is not continued (nor kept: an engine that
 # streams without end would otherwise grow the router without bound).
 MAX_TEXT_CHARS = 1 << 20

@@ -1,147 +1,140 @@
-"""Mid-stream failover, the I/O part: continue a stream that broke after its first byte on another endpoint.
+"""Mid-stream failover, the I/O part: a stream that broke after its first byte, continued on another
+endpoint.
 
 :class:`Migration` rides along one streamed request: it relays the engine's bytes by whole events
-(:class:`llmgw_router.failover.relay.Relay`) and, when the stream breaks, :meth:`Migration.resume` asks other
-endpoints for the rest (:func:`llmgw_router.failover.continuation.plan`) and writes it to the client's response, up
-to ``max_migrations`` times per request. Counted in ``llmgw_router_migrations_total{model,outcome}``.
+(:class:`llmgw_router.failover.relay.Relay`) and says what the continuation asks
+(:meth:`Migration.plan`, :func:`llmgw_router.failover.continuation.plan`); :func:`continue_on` sends it to
+one endpoint and writes the rest into the client's response. Which endpoints, how many times
+(``max_migrations``) and what is counted are the request path's one loop (``proxy.py``). Counted in
+``llmgw_router_migrations_total{model,outcome}``.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from llmgw_common.catalog import ModelProfile
-from llmgw_router.context import RouterContext
-from llmgw_router.errors import CLIENT_GONE
-from llmgw_router.failover.continuation import KINDS, Close, Kind, Refuse, plan, request_blocker
+from llmgw_router.failover.continuation import Close, Continue, Kind, Refuse, plan, request_blocker
 from llmgw_router.failover.relay import Relay, Unframed
 from llmgw_router.http.response import StreamResponse
 from llmgw_router.routing.endpoints import EndpointState
-from llmgw_router.routing.pick import pick
+from llmgw_router.upstream.client import UpstreamClient
 from llmgw_router.upstream.connection import UpstreamError
 
 log = logging.getLogger("llmgw.router.migration")
 
 
+class Barred(enum.Enum):
+    """Why a stream will not be continued: the metric's outcome when it breaks."""
+
+    OFF = "off"  # the model's catalog entry says failover: false, or max_migrations is 0
+    UNSUPPORTED = "unsupported"  # the request cannot be continued, whatever is sent (request_blocker)
+
+
 class Migration:
     """The failover state of one streamed request."""
 
-    __slots__ = ("_path", "kind", "model", "off", "relay", "req", "tried")
+    __slots__ = ("barred", "kind", "model", "relay", "req")
 
-    def __init__(self, kind: Kind, path: str, model: str, req: dict[str, Any], off: str) -> None:
-        self.kind, self._path, self.model, self.req = kind, path, model, req
-        # Why this request's stream will not be continued ("" when it will): the metric's outcome.
-        self.off = off
+    def __init__(self, kind: Kind, model: str, req: dict[str, Any], barred: Barred | None) -> None:
+        self.kind, self.model, self.req = kind, model, req
+        self.barred = barred
         self.relay = Relay()
-        self.tried: list[EndpointState] = []
 
     @classmethod
     def of(
-        cls, ctx: RouterContext, path: str, req: dict[str, Any] | None, profile: ModelProfile | None
+        cls,
+        kind: Kind | None,
+        req: dict[str, Any] | None,
+        profile: ModelProfile | None,
+        max_migrations: int,
     ) -> Migration | None:
-        """A migration for a streamed chat or completion request; None for anything else."""
-        kind = KINDS.get(path)
+        """A migration for a streamed request of a dialect whose streams are continued; None else."""
         if kind is None or req is None or req.get("stream") is not True:
             return None
         model = req["model"]
-        if (profile is not None and not profile.failover) or ctx.limits.max_migrations == 0:
-            return cls(kind, path, model, req, "off")
-        return cls(kind, path, model, req, "unsupported" if request_blocker(kind, req) else "")
+        if (profile is not None and not profile.failover) or max_migrations == 0:
+            return cls(kind, model, req, Barred.OFF)
+        return cls(kind, model, req, Barred.UNSUPPORTED if request_blocker(kind, req) else None)
 
     def relay_bytes(self, data: bytes) -> bytes:
         """What of an engine's bytes to send the client now (whole events only, unless never resumed)."""
-        return data if self.off else self.relay.relay(data)
+        return data if self.barred is not None else self.relay.relay(data)
 
     def complete(self) -> bool:
         """The stream being relayed ended as a stream should, with ``[DONE]``."""
-        return bool(self.off) or self.relay.ended or self.relay.through
+        return self.barred is not None or self.relay.ended or self.relay.through
 
-    async def resume(self, ctx: RouterContext, resp: StreamResponse, why: str) -> int:
-        """Continue the broken stream into ``resp``; the status to record (200, 502, or 499)."""
-        if self.off:
-            ctx.metrics.migration(self.model, self.off)
-            log.warning(
-                "stream of %s broke after the first byte (%s); failover %s", self.model, why, self.off
-            )
-            return 502
-        assert ctx.upstream is not None
-        for n in range(ctx.limits.max_migrations):
-            step = plan(self.kind, self.req, self.relay.fold())
-            if isinstance(step, Refuse):
-                ctx.metrics.migration(self.model, "unsupported")
-                log.warning(
-                    "stream of %s broke (%s) and cannot be continued: %s", self.model, why, step.reason
-                )
-                return 502
-            if isinstance(step, Close):
-                return await self._close(ctx, resp, step.tail)
-            ep = pick(ctx.pool, ctx.choosing, self.model, self.tried, ctx.clock())
-            if ep is None:
-                break
-            self.tried.append(ep)
-            log.info(
-                "stream of %s broke (%s): continuing on %s (migration %d)",
-                self.model,
-                why,
-                ep.replica_id,
-                n + 1,
-            )
-            ep.in_flight += 1
-            verdict: bool | None = None
-            told = False  # the breaker has heard the verdict already
-            up = None
-            try:
-                up = await ctx.upstream.post(ep.url, self._path, step.body, held=ep.answers)
-                ep.answers.add(up)
-                if up.status != 200:
-                    verdict = up.status < 500
-                    why = f"{ep.replica_id} answered {up.status} to the continuation"
-                    continue
-                self.relay.splice()
-                while True:
-                    data = await up.readany()
-                    if verdict is None:
-                        verdict = told = True
-                        ep.breaker.success()  # as in proxy._stream: the endpoint answers
-                    out = self.relay.relay(data)
-                    # At its [DONE] the client's stream ends, whether or not the engine closes.
-                    if self.relay.ended or not data or up.at_eof():
-                        if not self.relay.ended:
-                            raise _Incomplete(f"{ep.replica_id}: the continuation ended without [DONE]")
-                        await resp.write_eof(out)
-                        ctx.metrics.migration(self.model, "ok")
-                        return 200
-                    if out:
-                        await resp.write(out)
-            except (UpstreamError, _Incomplete, Unframed) as e:
-                verdict = False
-                why = str(e)
-            except ConnectionResetError:
-                return CLIENT_GONE
-            finally:
-                ep.in_flight -= 1
-                if up is not None:
-                    ep.answers.discard(up)
-                    up.close()
-                if verdict is False:
-                    ep.breaker.failure(ctx.clock())
-                elif verdict is None:
-                    ep.breaker.abandon()
-                elif not told:
-                    ep.breaker.success()
-        ctx.metrics.migration(self.model, "failed")
-        log.warning("stream of %s broke and no replica continued it: %s", self.model, why)
-        return 502
+    def plan(self) -> Continue | Close | Refuse:
+        """What continues the stream from what the client has been sent."""
+        return plan(self.kind, self.req, self.relay.fold())
 
-    async def _close(self, ctx: RouterContext, resp: StreamResponse, tail: bytes) -> int:
-        try:
-            await resp.write_eof(tail)
-        except ConnectionResetError:
-            return CLIENT_GONE
-        ctx.metrics.migration(self.model, "ok")
-        return 200
+
+async def continue_on(
+    upstream: UpstreamClient,
+    ep: EndpointState,
+    path: str,
+    body: bytes,
+    mig: Migration,
+    resp: StreamResponse,
+    clock: Callable[[], float],
+) -> bool | str:
+    """Ask ``ep`` for the rest of the broken stream and write it into ``resp``: True when the client's
+    stream ended whole, False when the client went away, else why this endpoint failed."""
+    ep.in_flight += 1
+    verdict: bool | None = None
+    told = False  # the breaker has heard the verdict already
+    up = None
+    relay = mig.relay
+    try:
+        up = await upstream.post(ep.url, path, body, held=ep.answers)
+        ep.answers.add(up)
+        if up.status != 200:
+            verdict = up.status < 500
+            return f"{ep.replica_id} answered {up.status} to the continuation"
+        relay.splice()
+        while True:
+            data = await up.readany()
+            if verdict is None:
+                verdict = told = True
+                ep.breaker.success()  # as for a first answer: the endpoint answers
+            out = relay.relay(data)
+            # At its [DONE] the client's stream ends, whether or not the engine closes.
+            if relay.ended or not data or up.at_eof():
+                if not relay.ended:
+                    raise _Incomplete(f"{ep.replica_id}: the continuation ended without [DONE]")
+                await resp.write_eof(out)
+                return True
+            if out:
+                await resp.write(out)
+    except (UpstreamError, _Incomplete, Unframed) as e:
+        verdict = False
+        return str(e)
+    except ConnectionResetError:
+        return False
+    finally:
+        ep.in_flight -= 1
+        if up is not None:
+            ep.answers.discard(up)
+            up.close()
+        if verdict is False:
+            ep.breaker.failure(clock())
+        elif verdict is None:
+            ep.breaker.abandon()
+        elif not told:
+            ep.breaker.success()
+
+
+async def close_with(resp: StreamResponse, tail: bytes) -> bool:
+    """End the client's stream with ``tail`` (a continuation that needs no engine); False if it left."""
+    try:
+        await resp.write_eof(tail)
+    except ConnectionResetError:
+        return False
+    return True
 
 
 def abort_withdrawn(gone: Iterable[EndpointState], silence_s: float) -> int:
@@ -154,7 +147,7 @@ def abort_withdrawn(gone: Iterable[EndpointState], silence_s: float) -> int:
     is continued on another endpoint (a migration), an answer not yet started is retried. An engine
     still sending is let finish: a node cut off from the bus is withdrawn, yet may still answer us. An
     attempt that picked the endpoint before it left and reaches it after is given up the same way
-    (:class:`upstream_connection.Answers`).
+    (:class:`upstream.connection.Answers`).
     """
     n = 0
     for ep in gone:

@@ -172,7 +172,7 @@ class Connection(asyncio.Protocol):
         self.idle_since: float | None = None
         # Loop time the transport paused writing (its buffer full: the client is not reading), or None.
         self.write_paused_at: float | None = None
-        # Whether the client is a trusted proxy (its X-Forwarded-* headers are believed): http_request.Request.headers.
+        # Whether the client is a trusted proxy (its X-Forwarded-* headers are believed): request.Request.headers.
         self.trust_forwarded = False
         self.closing = False
         self.lost = False

@@ -1,5 +1,5 @@
-"""The request object of the router's own HTTP/1.1 server (``http_server.py``): method, path, headers,
-the body as it arrives; the answer is in ``http_response.py``.
+"""The request object of the router's own HTTP/1.1 server (``server.py``): method, path, headers,
+the body as it arrives; the answer is in ``response.py``.
 
 It has the shape of the part of ``aiohttp.web.Request`` the handlers use (``request.headers``, ``.path``,
 ``.method``, the body), so ``app.py`` and ``proxy.py`` read as they did on aiohttp. What it does not have

@@ -1,5 +1,5 @@
-"""The response objects of the router's own HTTP/1.1 server (``http_server.py``); the request is in
-``http_request.py``.
+"""The response objects of the router's own HTTP/1.1 server (``server.py``); the request is in
+``request.py``.
 
 They have the shape of the part of ``aiohttp.web`` the handlers use (``Response(status=, body=,
 headers=)``, ``StreamResponse`` with ``prepare``, ``write``, ``write_eof``), so ``app.py`` and ``proxy.py``

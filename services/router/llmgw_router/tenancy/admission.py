@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+from collections.abc import Mapping
 
+from llmgw_common.catalog import ModelProfile
 from llmgw_common.errors import Refused
 
 
@@ -188,3 +190,27 @@ class Gate:
             self._live -= 1
             self.active += 1
             fut.set_result(None)
+
+
+class Gates:
+    """Each model's gate, made on its first request with the catalog's settings."""
+
+    __slots__ = ("by_model",)
+
+    def __init__(self) -> None:
+        self.by_model: dict[str, Gate] = {}
+
+    def of(self, profile: ModelProfile) -> Gate:
+        g = self.by_model.get(profile.name)
+        if g is None:
+            g = self.by_model[profile.name] = Gate(
+                profile.name, profile.max_concurrency, profile.max_queue, profile.queue_timeout_s
+            )
+        return g
+
+    def configure(self, profiles: Mapping[str, ModelProfile]) -> None:
+        """Apply the catalog's admission settings to existing gates (after a catalog update)."""
+        for name, g in self.by_model.items():
+            p = profiles.get(name)
+            if p is not None:
+                g.configure(p.max_concurrency, p.max_queue, p.queue_timeout_s)

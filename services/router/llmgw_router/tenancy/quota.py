@@ -11,8 +11,8 @@ Across routers: each router admits from its own *allowance* of each limit, recom
 (``UsageReport.quota``): its own use plus a part of what remains, in proportion to where the demand
 was in the last tick. Reports carry whole window counts, not increments, so a lost report is made
 good by the next one and a repeated one counts nothing twice; peers not heard for 3 ticks are
-forgotten (what they admitted in the open windows stays counted). The bound this gives is in the
-router README ("Tenancy"). The meters themselves: ``meter.py``.
+forgotten (what they admitted in the open windows stays counted). The bound this gives is in
+``docs/tenancy.md``. The meters themselves: ``meter.py``.
 """
 
 from __future__ import annotations

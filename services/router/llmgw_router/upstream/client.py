@@ -3,7 +3,7 @@
 Why not aiohttp's client: in the router's profile ``ClientSession._request`` and its helpers (tracing,
 cookies, redirects, auth, proxies, header merging) were about 40% of the CPU per proxied request, for
 features the router never uses. This client is keep-alive connections pooled per endpoint (each an
-``asyncio.Protocol`` with httptools' parser, what uvicorn uses: ``upstream_connection.py``), flow control
+``asyncio.Protocol`` with httptools' parser, what uvicorn uses: ``connection.py``), flow control
 on the read side, and typed errors that say whether anything came back. Bodies arrive de-chunked, as
 the bytes the engine wrote.
 """

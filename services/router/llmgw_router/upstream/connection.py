@@ -1,4 +1,4 @@
-"""One keep-alive connection to an engine, as the router's upstream client uses it (``upstream.py``), and
+"""One keep-alive connection to an engine, as the router's upstream client uses it (``client.py``), and
 the errors an exchange on it ends in.
 
 An ``asyncio.Protocol`` with httptools' parser (what uvicorn uses): the answer's status and headers, then
