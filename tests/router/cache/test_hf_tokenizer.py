@@ -497,3 +497,25 @@ def test_module_files_list_matches_what_the_model_directory_holds() -> None:
         pytest.skip(f"no {GEMMA_DIR}: run `make vllm`")
     present = {p.name for p in Path(GEMMA_DIR).iterdir()} & set(TOKENIZER_FILES)
     assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= present
+
+
+def test_no_segment_cache_where_a_tokenizer_prefixes_only_the_first_piece(files: dict[str, bytes]) -> None:
+    # Metaspace with prepend_scheme "first" puts "▁" before the text's first piece only: cutting the
+    # text would add one before every piece, so the whole text is tokenized at once.
+    spec = json.loads(files["tokenizer.json"])
+    spec["pre_tokenizer"] = {
+        "type": "Metaspace",
+        "replacement": "▁",
+        "prepend_scheme": "first",
+        "split": True,
+    }
+    changed = {**files, "tokenizer.json": json.dumps(spec).encode()}
+    t = HfPromptTokenizer(changed)
+    assert t._segments is None
+    body = chat(("user", "hello world"), ("assistant", "fine"), ("user", "again"))
+    text = t.render_chat(body)
+    assert text is not None
+    assert (
+        t.prompt_ids(body) == Tokenizer.from_str(json.dumps(spec)).encode(text, add_special_tokens=False).ids
+    )
+    assert t.cached_chars == 0
