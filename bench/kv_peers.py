@@ -25,12 +25,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import psutil
 import zmq
 import zmq.devices
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.kit.ports import free_port
+from tests.kit.promtext import samples
 
 # Ports handed out to peers not yet listening: free_port() alone could give two of them the same one.
 _TAKEN: set[int] = set()
@@ -143,6 +145,7 @@ class PeerSpec:
     name: str
     argv: list[str]
     url: str
+    metrics_url: str
 
 
 def vllm_router(
@@ -158,7 +161,9 @@ def vllm_router(
         argv += ["--kv-event-block-size", str(block_size)]
         if tokenizer:
             argv += ["--kv-event-model", tokenizer]
-    return PeerSpec(f"vllm-router {policy}", argv, f"http://127.0.0.1:{port}")
+    return PeerSpec(
+        f"vllm-router {policy}", argv, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{prom}/metrics"
+    )
 
 
 def smg(engines: list[str]) -> PeerSpec:
@@ -167,9 +172,31 @@ def smg(engines: list[str]) -> PeerSpec:
     argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
     argv += ["--policy", "cache_aware", "--worker-urls", *engines]
     argv += ["--log-level", "warn"]
-    return PeerSpec("smg cache_aware", argv, f"http://127.0.0.1:{port}")
+    return PeerSpec("smg cache_aware", argv, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{prom}/metrics")
 
 
 def start_peer(spec: PeerSpec, log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as f:
         return subprocess.Popen(spec.argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+# vllm-router's own count of kv_aware's index lookups, by result (hit, miss): whether the events it was
+# fed ever matched a request's blocks.
+KV_LOOKUPS = "vllm_router_kv_placement_lookups_total"
+
+
+async def kv_lookups(specs: list[PeerSpec]) -> dict[str, float]:
+    """``KV_LOOKUPS`` by result, summed over ``specs``' instances ({} where none reports it)."""
+    out: dict[str, float] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+        for spec in specs:
+            try:
+                async with s.get(spec.metrics_url) as r:
+                    text = await r.text()
+            except (aiohttp.ClientError, TimeoutError):
+                continue
+            for (name, labels), v in samples(text).items():
+                if name == KV_LOOKUPS:
+                    result = dict(labels).get("result", "?")
+                    out[result] = out.get(result, 0.0) + v
+    return out

@@ -79,6 +79,7 @@ class Target:
     urls: list[str]
     pids: list[int]
     headers: dict[str, str] = field(default_factory=dict)
+    peer_specs: list[kp.PeerSpec] = field(default_factory=list)
     mode: str | None = None  # the catalog's cache_routing for llmgw targets; None for peers
     llmgw: bool = True
 
@@ -149,7 +150,8 @@ def llmgw_targets(a: argparse.Namespace, c: kc.Cluster) -> tuple[list[Target], d
         ("approx", f"llmgw kv approx x{n}", "approximate", plain, n),
     ):
         if key in wanted and group is not None:
-            out.append(Target(key, label, group.urls[:k], [p.pid for p in group.procs[:k]], auth, mode))
+            pids = [p.pid for p in group.procs[:k]]
+            out.append(Target(key, label, group.urls[:k], pids, headers=auth, mode=mode))
     return out, {g.name: g for g in (plain, aff) if g is not None}
 
 
@@ -209,7 +211,8 @@ def build_targets(
         procs = [kp.start_peer(s, c.root / f"peer-{key}.log") for s in specs]
         c.procs.extend(procs)
         label = f"{specs[0].name} x{len(procs)}"
-        out.append(Target(key, label, [s.url for s in specs], [p.pid for p in procs], mode=None, llmgw=False))
+        pids = [p.pid for p in procs]
+        out.append(Target(key, label, [s.url for s in specs], pids, peer_specs=specs, llmgw=False))
     return out, groups
 
 
@@ -329,6 +332,10 @@ async def main(a: argparse.Namespace) -> int:
         took = time.monotonic() - t_start
         print(f"kv_routing: targets {', '.join(t.label for t in targets)} ({took:.0f} s)", flush=True)
         rows = await run_cases(a, c, targets, engines, scale)
+        vr_kv = next((t for t in targets if t.key == "vr-kv"), None)
+        if vr_kv is not None:
+            seen = await kp.kv_lookups(vr_kv.peer_specs)
+            notes.append(f"vllm-router kv_aware's own index lookups over the run: {seen or 'none reported'}")
         idx_s: float | None = None
         idx_note = "no llmgw kv target"
         if any(t.key == "kv" for t in targets):
