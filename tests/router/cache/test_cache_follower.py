@@ -180,13 +180,15 @@ async def test_a_failed_snapshot_drops_the_node_and_retries_after_a_backoff(
 async def test_retain_and_gone_drop_replicas(agent_nc: NATS, prefix: str, follow: Follow) -> None:
     a = FakeKvAgent(agent_nc, Subjects(prefix), "n0")
     await a.serve()
-    f = await follow(nodes=["n0"])
+    f = await follow(nodes=["n0"], pass_s=0.05)
     await a.publish(a.change("r0", [1]), a.change("r1", [1]), a.change("r2", [1]))
     await eventually(lambda: agrees(f, a), what="three replicas")
     assert f.retain(["r0", "r1"]) == ["r2"]
     await a.publish(a.change("r1", gone=True))
     await eventually(lambda: f.index.replicas() == ["r0"], what="r1 gone")
     assert f.index.entries == 1
+    # Their bits are swept by the follower's pass: the memory is given back.
+    await eventually(lambda: f.index.dead_entries == 0 and f.index.blocks() == 1, what="the sweep")
 
 
 @pytest.mark.parametrize("blocks", [100_000])

@@ -1,10 +1,12 @@
 """The exact KV-cache index one router holds: which replica holds which block, from the engines' events.
 
 Fed by the agents' :class:`~llmgw_common.kvcache.KvDeltas` and :class:`~llmgw_common.kvcache.KvSnapshot`
-(``follower.py`` does the I/O). Per model, a dict from block key to a bitmask of the replicas holding it
-(one bit per replica *slot*, slots reused once a replica is dropped), and per replica the set of its
-keys, so a replica that stops or restarts is dropped whole without a scan. Blocks of one model never
-meet another's: block keys carry no model, and two models can tokenize a prompt alike.
+(``follower.py`` does the I/O). Per model, one dict from block key to a bitmask of the replicas holding
+it (one bit per replica *slot*), nothing else per block: a replica's keys are the keys with its bit. A
+replica dropped or cleared gives its slot up at once, so no match sees it, and :meth:`KvIndex.sweep`
+clears its bits later, a budget at a time (dropping a million blocks never stalls the event loop); a
+slot is reused once swept. Blocks of one model never meet another's: block keys carry no model, and
+two models can tokenize a prompt alike.
 
 :meth:`KvIndex.match` walks a request's keys in order and intersects the masks: a replica's longest
 cached prefix ends at the first key it lacks, exactly as an engine reuses blocks (a block counts only
@@ -14,18 +16,22 @@ Never wrong, possibly incomplete: every path that could leave an entry the engin
 instead (``cleared``, ``gone``, a snapshot replacing a replica, the cap refusing a store). An entry missing
 costs one missed hit; a wrong entry would keep attracting requests to a replica that computes them cold.
 
-Memory is bounded by ``max_entries`` (replica-block pairs). Measured with tracemalloc on CPython 3.11,
-the key objects counted (the index keeps the decoded messages' ints), by
-``tests/router/cache/test_cache_index.py::test_memory_per_million_blocks``:
-- one replica holding 1,000,000 distinct blocks: 111.5 MB, so ~112 bytes per block (the 64-bit key
-  object 36, the dict's entry and index ~45, the replica's set entry ~30);
-- 4 replicas holding the same 250,000 blocks each (1,000,000 pairs): 53 MB (a shared key costs the
-  dict once, each further holder one set entry).
-So at most ~112 MB per million replica-block pairs; the default cap of 2 million is ~225 MB at worst
+Memory is bounded by ``max_entries`` (replica-block pairs, those awaiting the sweep included). Measured
+with tracemalloc on CPython 3.11, the key objects counted (the index keeps the decoded messages' ints),
+by ``tests/router/cache/test_cache_index.py::test_memory_per_million_blocks``:
+- one replica holding 1,000,000 distinct blocks: 78 MB, so ~78 bytes per block (the 64-bit key object
+  36, the dict's entry and index ~42; a mask under 257 is a shared small int);
+- 4 replicas holding the same 250,000 blocks each (1,000,000 pairs): 19.5 MB (a shared block costs once).
+So at most ~78 MB per million replica-block pairs; the default cap of 2 million is ~160 MB at worst
 (a GPU replica of an 8B model holds ~30,000 16-token blocks: the cap is ~65 such replicas' caches).
-Speed, same file (``test_match_and_apply_cost``), on the loaded 2-core build machine: ``match`` of a
-125-block prompt (2,000 tokens in 16-token blocks) against 16 replicas, 2 holding all of it, 7 to 9 µs;
-applying a batch of 1,000 stored keys 140 to 185 µs (~0.16 µs a key).
+
+Speed, on the loaded 2-core build machine (same file, ``test_match_and_apply_cost``, and a steady-state
+run of 16 replicas x 30,000 blocks): ``match`` of a 125-block prompt (2,000 tokens in 16-token blocks)
+against 16 replicas, 2 holding all of it, 7 to 12 µs; a batch of 1,000 stored keys 0.14 to 0.25 ms;
+in steady state, each key stored or removed 0.25 to 0.45 µs (memory-bound: a random key's dict entry
+is a cache miss), decoding the message included ~0.04 µs more. At 1,000 requests/s of 2,000 fresh
+tokens each (125 blocks stored and as many evicted per request, no prefix reused: the worst case)
+that is 250,000 changes/s, 6 to 12 % of a core; a conversation's next turn stores only its new blocks.
 """
 
 from __future__ import annotations
@@ -33,23 +39,37 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import not_
 
 from llmgw_common.kvcache import ReplicaKv
 
 log = logging.getLogger("llmgw.router.cache.index")
 
-# Replica-block pairs held at most, over every model: ~112 bytes each at worst (see above).
+# Replica-block pairs held at most, over every model: ~78 bytes each at worst (see above).
 DEFAULT_MAX_ENTRIES = 2_000_000
 
 
 @dataclass(slots=True)
 class _Model:
-    """One model's blocks: key -> bitmask of replica slots, and each slot's replica."""
+    """One model's blocks: key -> bitmask of replica slots, and each slot's replica.
+
+    A replica dropped or cleared gives up its slot at once (``live`` loses the bit, so no match sees it)
+    but its bits stay in the masks until :meth:`KvIndex.sweep` clears them a budget at a time: dropping
+    a replica of a million blocks never stalls the event loop. A slot is reused only once swept."""
 
     blocks: dict[int, int] = field(default_factory=dict)
     slot_of: dict[str, int] = field(default_factory=dict)
     replica_at: dict[int, str] = field(default_factory=dict)
     free_slots: list[int] = field(default_factory=list)
+    next_slot: int = 0
+    live: int = 0
+    # Slots given up and not yet swept, and the keys of a sweep under way (the dict's keys when it began:
+    # a key stored since carries live bits only) with where it is and which slots it clears.
+    dead: int = 0
+    sweep_keys: list[int] | None = None
+    sweep_pos: int = 0
+    sweep_mask: int = 0
     # Block size per replica; the model's is the one most of its replicas report (`block_size`).
     block_sizes: dict[str, int] = field(default_factory=dict)
     block_size: int | None = None
@@ -63,16 +83,26 @@ class _Model:
                 self.free_slots.sort()
                 s = self.free_slots.pop(0)
             else:
-                s = len(self.slot_of)
+                s = self.next_slot
+                self.next_slot += 1
             self.slot_of[replica] = s
             self.replica_at[s] = replica
+            self.live |= 1 << s
         return s
 
-    def release(self, replica: str) -> None:
+    def give_up(self, replica: str, held: bool) -> None:
+        """``replica`` leaves its slot: free at once when it held nothing, else once swept."""
         s = self.slot_of.pop(replica, None)
-        if s is not None:
-            del self.replica_at[s]
+        if s is None:
+            return
+        del self.replica_at[s]
+        self.live &= ~(1 << s)
+        if held:
+            self.dead |= 1 << s
+        else:
             self.free_slots.append(s)
+
+    def release(self, replica: str) -> None:
         self.block_sizes.pop(replica, None)
         self._elect_block_size()
 
@@ -98,10 +128,12 @@ class KvIndex:
             raise ValueError(f"max_entries must be >= 0, not {max_entries}")
         self.max_entries = max_entries
         self._models: dict[str, _Model] = {}
-        # replica -> its keys: the same int objects as the dict's (no second copy), and its model.
-        self._keys: dict[str, set[int]] = {}
+        # replica -> its model, and how many keys it holds (its keys are the dict's keys with its bit set).
         self._model_of: dict[str, str] = {}
+        self._count: dict[str, int] = {}
         self._entries = 0
+        # Entries of given-up slots still in the masks (memory not yet freed by ``sweep``).
+        self._dead_entries = 0
         # Stores refused at the cap (the index stays right, and misses those hits), logged once per fill.
         self.refused = 0
         self._full_logged = False
@@ -110,11 +142,20 @@ class KvIndex:
 
     @property
     def entries(self) -> int:
-        """Replica-block pairs held (what ``max_entries`` bounds)."""
+        """Replica-block pairs held (with ``dead_entries``, what ``max_entries`` bounds)."""
         return self._entries
 
+    @property
+    def dead_entries(self) -> int:
+        """Pairs of dropped or cleared replicas not swept yet: no match sees them, they still take memory."""
+        return self._dead_entries
+
+    @property
+    def sweeping(self) -> bool:
+        return self._dead_entries > 0 or any(m.dead for m in self._models.values())
+
     def blocks(self, model: str | None = None) -> int:
-        """Distinct block keys held, of one model or of all."""
+        """Distinct block keys held, of one model or of all (with those of dropped replicas until swept)."""
         if model is not None:
             m = self._models.get(model)
             return len(m.blocks) if m is not None else 0
@@ -124,19 +165,19 @@ class KvIndex:
         if model is not None:
             m = self._models.get(model)
             return sorted(m.slot_of) if m is not None else []
-        return sorted(self._keys)
+        return sorted(self._model_of)
 
     def replica_blocks(self, replica: str) -> int:
-        keys = self._keys.get(replica)
-        return len(keys) if keys is not None else 0
+        return self._count.get(replica, 0)
 
     def keys_of(self, replica: str) -> frozenset[int]:
-        """A copy of ``replica``'s keys (for tests and inspection: a copy costs its size)."""
-        return frozenset(self._keys.get(replica, ()))
+        """``replica``'s keys (for tests and inspection: a scan of its model's blocks)."""
+        found = self._where(replica)
+        return frozenset(_marked(found[0].blocks, found[1])) if found else frozenset()
 
     def holds(self, replica: str, key: int) -> bool:
-        keys = self._keys.get(replica)
-        return keys is not None and key in keys
+        found = self._where(replica)
+        return found is not None and bool(found[0].blocks.get(key, 0) & found[1])
 
     def block_size(self, model: str) -> int | None:
         """The block size the model's engines report (what a router keys its requests by), or None when
@@ -150,7 +191,7 @@ class KvIndex:
         if m is None or not keys:
             return {}
         blocks = m.blocks
-        alive = blocks.get(keys[0], 0)
+        alive = blocks.get(keys[0], 0) & m.live
         if not alive:
             return {}
         out: dict[str, int] = {}
@@ -166,12 +207,13 @@ class KvIndex:
 
     def match_one(self, model: str, replica: str, keys: Sequence[int]) -> int:
         """``replica``'s longest cached prefix of ``keys``, in blocks."""
-        held = self._keys.get(replica)
-        if held is None or self._model_of.get(replica) != model:
+        found = self._where(replica)
+        if found is None or self._model_of.get(replica) != model:
             return 0
+        blocks, bit = found[0].blocks, found[1]
         n = 0
         for k in keys:
-            if k not in held:
+            if not blocks.get(k, 0) & bit:
                 break
             n += 1
         return n
@@ -205,17 +247,18 @@ class KvIndex:
         if model is None:
             return
         self._clear(replica)
-        del self._model_of[replica]
-        self._keys.pop(replica, None)
         m = self._models[model]
+        m.give_up(replica, held=False)  # no-op if _clear gave its slot up already
         m.release(replica)
-        if not m.slot_of:
+        del self._model_of[replica]
+        self._count.pop(replica, None)
+        if not m.slot_of and not m.dead:
             del self._models[model]
 
     def retain(self, replicas: Iterable[str]) -> list[str]:
         """Drop every replica not in ``replicas``; returns those dropped."""
         keep = set(replicas)
-        gone = [r for r in self._keys if r not in keep]
+        gone = [r for r in self._model_of if r not in keep]
         for r in gone:
             self.drop(r)
         return gone
@@ -233,70 +276,119 @@ class KvIndex:
         m.slot(replica)
         m.set_block_size(replica, block_size)
         self._model_of[replica] = model
-        if replica not in self._keys:
-            self._keys[replica] = set()
+        self._count.setdefault(replica, 0)
         return m
+
+    # The writers loop in C (dict.fromkeys, map, compress, dict.update) rather than per key in Python, and
+    # touch each key's dict entry once to read its mask and once, warm, to write it: following the events
+    # is the router's steady background cost, bound by memory access on a large index.
 
     def _store(self, replica: str, m: _Model, keys: Iterable[int]) -> None:
         bit = 1 << m.slot_of[replica]
-        held = self._keys[replica]
         blocks = m.blocks
-        room = self.max_entries - self._entries
-        before = len(held)
-        for k in keys:
-            if k in held:
-                continue
-            if room <= 0:
-                self.refused += 1
-                continue
-            held.add(k)
-            blocks[k] = blocks.get(k, 0) | bit
-            room -= 1
-        self._entries += len(held) - before
-        if room <= 0 and not self._full_logged and self.refused:
-            self._full_logged = True
-            log.warning(
-                "KV index full at %d entries: further stored blocks are not indexed", self.max_entries
-            )
+        ks = list(dict.fromkeys(keys))
+        masks = list(map(blocks.get, ks, repeat(0)))
+        lacks = list(map(not_, map(bit.__and__, masks)))
+        new = list(compress(ks, lacks))
+        if not new:
+            return
+        room = self.max_entries - self._entries - self._dead_entries
+        if len(new) > room:
+            # The first ones in the batch's order are kept: a chain's early blocks are the ones that match.
+            keep = max(room, 0)
+            self.refused += len(new) - keep
+            new = new[:keep]
+            if not self._full_logged:
+                self._full_logged = True
+                log.warning(
+                    "KV index full at %d entries: further stored blocks are not indexed", self.max_entries
+                )
+        olds = compress(masks, lacks)
+        blocks.update(zip(new, map(int.__or__, olds, repeat(bit)), strict=False))
+        self._count[replica] += len(new)
+        self._entries += len(new)
 
     def _remove(self, replica: str, m: _Model, keys: Iterable[int]) -> None:
         bit = 1 << m.slot_of[replica]
-        held = self._keys[replica]
         blocks = m.blocks
-        before = len(held)
-        for k in keys:
-            if k not in held:
-                continue
-            held.discard(k)
-            rest = blocks[k] & ~bit
-            if rest:
-                blocks[k] = rest
-            else:
-                del blocks[k]
-        self._entries -= before - len(held)
-        self._room_again()
+        ks = list(dict.fromkeys(keys))
+        masks = list(map(blocks.get, ks, repeat(0)))
+        has = list(map(bit.__and__, masks))
+        self._unmark(replica, m, bit, list(compress(ks, has)), list(compress(masks, has)))
 
     def _clear(self, replica: str) -> None:
-        held = self._keys.get(replica)
-        model = self._model_of.get(replica)
-        if not held or model is None:
+        """Every key of ``replica`` forgotten: its slot given up at once (no match sees it), its bits left
+        for ``sweep``; the replica, if it goes on, takes a fresh slot."""
+        found = self._where(replica)
+        n = self._count.get(replica, 0)
+        if found is None or not n:
             return
-        m = self._models[model]
-        bit = 1 << m.slot_of[replica]
-        blocks = m.blocks
-        for k in held:
-            rest = blocks[k] & ~bit
-            if rest:
-                blocks[k] = rest
-            else:
+        found[0].give_up(replica, held=True)
+        self._count[replica] = 0
+        self._entries -= n
+        self._dead_entries += n
+
+    def sweep(self, budget: int = 20_000) -> bool:
+        """Clear given-up slots' bits from up to ``budget`` keys (a few ms); True while work remains. The
+        follower calls it between messages until it returns False."""
+        for name, m in list(self._models.items()):
+            if m.sweep_keys is None:
+                if not m.dead:
+                    continue
+                m.sweep_keys, m.sweep_pos, m.sweep_mask = list(m.blocks), 0, m.dead
+            dead = m.sweep_mask
+            ks = m.sweep_keys[m.sweep_pos : m.sweep_pos + budget]
+            m.sweep_pos += len(ks)
+            blocks = m.blocks
+            masks = list(map(blocks.get, ks, repeat(0)))
+            hit = list(map(dead.__and__, masks))
+            keys = list(compress(ks, hit))
+            rest = list(map(int.__and__, compress(masks, hit), repeat(~dead)))
+            self._dead_entries -= sum(map(int.bit_count, compress(hit, hit)))
+            for k in compress(keys, map(not_, rest)):
                 del blocks[k]
-        self._entries -= len(held)
-        self._keys[replica] = set()
+            blocks.update(zip(compress(keys, rest), filter(None, rest), strict=False))
+            self._room_again()
+            if m.sweep_pos >= len(m.sweep_keys):
+                m.sweep_keys, m.dead = None, m.dead & ~dead
+                m.free_slots.extend(i for i in range(dead.bit_length()) if dead >> i & 1)
+                if not m.slot_of and not m.dead:
+                    del self._models[name]
+            return True
+        return False
+
+    def _unmark(self, replica: str, m: _Model, bit: int, keys: list[int], masks: list[int]) -> None:
+        """Clear ``bit`` on ``keys`` (each held by it, with its mask), deleting keys no one holds any more."""
+        if not keys:
+            return
+        blocks = m.blocks
+        sole = list(map(bit.__eq__, masks))
+        for k in compress(keys, sole):
+            del blocks[k]
+        if not all(sole):
+            shared = list(map(not_, sole))
+            rest = map(int.__and__, compress(masks, shared), repeat(~bit))
+            blocks.update(zip(compress(keys, shared), rest, strict=False))
+        self._count[replica] -= len(keys)
+        self._entries -= len(keys)
         self._room_again()
 
+    def _where(self, replica: str) -> tuple[_Model, int] | None:
+        model = self._model_of.get(replica)
+        if model is None:
+            return None
+        m = self._models[model]
+        s = m.slot_of.get(replica)
+        return None if s is None else (m, 1 << s)
+
     def _room_again(self) -> None:
-        if self._full_logged and self._entries < self.max_entries:
+        if self._full_logged and self._entries + self._dead_entries < self.max_entries:
             self._full_logged = False
+
+
+def _marked(blocks: dict[int, int], bit: int) -> list[int]:
+    """The keys of ``blocks`` whose mask has ``bit`` (keys and values of an unchanged dict pair up)."""
+    return list(compress(blocks.keys(), map(bit.__and__, blocks.values())))
 
 
 def _settle(mask: int, length: int, replica_at: dict[int, str], out: dict[str, int]) -> None:
