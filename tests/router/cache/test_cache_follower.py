@@ -212,3 +212,30 @@ async def test_a_restarted_router_has_a_large_index_within_seconds(
     print(f"\n{blocks} blocks from 4 nodes: {took:.2f} s")
     assert f.index.entries == blocks and f.snapshots == 4
     assert took < 5.0
+
+
+class _BrokenOnce(KvIndex):
+    """An index whose first snapshot install raises: a bug in the snapshot task, as the follower sees it."""
+
+    broken = True
+
+    def replace(self, replica: str, model: str, block_size: int, keys: Iterable[int]) -> None:
+        if self.broken:
+            self.broken = False
+            raise RuntimeError("a bug")
+        super().replace(replica, model, block_size, keys)
+
+
+async def test_a_snapshot_task_that_dies_does_not_hold_the_node_forever(
+    agent_nc: NATS, prefix: str, follow: Follow, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = FakeKvAgent(agent_nc, Subjects(prefix), "n0")
+    a.change("r0", [1, 2])
+    await a.serve()
+    f = await follow(nodes=["n0"], index=_BrokenOnce())
+    await eventually(f.ready.is_set, what="the first snapshot task ended")
+    assert any("the snapshot task failed" in r.message for r in caplog.records)
+    assert not f.feeds.nodes["n0"].syncing
+    # The node's batches are followed again (from an empty base), and its snapshot retried once due.
+    await a.publish(a.change("r0", [3]))
+    await eventually(lambda: 3 in f.index.keys_of("r0"), what="the next batch applied")

@@ -197,6 +197,10 @@ class KvEventFollower:
             del self._syncs[node]
         if not t.cancelled() and t.exception() is not None:
             log.error("node %s: the snapshot task failed", visible(node), exc_info=t.exception())
+            # Not left holding the node's batches forever: as a failed snapshot, retried after a backoff.
+            self._drop_node(node)
+            for d in self.feeds.snapshot_failed(node, self.clock()):
+                self._apply(d)
 
     async def _sync_node(self, node: str) -> None:
         async with self._sem:
