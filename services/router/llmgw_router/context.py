@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 from llmgw_router.holding import Holding
 from llmgw_router.idle import IdleMap
@@ -42,15 +42,18 @@ class Limits:
 
 @dataclass(eq=False)
 class RouterContext:
+    """The collaborators a request's handling is given. ``auth``, ``exemptions`` and ``rng`` go into
+    them (the key check, the endpoint choice) and are not kept apart."""
+
     router_id: str
     pool: Pool
     keys: KeyTable
-    auth: bool
-    exemptions: Exemptions
+    auth: InitVar[bool]
+    exemptions: InitVar[Exemptions]
     limits: Limits
     started: float
     clock: Callable[[], float] = time.time
-    rng: random.Random = field(default_factory=random.Random)
+    rng: InitVar[random.Random | None] = None
     upstream: UpstreamClient | None = None
     gates: Gates = field(default_factory=Gates)
     choosing: Choosing = field(init=False)
@@ -61,14 +64,13 @@ class RouterContext:
     quota: Quotas = field(init=False)
     keycheck: KeyCheck = field(init=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, auth: bool, exemptions: Exemptions, rng: random.Random | None) -> None:
         lim = self.limits
-        self.choosing = Choosing(lim.load_stale_s, lim.prefix_load_factor, self.rng)
+        self.choosing = Choosing(lim.load_stale_s, lim.prefix_load_factor, rng or random.Random())
         self.idle = IdleMap(self.started)
         # The clock read through ctx at each call: a test may set ctx.clock after construction.
-        self.keycheck = KeyCheck(self.keys, self.auth, self.exemptions, lambda: self.clock())
+        self.keycheck = KeyCheck(self.keys, auth, exemptions, lambda: self.clock())
         self.quota = Quotas(self.keys, self.router_id, lim.tick_s)
-        # The clock read through ctx at each call: a test may set ctx.clock after construction.
         self.usage = UsageTable(self.started, self.quota, lambda: self.clock())
         self.metrics = RouterMetrics(self.pool, self.gates.by_model)
         self.holding = Holding(self.pool, self.metrics, self.router_id, self.clock)
