@@ -11,7 +11,7 @@ import pytest
 
 from llmgw_router.dialects.dialect import AUDIO, MESSAGES
 from llmgw_router.dialects.routes import PROXIED
-from llmgw_router.dialects.stored import tag_of
+from llmgw_router.routing.endpoints import tag_of
 from llmgw_router.service import Router
 from llmgw_runtime.apikeys import generate_key, hash_key
 from tests.router.router_helpers import EngineFactory, RouterFactory, StaticFile

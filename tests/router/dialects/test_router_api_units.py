@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from llmgw_common.apis import GENERATE_APIS, POOLING_APIS, Api, derived_apis
 from llmgw_common.catalog import CatalogError, parse_catalog
 from llmgw_router.dialects.forms import form_fields
-from llmgw_router.dialects.stored import StreamTagger, tag_ids, tag_of, untag
+from llmgw_router.dialects.stored import StreamTagger, tag_ids, untag
 from llmgw_router.errors import error_response
+from llmgw_router.routing.endpoints import tag_of
 
 TAG = tag_of(0x0123456789ABCDEF)
 

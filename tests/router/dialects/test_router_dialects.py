@@ -21,9 +21,8 @@ from llmgw_router.dialects.dialect import (
     parse_request,
 )
 from llmgw_router.dialects.routes import PROXIED
-from llmgw_router.dialects.stored import tag_of
 from llmgw_router.errors import RouterError, error_response
-from llmgw_router.routing.endpoints import Pool
+from llmgw_router.routing.endpoints import Pool, tag_of
 
 
 def test_every_route_names_its_familys_dialect() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 
 TAG_MARK = "resp_lg"
+# A replica's tag: 16 hex digits (routing.endpoints.tag_of).
 _TAG_LEN = 16
 _HEX = frozenset("0123456789abcdef")
 # A string value (after ``:``, ``,`` or ``[``) that begins ``resp_``: inside a string a quote is
@@ -21,10 +22,6 @@ _HEX = frozenset("0123456789abcdef")
 _VALUE = re.compile(rb'([:,\[]\s*)"resp_')
 # A line of a stream held back at most this long waiting for its end; past it, it is passed on as is.
 _MAX_HELD = 1 << 20
-
-
-def tag_of(affinity_id: int) -> str:
-    return f"{affinity_id:016x}"
 
 
 def tag_ids(data: bytes, tag: str) -> bytes:

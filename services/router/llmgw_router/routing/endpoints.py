@@ -15,13 +15,18 @@ from collections.abc import Iterable
 
 from llmgw_common.catalog import Catalog, ModelProfile
 from llmgw_common.messages import Endpoint, LoadReport, RoutingEndpoints
-from llmgw_router.dialects.stored import tag_of
 from llmgw_router.routing.breaker import Breaker, BreakerState
 from llmgw_router.routing.scheduling import stable_id
 from llmgw_router.upstream.connection import Answers
 
 # Weight of the newest sample in the latency average.
 EWMA_ALPHA = 0.2
+
+
+def tag_of(affinity_id: int) -> str:
+    """A replica's tag, written into the ids of the responses it stores (dialects/stored.py): 16 hex
+    digits of its stable hash, the same in every router."""
+    return f"{affinity_id:016x}"
 
 
 class EndpointState:
@@ -94,7 +99,7 @@ class Pool:
         self.by_model: dict[str, list[EndpointState]] = {}
         self.by_key: dict[tuple[str, str], EndpointState] = {}
         self.by_replica: dict[str, list[EndpointState]] = {}
-        # stored.tag_of(replica) -> its endpoint: where a tagged response id is answered.
+        # tag_of(replica) -> its endpoint: where a tagged response id is answered.
         self.by_tag: dict[str, EndpointState] = {}
         self.unavailable: dict[str, str] = {}
         # Models with an endpoint that takes new requests (not draining): the request path's one check.
