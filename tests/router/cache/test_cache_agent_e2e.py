@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -86,10 +87,11 @@ async def test_the_router_predicts_the_blocks_the_engine_stores_and_routes_the_n
             for r, p in ports.items()
         )
         await assign.put(node, encode(Assignment(node=node, fence=1, shards=shards)))
-        for r in ports:
-            await seen.wait(
-                "heartbeat", lambda h, r=r: (x := shard_of(h, r)) is not None and x.state is ShardState.READY
-            )
+
+        def both_ready(h: Any) -> bool:
+            return all((x := shard_of(h, r)) is not None and x.state is ShardState.READY for r in ports)
+
+        await seen.wait("heartbeat", both_ready)
         svc = await cache_service(nc, prefix)
         services.append(svc)
         first = turn(" ".join(f"w{i}" for i in range(40)))
