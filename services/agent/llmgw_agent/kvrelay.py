@@ -89,7 +89,8 @@ class KvRelay:
         self.batcher = DeltaBatcher(self.node, self.stream, tick_s=self.tick_s, idle_s=self.idle_s)
         self.readers: dict[str, _Reader] = {}
         self.drops = DropLog(log)
-        self._ctx = zmq.asyncio.Context()
+        # Made with the first reader: an agent whose engines publish nothing holds no ZMQ threads.
+        self._ctx: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._sub: Subscription | None = None
         self._closed = False
@@ -111,6 +112,8 @@ class KvRelay:
                 self._add_reader(rid, feed)
 
     def _add_reader(self, rid: str, feed: Feed) -> None:
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, RCV_HWM)
@@ -241,4 +244,5 @@ class KvRelay:
                 await self._sub.unsubscribe()
         if self.batcher.changed():
             await self.flush_deltas()
-        self._ctx.term()
+        if self._ctx is not None:
+            self._ctx.term()
