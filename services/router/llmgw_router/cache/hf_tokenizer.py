@@ -519,9 +519,7 @@ class HfPromptTokenizer:
         self._forced_format: ContentFormat | None = None if content_format == "auto" else content_format
         sources = [t.source for t in (self._processor, self._default, self._tool_use) if t is not None]
         if sources:
-            self._segments = _Segments.build(
-                self._tokenizer, json.loads(files["tokenizer.json"]), sources, self._specials, cache_chars
-            )
+            self._segments = _Segments.build(self._tokenizer, sources, self._specials, cache_chars)
 
     def _compile(self, source: str) -> _Compiled:
         return _Compiled(self._env, source)
@@ -737,35 +735,23 @@ class _Segments:
 
     @classmethod
     def build(
-        cls,
-        tokenizer: Tokenizer,
-        spec: Mapping[str, Any],
-        templates: list[str],
-        specials: Mapping[str, str],
-        max_chars: int,
+        cls, tokenizer: Tokenizer, templates: list[str], specials: Mapping[str, str], max_chars: int
     ) -> _Segments | None:
-        if max_chars <= 0 or "'first'" in repr(spec.get("pre_tokenizer")).replace('"', "'"):
+        if max_chars <= 0 or "prepend_scheme=first" in repr(tokenizer.pre_tokenizer):
             return None
-        added = [
-            t
-            for t in spec.get("added_tokens", [])
-            if isinstance(t, dict) and isinstance(t.get("content"), str)
-        ]
-        contents = [str(t["content"]) for t in added]
+        added = list(tokenizer.get_added_tokens_decoder().items())
+        contents = [t.content for _, t in added]
         cut: dict[str, int] = {}
-        for t in added:
-            text = str(t["content"])
-            plain = t.get("special") and not (
-                t.get("normalized") or t.get("lstrip") or t.get("rstrip") or t.get("single_word")
-            )
-            used = text in specials.values() or any(text in source for source in templates)
+        for token_id, t in added:
+            plain = t.special and not (t.normalized or t.lstrip or t.rstrip or t.single_word)
+            used = t.content in specials.values() or any(t.content in source for source in templates)
             if (
                 plain
                 and used
-                and len(text) > 1
-                and not any(_overlaps(text, other) for other in contents if other != text)
+                and len(t.content) > 1
+                and not any(_overlaps(t.content, o) for o in contents if o != t.content)
             ):
-                cut[text] = int(t["id"])
+                cut[t.content] = token_id
         if not cut:
             return None
         segments = cls(tokenizer, cut, max_chars)
