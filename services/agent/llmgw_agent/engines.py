@@ -27,11 +27,16 @@ Command lines, checked against the engines' current sources:
 KV-cache events (``cache_routing`` events, the default for vLLM and the simulator): shard 0 publishes
 vLLM's KV events on ``ipc://<state_dir>/run/<replica>-<shard>/kv.sock`` (a shorter path under the
 temporary directory when that one exceeds a Unix socket's 107 bytes), which the agent's relay reads
-(:mod:`llmgw_agent.kvrelay`). vLLM gets ``--enable-prefix-caching --kv-events-config {...}`` and
-``PYTHONHASHSEED=0`` unless the profile sets them; a profile's own ``--kv-events-config`` with an
-ipc:// endpoint is used as given, and one that turns events off, or names a tcp:// endpoint (vLLM
-connects to those instead of binding, and events must not leave the node), is refused. The simulator
-gets the same endpoint as ``kv_events_endpoint``.
+(:mod:`llmgw_agent.kvrelay`). vLLM gets ``--kv-events-config {...}`` and ``PYTHONHASHSEED=0`` unless
+the profile sets them; a profile's own ``--kv-events-config`` with an ipc:// endpoint is used as given,
+and one that turns events off, or names a tcp:// endpoint (vLLM connects to those instead of binding,
+and events must not leave the node), is refused, as is ``--no-enable-prefix-caching``. Prefix caching
+itself is vLLM 0.32's default for every model that supports it (``ModelConfig.is_prefix_caching_supported``:
+decoder and hybrid generative models); ``--enable-prefix-caching`` is not forced, because on the others
+(bidirectional pooling models, encoder-decoder, attention-free) vLLM warns that forcing it "may cause
+the engine to crash or produce incorrect outputs". A pooling runner (``--runner pooling``, ``--convert``
+to a pooling task) publishes nothing: it generates no prefix a later request could reuse. The
+simulator gets the same endpoint as ``kv_events_endpoint``.
 """
 
 from __future__ import annotations
@@ -206,12 +211,20 @@ def _flag_value(args: Sequence[str], flag: str) -> str | None:
     return found
 
 
+POOLING_CONVERTS = frozenset({"embed", "classify", "reward"})
+
+
+def _pooling(args: Sequence[str]) -> bool:
+    """The profile runs vLLM's pooling runner (embeddings, classification, scores)."""
+    return _flag_value(args, "--runner") == "pooling" or _flag_value(args, "--convert") in POOLING_CONVERTS
+
+
 def vllm_kv_events(a: ShardAssignment, s: AgentSettings) -> tuple[list[str], KvSource | None] | Refusal:
     """The flags that make shard 0 of a vLLM replica publish KV events, and where; nothing for a
     replica not routed by events, or a follower (the API server's scheduler on shard 0 publishes)."""
-    if cache_routing_of(a) is not CacheRouting.EVENTS or a.shard != 0:
-        return [], None
     args = list(a.args)
+    if cache_routing_of(a) is not CacheRouting.EVENTS or a.shard != 0 or _pooling(args):
+        return [], None
     size = _flag_value(args, "--block-size")
     try:
         block_size = int(size) if size else (VLLM_BLOCK_SIZE_CPU if on_cpu(a) else VLLM_BLOCK_SIZE_GPU)
@@ -220,8 +233,6 @@ def vllm_kv_events(a: ShardAssignment, s: AgentSettings) -> tuple[list[str], KvS
     flags: list[str] = []
     if "--no-enable-prefix-caching" in args:
         return Refusal("cache_routing events needs vLLM's prefix caching: the profile's args turn it off")
-    if "--enable-prefix-caching" not in args:
-        flags.append("--enable-prefix-caching")
     given = _flag_value(args, "--kv-events-config")
     if given is None:
         endpoint = f"ipc://{kv_socket_path(s, a)}"
