@@ -167,3 +167,48 @@ async def test_a_garbage_snapshot_request_is_dropped(nc: NATS, prefix: str, rela
     await eventually(lambda: relay.drops.count == 1, timeout=5, what="the request dropped")
     reply = await nc.request(Subjects(prefix).kv_snapshot(NODE), encode(KvSnapshotRequest()), timeout=5)
     assert decode(reply.data, KvSnapshot).replicas == []
+
+
+async def test_a_failure_inside_the_reader_clears_the_replica_and_follows_it_anew(
+    nc: NATS, prefix: str, relay: KvRelay, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = Deltas()
+    await nc.subscribe(Subjects(prefix).kv(NODE), cb=seen.cb)
+    endpoint = f"ipc://{tmp_path / 'kv.sock'}"
+    feeds = {"r1": Feed("m", KvSource(endpoint, "kv", BS))}
+    relay.sync(feeds)
+    pub = Pub(endpoint)
+    try:
+        seq = 0
+
+        async def through() -> bool:
+            nonlocal seq
+            pub.send(seq, stored((seq + 1,), None, 10 * seq))
+            seq += 1
+            return bool(seen.held().get("r1"))
+
+        await eventually(through, timeout=10, what="a first block relayed")
+        first = relay.readers["r1"]
+
+        def broken(self: object, seq: int, batch: object) -> None:
+            raise RuntimeError("a bug")
+
+        # A bug in the translation (the one way to get there): never stale entries, never the agent's end.
+        monkeypatch.setattr("llmgw_agent.kvtranslate.ReplicaBlocks.apply", broken)
+        pub.send(seq, stored((99,), None, 990))
+        await eventually(lambda: "r1" not in relay.readers, timeout=5, what="the reader ended")
+        await eventually(lambda: seen.held().get("r1") == set(), timeout=5, what="the replica cleared")
+        monkeypatch.undo()
+        relay.sync(feeds)  # the agent's next tick
+        assert relay.readers["r1"] is not first
+        seq = 0
+
+        async def again() -> bool:
+            nonlocal seq
+            pub.send(seq, stored((7,), None, 70))
+            seq += 1
+            return seen.held().get("r1") == set(block_keys(tuple(range(70, 70 + BS)), BS))
+
+        await eventually(again, timeout=10, what="followed anew")
+    finally:
+        pub.close()

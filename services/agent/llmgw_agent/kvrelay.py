@@ -139,13 +139,22 @@ class KvRelay:
                 frames = await rd.sock.recv_multipart()
                 self.on_frames(rid, rd, frames)
         except zmq.ZMQError as e:
-            # Never the agent's end: the replica is cleared and followed anew at the next sync.
-            log.warning("KV events of %s: %s; following it anew", rid, e)
-            if self.readers.get(rid) is rd:
-                del self.readers[rid]
-                self.batcher.add(rid, rd.feed.model, rd.block_size, rd.blocks.lost(str(e)))
+            self._restart(rid, rd, str(e))
+        except Exception as e:
+            # A bug in following this engine must not leave its entries standing as they were (wrong
+            # from here on) nor end the agent: cleared, logged with its traceback, followed anew.
+            log.exception("KV events of %s: unexpected failure", rid)
+            self._restart(rid, rd, f"{type(e).__name__}: {e}")
         finally:
             rd.sock.close(linger=0)
+
+    def _restart(self, rid: str, rd: _Reader, why: str) -> None:
+        """The reader ended: the replica is cleared, and the next sync follows it with a new one."""
+        log.warning("KV events of %s: %s; following it anew", rid, why)
+        if self.readers.get(rid) is rd:
+            del self.readers[rid]
+            self.counters.clears += 1
+            self.batcher.add(rid, rd.feed.model, rd.block_size, rd.blocks.lost(why))
 
     def on_frames(self, rid: str, rd: _Reader, frames: list[bytes]) -> None:
         self.counters.batches += 1
