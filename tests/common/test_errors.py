@@ -32,6 +32,8 @@ OUTSIDE = {
     "llmgw_router.tenancy.admission._PushedOut",
     "llmgw_router.http.connection._Stop",
     "llmgw_agent.weight_files._Truncated",
+    "llmgw_agent.kvtranslate._Unfit",
+    "llmgw_router.cache.hf_tokenizer._Unpredictable",
 }
 # Without a kind: their cases differ (a control plane's refusal, any reason `up` cannot go on).
 NO_KIND = {"llmgw_runtime.ctl_client.CtlError", "llmgw_cli.cmd_up.UpError"}

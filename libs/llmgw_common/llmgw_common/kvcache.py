@@ -28,6 +28,7 @@ from enum import StrEnum
 from pydantic import Field
 
 from llmgw_common.catalog import CacheRouting
+from llmgw_common.errors import InvalidInput
 from llmgw_common.messages import Message
 
 __all__ = ["CacheRouting"]  # the catalog's switch, kept there (messages import the catalog)
@@ -68,7 +69,7 @@ def request_salt(adapter: str | None = None, cache_salt: str | None = None) -> s
 RESERVED_SALT_PREFIX = "llmgw:"
 
 
-class SaltRefused(ValueError):
+class SaltRefused(InvalidInput):
     """A client's ``cache_salt`` that would pass for one the router sets."""
 
 

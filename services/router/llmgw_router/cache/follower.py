@@ -32,6 +32,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from llmgw_common.codec import DecodeError, decode, encode
+from llmgw_common.errors import BadMessage
 from llmgw_common.kvcache import KvDeltas, KvSnapshot, KvSnapshotRequest, ReplicaKv
 from llmgw_common.names import visible
 from llmgw_common.subjects import Subjects
@@ -47,7 +48,7 @@ log = logging.getLogger("llmgw.router.cache.follower")
 MAX_PAGES = 10_000
 
 
-class SnapshotError(Exception):
+class SnapshotError(BadMessage):
     """A node's snapshot could not be had whole: a reply that contradicts the others, or no progress."""
 
 

@@ -37,6 +37,7 @@ from nats.js.object_store import ObjectStore
 
 from llmgw_common import simtokens
 from llmgw_common.codec import DecodeError, decode
+from llmgw_common.errors import BadMessage
 from llmgw_common.kvcache import TokenizerInfo, TokenizerKind
 from llmgw_common.names import visible
 from llmgw_common.subjects import Subjects
@@ -58,7 +59,7 @@ class PromptTokenizer(Protocol):
     def prompt_ids(self, body: Mapping[str, Any]) -> list[int] | None: ...
 
 
-class BundleError(ValueError):
+class BundleError(BadMessage):
     """A tokenizer object that cannot be used, with the reason."""
 
 
