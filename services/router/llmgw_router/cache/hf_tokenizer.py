@@ -543,7 +543,11 @@ class HfPromptTokenizer:
         return 0 if self._segments is None else self._segments.chars
 
     def prompt_ids(self, body: Mapping[str, Any]) -> list[int] | None:
-        """The prompt's token ids as the engine will see them, or None when they cannot be predicted."""
+        """The prompt's token ids as the engine will see them, or None when they cannot be predicted.
+
+        ``body`` is an OpenAI ``/v1/chat/completions`` (``messages``) or ``/v1/completions`` (``prompt``)
+        body as the engine receives it; other APIs' bodies (Anthropic's ``/v1/messages``, responses)
+        are the caller's to convert or to leave unpredicted."""
         try:
             if "messages" in body:
                 return self._chat_ids(body)
