@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
 
+from llmgw_router.cache.router import PrefixRouting
 from llmgw_router.holding import Holding
 from llmgw_router.idle import IdleMap
 from llmgw_router.metrics import RouterMetrics
@@ -63,6 +64,8 @@ class RouterContext:
     holding: Holding = field(init=False)
     quota: Quotas = field(init=False)
     keycheck: KeyCheck = field(init=False)
+    # Routing by cached prefix (cache/), once the bus is reached; None in static mode.
+    cache: PrefixRouting | None = None
 
     def __post_init__(self, auth: bool, exemptions: Exemptions, rng: random.Random | None) -> None:
         lim = self.limits

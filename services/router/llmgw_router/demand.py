@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from llmgw_common.router_messages import DemandReport, ModelDemand
+from llmgw_common.router_messages import DemandReport, ModelCache, ModelDemand
 from llmgw_router.context import RouterContext
 from llmgw_router.metrics import _TTFT_BUCKETS
 
@@ -55,6 +55,8 @@ class DemandMeter:
         # Per tick, oldest first, one past the window kept as its base: (time, model -> cumulative
         # first-byte counts, model -> requests finished, model -> requests outstanding).
         self._marks: deque[_Mark] = deque()
+        # A model's routing by cached prefix (cache/), for operators; None: not reported.
+        self.cache_report: Callable[[str], ModelCache | None] = lambda model: None
 
     def report(self, router: str, now: float) -> DemandReport:
         ctx = self.ctx
@@ -102,6 +104,12 @@ class DemandMeter:
                 completed=max(0, done),
                 rate_s=round(max(0.0, now - rb.at), 3),
             )
+        for name in ctx.pool.profiles:
+            cache = self.cache_report(name)
+            if cache is None or cache.mode == "off":
+                continue
+            d = models.get(name)
+            models[name] = ModelDemand(cache=cache) if d is None else d.model_copy(update={"cache": cache})
         return DemandReport(router=router, since=ctx.started, sent_at=now, models=models)
 
     def _rate_base(self, since: float, oldest: _Mark) -> _Mark:

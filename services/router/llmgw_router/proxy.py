@@ -26,7 +26,9 @@ import time
 from typing import Any, NamedTuple
 
 from llmgw_common.catalog import ModelProfile
+from llmgw_common.kvcache import request_salt
 from llmgw_common.messages import ApiKeyRecord
+from llmgw_router.cache.router import Prefix
 from llmgw_router.context import RouterContext
 from llmgw_router.dialects.dialect import Dialect
 from llmgw_router.dialects.routes import Route
@@ -43,6 +45,7 @@ from llmgw_router.tenancy.admission import AdmissionRefused, Gate
 from llmgw_router.tenancy.keycheck import ANONYMOUS, Handler
 from llmgw_router.tenancy.keys import allows_model
 from llmgw_router.tenancy.quota import Ticket
+from llmgw_router.tenancy.salt import salt_for
 from llmgw_router.tenancy.usage import TAIL_BYTES, find_usage
 from llmgw_router.upstream.client import UpstreamResponse
 from llmgw_router.upstream.connection import ConnectFailed, ReadTimeout, UpstreamError
@@ -91,6 +94,8 @@ class Admitted(NamedTuple):
     want_usage: bool
     # The request's prefix key (affinity.py), when prefix-aware routing is on.
     affinity: int | None
+    # Its prompt as the blocks its engines cache (cache/), when its model routes by cached prefix.
+    prefix: Prefix | None
     # The one endpoint that may answer (it stores the response the request names: dialects/stored.py).
     pin: EndpointState | None
     # A limited key's hold on its meters (quota.py): its x-ratelimit-* lines, its streamed tokens.
@@ -181,11 +186,21 @@ def admit(
             code="unsupported_endpoint",
         )
     pin = dialect.pin(ctx.pool, model, req)
-    if pin is not None:
-        if isinstance(pin, RouterError):
-            metrics.request(model, pin.status)
-            return pin
-        # The body names the stored response as its engine made it.
+    rewrite = pin is not None  # the body names the stored response as its engine made it
+    if isinstance(pin, RouterError):
+        metrics.request(model, pin.status)
+        return pin
+    prefix = None
+    if dialect.salted and req is not None:
+        before = req.get("cache_salt")
+        salt = salt_for(rec, req)
+        if isinstance(salt, RouterError):
+            metrics.request(model, 400)
+            return salt
+        rewrite = rewrite or salt != before
+        if dialect.prompted and ctx.cache is not None and pin is None:
+            prefix = ctx.cache.prefix(model, req, request_salt(None, salt))
+    if rewrite:
         body = json.dumps(req).encode()
     ticket = None
     if rec is not None and rec.limited:
@@ -210,6 +225,7 @@ def admit(
         stream,
         stream and dialect.usage_wanted(req),
         prompt_key(req) if ctx.limits.prefix_affinity and req is not None else None,
+        prefix,
         pin,
         ticket,
         t0,
@@ -321,16 +337,17 @@ async def answer(
                 if not await close_with(broken.resp, step.tail):
                     return broken.resp, CLIENT_GONE
                 return _continued(ctx, a, mig, broken), 200
-            # A continuation goes where the load says: the prefix the request shares is on the broken one.
+            # A continuation goes to the replica holding most of prompt plus delivered text, by load
+            # where the model does not route by cached prefix.
             ep = (
                 None
                 if moves == limits.max_migrations
-                else pick(ctx.pool, ctx.choosing, model, tried, ctx.clock())
+                else pick(ctx.pool, ctx.choosing, model, tried, ctx.clock(), prefix=_prefix_of(ctx, a, step))
             )
         elif len(tried) > limits.retries:
             ep = None
         else:
-            ep = pick(ctx.pool, ctx.choosing, model, tried, ctx.clock(), a.affinity, a.pin)
+            ep = pick(ctx.pool, ctx.choosing, model, tried, ctx.clock(), a.affinity, a.pin, a.prefix)
         if ep is None:
             if broken is None and stale_wait and tried and all(f.refused for f in failed):
                 # Every replica the table names refused the connection: the table is likely stale (a
@@ -392,6 +409,16 @@ async def answer(
         log.warning("stream of %s broke and no replica continued it: %s", model, broken.why)
         return broken.resp, 502
     return _unanswered(ctx, a, tried, failed)
+
+
+def _prefix_of(ctx: RouterContext, a: Admitted, step: Continue) -> Prefix | None:
+    """The continuation's prompt (the request with the text delivered so far) as cached blocks, where
+    the request had a prefix (a rare path: one more parse of a body the router made)."""
+    if a.prefix is None or ctx.cache is None:
+        return None
+    req = json.loads(step.body)
+    salt = req.get("cache_salt")
+    return ctx.cache.prefix(a.model, req, request_salt(None, salt if isinstance(salt, str) else None))
 
 
 def _continued(ctx: RouterContext, a: Admitted, mig: Migration, broken: _Broken) -> StreamResponse:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import time
@@ -21,11 +22,14 @@ from nats.aio.msg import Msg
 
 from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.messages import LoadReport, RoutingCatalog, RoutingEndpoints
-from llmgw_common.router_messages import UsageReport, WakeReply, WakeRequest
+from llmgw_common.router_messages import ModelCache, UsageReport, WakeReply, WakeRequest
 from llmgw_common.subjects import ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
 from llmgw_common.tenancy import month_bounds
 from llmgw_router.admin import build_admin_app
 from llmgw_router.app import build_app
+from llmgw_router.cache.metrics import CacheMetrics
+from llmgw_router.cache.router import CacheLimits
+from llmgw_router.cache.service import CacheService
 from llmgw_router.context import Limits, RouterContext
 from llmgw_router.demand import DemandMeter
 from llmgw_router.errors import error_body
@@ -109,6 +113,7 @@ class Router:
         )
         self.ctx.metrics.registry.register(ConnectionMetrics(self.connections))
         self.ctx.metrics.registry.register(KeyUsageMetrics(self.ctx.usage, self.ctx.keys))
+        self.ctx.metrics.registry.register(CacheMetrics(lambda: self.cache, self.ctx.pool.prefix_counters))
         # A failing tick is logged and counted, never the tick's end: the router goes on serving.
         self.tick_guard = PassGuard("router tick", log)
         self._closing = asyncio.Event()
@@ -118,6 +123,9 @@ class Router:
         self.demand = DemandMeter(self.ctx)
         # Usage kept durably (KV <prefix>_usage), once the bus is reached.
         self.ledger: Ledger | None = None
+        # Routing by cached prefix (cache/), once the bus is reached.
+        self.cache: CacheService | None = None
+        self.demand.cache_report = self._cache_report
 
     # ------------------------------------------------------------ lifecycle
 
@@ -172,6 +180,9 @@ class Router:
         for f in self._followers:
             await f.stop()
         self._followers = []
+        if self.cache is not None:
+            await self.cache.stop()
+            self.cache = None
         if self.nc is not None:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 if self.ledger is not None and self.nc.is_connected:
@@ -205,6 +216,14 @@ class Router:
         self._followers = [routing, keyf]
         await routing.start()
         await keyf.start()
+        # Routing by cached prefix: after the routing table's first read, so the nodes whose snapshots
+        # make the index whole at start are known.
+        cache = self._cache_service(nc)
+        await cache.start()
+        self.cache = cache
+        self.ctx.cache = cache.routing
+        self.ctx.choosing = dataclasses.replace(self.ctx.choosing, cache=cache.routing)
+        self._routing_changed()
         # Day and month budgets spent before this start (by former routers, or ourselves before a
         # restart) stay spent: read from the ledger once, before the writer adds our own.
         now = self.ctx.clock()
@@ -254,6 +273,32 @@ class Router:
         await self.nc.publish(self.subjects.demand(rid), encode(self.demand.report(rid, now)))
         await bus.flush(self.nc, timeout=2)
 
+    def _cache_service(self, nc: NATS) -> CacheService:
+        s, pool = self.settings, self.ctx.pool
+        limits = CacheLimits(
+            stale_s=s.load_stale_s, load_factor=s.prefix_load_factor, tokens_per_load=s.cache_tokens_per_load
+        )
+        return CacheService(
+            nc,
+            self.subjects,
+            nodes=lambda: {e.node for eps in pool.by_model.values() for e in eps if e.node},
+            models=lambda: list(pool.profiles),
+            limits=limits,
+            max_entries=s.cache_index_max_blocks,
+            approx_ttl_s=s.cache_approx_ttl_s,
+        )
+
+    def _routing_changed(self) -> None:
+        if self.cache is not None:
+            pool = self.ctx.pool
+            self.cache.routing_changed(pool.profiles.values(), pool.by_replica)
+
+    def _cache_report(self, model: str) -> ModelCache | None:
+        if self.cache is None:
+            return None
+        q, h = self.ctx.pool.prefix_counters(model)
+        return self.cache.report(model, q, h)
+
     def _on_usage(self, report: UsageReport, _: Msg) -> None:
         self.ctx.quota.on_report(report, self.ctx.clock())
 
@@ -279,6 +324,7 @@ class Router:
         except DecodeError as e:
             self.drops.drop(where, str(e))
             return
+        self._routing_changed()
         # Held requests go on the update that brings their endpoint (or learn nothing is coming).
         self.ctx.holding.update()
 

@@ -123,5 +123,23 @@ class RouterSettings(BusSettings):
     prefix_load_factor: float = Field(
         default=1.25,
         ge=1.0,
-        description="With prefix affinity, no replica takes more than this times its share of in-flight requests",
+        description="With prefix affinity or routing by cached prefix, no replica takes more than this times "
+        "its share of in-flight requests",
+    )
+    cache_tokens_per_load: float = Field(
+        default=512.0,
+        gt=0,
+        description="Routing by cached prefix: prompt tokens to compute that weigh as much as one request "
+        "ahead on a replica",
+    )
+    cache_index_max_blocks: int = Field(
+        default=2_000_000,
+        gt=0,
+        description="Routing by cached prefix: (replica, block) pairs the index holds at most (about 78 MB "
+        "per million); past it new blocks are not indexed",
+    )
+    cache_approx_ttl_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="Routing by cached prefix without engine events: forget where a prompt went after this",
     )

@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
 from llmgw_common.catalog import Catalog, ModelProfile, identity_problems
-from llmgw_common.messages import ApiKeyRecord, Endpoint, RoutingEndpoints
+from llmgw_common.messages import ApiKeyRecord, CacheScope, Endpoint, RoutingEndpoints
 from llmgw_common.urls import http_url_problem
 from llmgw_common.validation import ProblemsError, describe, document_mapping, read_document, validate_named
 
@@ -84,6 +84,8 @@ class StaticKey(BaseModel):
     models: tuple[str, ...] | None = None
     id: str | None = None
     expires: float | None = None
+    # With whom its requests share cached prompt prefixes on the engines (ApiKeyRecord.cache_scope).
+    cache_scope: CacheScope = CacheScope.SHARED
 
 
 def _is_http_url(u: Any) -> bool:
@@ -148,6 +150,7 @@ def parse_static(data: Any) -> StaticConfig:
             models=k.models,
             created=0.0,
             expires=k.expires,
+            cache_scope=k.cache_scope,
         )
         for i, k in enumerate(keys)
     )

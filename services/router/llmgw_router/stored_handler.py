@@ -57,6 +57,7 @@ def make_stored_handler(ctx: RouterContext) -> Callable[[Request, bool], Awaitab
             False,
             False,
             None,
+            None,
             ep,
             None,
             t0,

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw_router.cache.score import bound, choose, load_score
+from llmgw_router.cache.score import bound, choose
+from llmgw_router.routing.scheduling import load_score
 from tests.router.cache.cache_helpers import Ep
 
 NOW = 1000.0

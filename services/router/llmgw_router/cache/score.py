@@ -12,12 +12,12 @@ load, a 100-token one a fifth of one, so short prompts go by load).
 A bound keeps a hot prefix from piling onto one replica (how plain prefix affinity lost in closed loops,
 and why Dynamo's KV router shed near saturation): a candidate whose in-flight count, with this request,
 would pass ``ceil(load_factor x (total in-flight + 1) / n)`` is not eligible, the rule of
-``scheduling.choose_affine``. The least loaded candidate is always within it (see there), so the bound
+``routing.scheduling.choose_affine``. The least loaded candidate is always within it (see there), so the bound
 never leaves no one.
 
 Among the eligible, where the cache tells them apart (their hits differ) the lowest cost wins, ties
 drawn at random; where it does not (no hits anywhere, or the same shared system prompt everywhere) the
-choice is exactly the router's power of two choices (``scheduling.choose``), the same draws from
+choice is exactly the router's power of two choices (``routing.scheduling.choose``), the same draws from
 ``rng``: many routers acting on the same slightly old reports do not herd onto one replica.
 """
 
@@ -27,6 +27,9 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, TypeVar
+
+from llmgw_router.routing.scheduling import choose as two_choices
+from llmgw_router.routing.scheduling import load_score
 
 # Prompt tokens of prefill that weigh as much as one request of load.
 DEFAULT_TOKENS_PER_LOAD = 512.0
@@ -50,20 +53,6 @@ class Candidate(Protocol):
 
 
 C = TypeVar("C", bound=Candidate)
-
-
-def load_score(e: Candidate, now: float, stale_s: float) -> float:
-    """The same rule as ``llmgw_router.scheduling.load_score`` (copied, not imported: this package imports
-    nothing of the router outside it). Keep the two one rule: change both or neither."""
-    own = float(e.in_flight)
-    at = e.load_at
-    if at is None or now - at > stale_s:
-        return own
-    reported = (e.running or 0.0) + (e.waiting or 0.0)
-    score = max(own, reported)
-    if e.kv_use is not None:
-        score += min(max(e.kv_use, 0.0), 1.0)
-    return score
 
 
 def bound(candidates: Sequence[Candidate], load_factor: float) -> int:
@@ -98,7 +87,7 @@ def choose(
         return eligible[0]
     own = [min(hits.get(c.replica_id, 0), prompt_blocks) for c in eligible]
     if min(own) == max(own):
-        return _two_choices(eligible, now, stale_s, r)
+        return two_choices(eligible, now, stale_s, r)
     per_block = block_size / tokens_per_load
     best: list[C] = []
     best_cost = math.inf
@@ -109,16 +98,3 @@ def choose(
         elif cost == best_cost:
             best.append(c)
     return best[0] if len(best) == 1 else best[int(r() * len(best))]
-
-
-def _two_choices(candidates: Sequence[C], now: float, stale_s: float, r: Callable[[], float]) -> C:
-    """``scheduling.choose``'s power of two choices, draw for draw (at least two candidates)."""
-    n = len(candidates)
-    i = int(r() * n)
-    j = int(r() * (n - 1))
-    if j >= i:
-        j += 1
-    a, b = candidates[i], candidates[j]
-    if load_score(b, now, stale_s) < load_score(a, now, stale_s):
-        return b
-    return a

@@ -54,13 +54,19 @@ def parse_request(body: bytes) -> dict[str, Any] | str:
 class Dialect:
     """OpenAI's JSON API (embeddings, pooling, scores, tokenizing): the family every other one varies."""
 
-    __slots__ = ("continuation", "name")
+    __slots__ = ("continuation", "name", "prompted", "salted")
 
-    def __init__(self, name: str, continuation: Kind | None = None) -> None:
+    def __init__(
+        self, name: str, continuation: Kind | None = None, *, prompted: bool = False, salted: bool = False
+    ) -> None:
         self.name = name
         # How a stream broken after its first byte is continued on another replica (failover/);
         # None: it is not (the stream ends with a 502's worth of nothing more).
         self.continuation = continuation
+        # Its body is an OpenAI chat or completion prompt, routed by its cached prefix (cache/).
+        self.prompted = prompted
+        # Its body takes vLLM's cache_salt: a key kept apart has its requests salted (tenancy/salt.py).
+        self.salted = salted
 
     def __repr__(self) -> str:
         return f"Dialect({self.name})"
@@ -176,10 +182,10 @@ class Audio(Dialect):
 
 
 # The families (llmgw_common.apis.Api), one object each; routes.py names one per path.
-CHAT = Dialect("chat", continuation="chat")
+CHAT = Dialect("chat", continuation="chat", prompted=True, salted=True)
 CHAT_BATCH = Dialect("chat batch")
-COMPLETIONS = Dialect("completions", continuation="text")
-RESPONSES = Responses("responses")
-MESSAGES = Messages("messages")
+COMPLETIONS = Dialect("completions", continuation="text", prompted=True, salted=True)
+RESPONSES = Responses("responses", salted=True)
+MESSAGES = Messages("messages", salted=True)
 OPENAI = Dialect("openai")
 AUDIO = Audio("audio")

@@ -43,6 +43,8 @@ class EndpointState:
         "load_at",
         "model",
         "node",
+        "prefix_hits",
+        "prefix_queries",
         "replica_id",
         "running",
         "tag",
@@ -71,6 +73,9 @@ class EndpointState:
         self.kv_use: float | None = None
         # Our clock's time when the load report arrived (freshness by our own clock).
         self.load_at: float | None = None
+        # The engine's own prefix-cache counters (tokens since it started), for operators.
+        self.prefix_queries: float | None = None
+        self.prefix_hits: float | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -158,8 +163,19 @@ class Pool:
                 continue
             for st in self.by_replica.get(r.replica_id, ()):
                 st.running, st.waiting, st.kv_use, st.load_at = r.running, r.waiting, r.kv_use, now
+                st.prefix_queries, st.prefix_hits = r.prefix_queries, r.prefix_hits
 
     # ------------------------------------------------------------ reads
+
+    def prefix_counters(self, model: str) -> tuple[float, float]:
+        """The engines' own prefix-cache counters (queries, hits in tokens), summed over the model's
+        endpoints that report them."""
+        q = h = 0.0
+        for st in self.by_model.get(model, ()):
+            if st.prefix_queries is not None and st.prefix_hits is not None:
+                q += st.prefix_queries
+                h += st.prefix_hits
+        return q, h
 
     def known(self, model: str) -> bool:
         return model in self.profiles
