@@ -93,6 +93,7 @@ class Row:
     errors: int
     seconds: float
     ttft_s: list[float]
+    later_s: list[float]
     computed: float | None
     # Prompt tokens the engines looked up in their prefix caches, and found there (their counters).
     queried: float
@@ -241,7 +242,7 @@ async def run_cases(
                 computed, queried, hits = kw.cache_delta(before, after)
                 hit = hits / queried if queried else None
                 row = Row(wl, t.key, rnd, tally.ok + len(tally.errors), len(tally.errors), tally.seconds,
-                          tally.ttft_s, computed, queried, hits, cpu, tally.errors[0] if tally.errors else None)  # fmt: skip
+                          tally.ttft_s, tally.later_s, computed, queried, hits, cpu, tally.errors[0] if tally.errors else None)  # fmt: skip
                 rows.append(row)
                 print(
                     f"  {wl:<11} r{rnd} {t.label:<30} {row.requests:4d} req {row.errors} err "
@@ -269,11 +270,12 @@ def report(rows: list[Row], targets: list[Target]) -> str:
             if not rs:
                 continue
             ttft = [x for r in rs for x in r.ttft_s]
+            later = [x for r in rs for x in r.later_s]
             comp = [r.computed for r in rs]
             queried = sum(r.queried for r in rs)
             n = sum(r.requests - r.errors for r in rs)
             agg[t.key] = {
-                "p50": pct(ttft, 0.5), "p90": pct(ttft, 0.9),
+                "p50": pct(ttft, 0.5), "p90": pct(ttft, 0.9), "p90_later": pct(later, 0.9) if later else None,
                 "computed": None if any(x is None for x in comp) else sum(x for x in comp if x is not None),
                 "hit": sum(r.hits for r in rs) / queried if queried else None,
                 "rps": n / max(sum(r.seconds for r in rs), 1e-9), "errors": sum(r.errors for r in rs),
@@ -281,15 +283,17 @@ def report(rows: list[Row], targets: list[Target]) -> str:
             }  # fmt: skip
         base = agg.get("ll", {})
         out.append(f"\n## {wl}\n")
-        out.append("| target | TTFT p50 ms | p90 ms | p50 / ll | p90 / ll | tokens computed | / ll | "
-                   "engine hit rate | req/s | errors | router CPU ms/req |")  # fmt: skip
-        out.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        out.append("| target | TTFT p50 ms | p90 ms | p50 / ll | p90 / ll | p90 turns 2+ ms | / ll | tokens computed "
+                   "| / ll | engine hit rate | req/s | errors | router CPU ms/req |")  # fmt: skip
+        out.append("| --- |" + " ---: |" * 12)
         for k, v in agg.items():
             cells = "-" if v["computed"] is None else f"{v['computed']:,.0f}"
             hit = "-" if v["hit"] is None else f"{v['hit']:.2f}"
+            p90l = "-" if v["p90_later"] is None else f"{v['p90_later'] * 1000:,.0f}"
             out.append(
                 f"| {label[k]} | {v['p50'] * 1000:,.0f} | {v['p90'] * 1000:,.0f} | {_ratio(v['p50'], base.get('p50'))} "
-                f"| {_ratio(v['p90'], base.get('p90'))} | {cells} | {_ratio(v['computed'], base.get('computed'))} "
+                f"| {_ratio(v['p90'], base.get('p90'))} | {p90l} | {_ratio(v['p90_later'], base.get('p90_later'))} "
+                f"| {cells} | {_ratio(v['computed'], base.get('computed'))} "
                 f"| {hit} | {v['rps']:.1f} | {v['errors']} | {v['cpu_ms']:.2f} |"
             )
     return "\n".join(out)

@@ -134,6 +134,8 @@ def sessions(workload: str, scale: Scale, seed: int, tag: str) -> list[Session]:
 @dataclass
 class Tally:
     ttft_s: list[float] = field(default_factory=list)
+    # Of turns after a conversation's first (whose prefix some replica may hold): the routing's effect.
+    later_s: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -180,7 +182,7 @@ async def run_case(
     async def loop(sess: Session, s: aiohttp.ClientSession) -> None:
         nonlocal sent
         msgs = [{"role": "system", "content": sess.system}] if sess.system else []
-        for step, pause in zip(sess.steps, sess.pauses, strict=True):
+        for i, (step, pause) in enumerate(zip(sess.steps, sess.pauses, strict=True)):
             await asyncio.sleep(pause)
             ask = [*msgs, {"role": "user", "content": step}]
             url = urls[sent % len(urls)]
@@ -191,6 +193,8 @@ async def run_case(
                 tally.errors.append(f"{url}: {type(e).__name__}: {e}"[:300])
                 return  # a conversation whose answer is lost cannot go on as scripted
             tally.ttft_s.append(ttft)
+            if i and sess.keep_history:
+                tally.later_s.append(ttft)
             if sess.keep_history:
                 msgs = [*ask, {"role": "assistant", "content": answer}]
 
