@@ -48,18 +48,20 @@ def test_vllm_publishes_on_ipc_in_the_run_directory(tmp_path: Path) -> None:
     s = settings(tmp_path)
     spec = spec_of(shard(args=("--max-model-len", "512")), s)
     sock = tmp_path / "state" / "run" / "r1-0" / "kv.sock"
+    replay = f"ipc://{sock.parent / 'kv-replay.sock'}"
     cfg = kv_config(spec.argv)
     assert cfg == {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
         "endpoint": f"ipc://{sock}",
+        "replay_endpoint": replay,
         "topic": KV_TOPIC,
     }
     # vLLM's own default where the model supports it; forced, it "may crash" the others.
     assert "--enable-prefix-caching" not in spec.argv
     assert spec.argv[-2:] == ("--max-model-len", "512")  # the profile's args stay last
     assert spec.env["PYTHONHASHSEED"] == "0"
-    assert spec.kv_events == KvSource(f"ipc://{sock}", KV_TOPIC, 16)
+    assert spec.kv_events == KvSource(f"ipc://{sock}", KV_TOPIC, 16, replay)
     assert sock.parent.is_dir()  # the engine binds there; nothing else makes the directory
 
 

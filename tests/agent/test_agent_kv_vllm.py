@@ -20,6 +20,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.errors import ObjectNotFoundError
 
+from llmgw_agent.engines import LaunchSpec, launch_spec
+from llmgw_agent.kvrelay import Feed, KvRelay
 from llmgw_agent.service import serve
 from llmgw_agent.settings import AgentSettings
 from llmgw_agent.tokenizer_store import INFO_ENTRY
@@ -114,6 +116,20 @@ async def test_agent_relays_real_vllm_events_as_the_prompts_block_keys(
         assert len(held() - want) <= 1
         entry = next(r for m in deltas for r in m.replicas if r.replica == "rg" and r.stored)
         assert entry.block_size == BLOCK and entry.model == "gemma"
+
+        # An agent restarted beside this engine with nothing saved: vLLM replays what it keeps (from
+        # batch 0 here), and that agent holds the same blocks without a request.
+        spec = launch_spec(shard, s)
+        assert isinstance(spec, LaunchSpec) and spec.kv_events is not None and spec.kv_events.replay
+        later = KvRelay(nc, Subjects(prefix + "-later"), node, "boot-later")
+        try:
+            later.sync({"rg": Feed("gemma", spec.kv_events)})
+            await eventually(
+                lambda: later.readers["rg"].blocks.keys == held(), timeout=30, what="the replayed blocks"
+            )
+            assert later.counters.replayed >= 1 and later.counters.clears == 0
+        finally:
+            await later.stop()
 
         store = await ensure_object_store(nc.jetstream(), subjects.bucket_tokenizers)
 

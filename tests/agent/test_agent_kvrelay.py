@@ -7,6 +7,7 @@ simulator uses; deltas and snapshots are read from the bus as a router reads the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from llmgw_common.codec import decode, encode
 from llmgw_common.kvcache import KvDeltas, KvSnapshot, KvSnapshotRequest, block_keys
 from llmgw_common.subjects import Subjects
 from llmgw_common.vllm_kv_events import BlockRemoved, BlockStored, EventBatch, encode_frames
+from llmgw_runtime.runtime import cancel_and_wait
 from tests.kit.poll import eventually
 
 pytestmark = pytest.mark.slow
@@ -212,3 +214,90 @@ async def test_a_failure_inside_the_reader_clears_the_replica_and_follows_it_ane
         await eventually(again, timeout=10, what="followed anew")
     finally:
         pub.close()
+
+
+class Vllm:
+    """An engine's two sockets as vLLM 0.32's ZmqEventPublisher has them: PUB for batches, ROUTER for
+    replays ([id, "", start seq] in; each kept batch [id, "", topic, seq, payload] out, then the end
+    marker [id, "", "", seq -1, ""])."""
+
+    def __init__(self, endpoint: str, replay: str) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.bind(endpoint)
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.bind(replay)
+        self.kept: list[list[bytes]] = []
+        self.asked: list[int] = []
+        self.task = asyncio.create_task(self._serve())
+
+    async def send(self, seq: int, *events: object) -> None:
+        frames = encode_frames("kv", seq, EventBatch(1.0, tuple(events)))  # type: ignore[arg-type]
+        self.kept.append(frames)
+        await self.pub.send_multipart(frames)
+
+    async def _serve(self) -> None:
+        while True:
+            client, _, start = await self.router.recv_multipart()
+            self.asked.append(int.from_bytes(start, "big"))
+            for f in self.kept:
+                if int.from_bytes(f[1], "big") >= int.from_bytes(start, "big"):
+                    await self.router.send_multipart([client, b"", *f])
+            await self.router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    async def close(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        self.pub.close(0)
+        self.router.close(0)
+        self.ctx.term()
+
+
+async def test_a_restarted_agent_takes_up_its_saved_blocks_and_the_batches_it_missed(
+    nc: NATS, prefix: str, tmp_path: Path
+) -> None:
+    subjects = Subjects(prefix)
+    sock = tmp_path / "kv.sock"
+    source = KvSource(f"ipc://{sock}", "kv", BS, f"ipc://{tmp_path / 'kv-replay.sock'}")
+    feed = Feed("m", source, engine="4242:17.5")
+    engine = Vllm(source.endpoint, str(source.replay))
+    first = KvRelay(nc, subjects, NODE, "boot-1", tick_s=0.05, idle_s=0.5)
+    second = KvRelay(nc, subjects, NODE, "boot-2", tick_s=0.05, idle_s=0.5)
+    try:
+        await first.start()
+        first.sync({"r1": feed})
+        # The first agent asks for a replay from 0: the engine has nothing yet.
+        await eventually(lambda: engine.asked == [0], timeout=5, what="the first replay request")
+        await engine.send(0, stored((1, 2), None, 0))
+        await engine.send(1, stored((3,), 2, 2 * BS))
+        k = block_keys(tuple(range(3 * BS)), BS)
+        await eventually(lambda: first.readers["r1"].blocks.keys == set(k), timeout=5, what="followed live")
+        await first.save()
+        assert feed.state_path is not None and feed.state_path.exists()
+        # The agent is killed (nothing runs its stop); the engine goes on meanwhile.
+        await cancel_and_wait([*first.tasks, *(rd.task for rd in first.readers.values() if rd.task)])
+        await engine.send(2, BlockRemoved((1, 2, 3)), stored((7,), None, 100))
+        k7 = block_keys(tuple(range(100, 100 + BS)), BS)
+
+        seen = Deltas()
+        await nc.subscribe(subjects.kv(NODE), cb=seen.cb)
+        await second.start()
+        second.sync({"r1": feed})
+        # Saved blocks taken up, batch 2 replayed: the set is the engine's, exactly.
+        await eventually(lambda: second.readers["r1"].blocks.keys == set(k7), timeout=5, what="caught up")
+        assert engine.asked == [0, 2] and second.counters.resumed == 1 and second.counters.replayed == 1
+        assert second.counters.clears == 0
+        await eventually(lambda: seen.held().get("r1") == set(k7), timeout=5, what="relayed")
+        assert seen.entries("r1")[0] == (True, False)  # the saved set, to every receiver, whole
+
+        # Another engine process under the same replica: nothing saved of the old one is taken up.
+        other = KvRelay(nc, subjects, NODE, "boot-3", tick_s=0.05, idle_s=0.5)
+        other.sync({"r1": Feed("m", source, engine="999:1.0")})
+        assert other.counters.resumed == 0 and not other.readers["r1"].blocks.keys
+        await other.stop()
+    finally:
+        await second.stop()
+        await first.stop()
+        await engine.close()
+    assert not sock.with_name("kv.sock.state").exists()  # the replica gone: its saved blocks too

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llmgw_agent import kvstate
 from llmgw_agent.kvtranslate import ReplicaBlocks, poisoned
 from llmgw_common.kvcache import block_keys, chain_key, request_salt, root_key
 from llmgw_common.vllm_kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_frames
@@ -232,3 +233,20 @@ def test_real_vllm_events_give_the_keys_of_the_prompt_tokens() -> None:
     )
     assert got == want == r.keys and len(got) == 6
     assert root_key(request_salt(None, salt)) != root_key()
+
+
+def test_saved_blocks_load_only_for_the_same_engine() -> None:
+    r = ReplicaBlocks()
+    r.apply(0, batch(stored((1, 2), None, toks(2 * BS)), stored((3,), None, toks(BS))))
+    back = kvstate.load(kvstate.dump("123:4.5", r), "123:4.5")
+    assert back is not None
+    assert (back.by_hash, back.refs, back.last_seq, back.block_size, back.group) == (
+        r.by_hash, r.refs, 0, BS, None,
+    )  # fmt: skip
+    # It goes on from there as the original would.
+    assert back.apply(1, batch(stored((4,), 2, toks(BS, 60)))) == r.apply(
+        1, batch(stored((4,), 2, toks(BS, 60)))
+    )
+    assert kvstate.load(kvstate.dump("123:4.5", r), "999:1.0") is None  # another process
+    assert kvstate.load(b"\xc1 garbage", "123:4.5") is None
+    assert kvstate.load(b"\x93\x01\x02\x03", "123:4.5") is None

@@ -88,6 +88,9 @@ class KvSource:
     topic: str
     # The engine's block size as configured (the events carry it too; this names it before the first).
     block_size: int
+    # Where the engine replays past batches on request (vLLM's ROUTER ``replay_endpoint``); None: it
+    # does not (the simulator).
+    replay: str | None = None
 
     @property
     def ipc_path(self) -> Path | None:
@@ -235,10 +238,19 @@ def vllm_kv_events(a: ShardAssignment, s: AgentSettings) -> tuple[list[str], KvS
         return Refusal("cache_routing events needs vLLM's prefix caching: the profile's args turn it off")
     given = _flag_value(args, "--kv-events-config")
     if given is None:
-        endpoint = f"ipc://{kv_socket_path(s, a)}"
-        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": KV_TOPIC}
+        sock = kv_socket_path(s, a)
+        endpoint = f"ipc://{sock}"
+        # A restarted agent asks for the batches it missed (kvstate.py); vLLM keeps the last 10,000.
+        replay = f"ipc://{sock.with_name(sock.stem + '-replay.sock')}"
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": endpoint,
+            "replay_endpoint": replay,
+            "topic": KV_TOPIC,
+        }
         flags += ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
-        return flags, KvSource(endpoint, KV_TOPIC, block_size)
+        return flags, KvSource(endpoint, KV_TOPIC, block_size, replay)
     try:
         cfg = json.loads(given)
     except ValueError:
@@ -257,7 +269,13 @@ def vllm_kv_events(a: ShardAssignment, s: AgentSettings) -> tuple[list[str], KvS
             "instead of binding, and KV events must stay on the node (drop the endpoint: the agent sets one)"
         )
     topic = cfg.get("topic", "")
-    return flags, KvSource(given_endpoint, topic if isinstance(topic, str) else "", block_size)
+    given_replay = cfg.get("replay_endpoint")
+    return flags, KvSource(
+        given_endpoint,
+        topic if isinstance(topic, str) else "",
+        block_size,
+        given_replay if isinstance(given_replay, str) and given_replay.startswith("ipc://") else None,
+    )
 
 
 def vllm_model_dir(a: ShardAssignment, s: AgentSettings) -> Path | None:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import nats.errors
 import zmq
@@ -24,6 +26,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from pydantic import BaseModel
 
+from llmgw_agent import kvstate
 from llmgw_agent.engines import KvSource
 from llmgw_agent.kvdeltas import IDLE_S, TICK_S, DeltaBatcher, ReplicaView, snapshot_page
 from llmgw_agent.kvtranslate import Change, ReplicaBlocks
@@ -40,6 +43,13 @@ log = logging.getLogger("llmgw.agent.kvrelay")
 RCV_HWM = 100_000
 # The publishing loop wakes this often to see whether a batch is due.
 POLL_S = 0.05
+# Each followed replica's blocks are saved this often when they changed (kvstate.py); a restarted
+# agent asks the engine to replay what came after (vLLM keeps 10,000 batches).
+SAVE_S = 10.0
+# How long a new reader waits for the engine's replay before following it live only.
+REPLAY_TIMEOUT_S = 3.0
+# vLLM's end-of-replay marker: sequence -1 as 8 signed bytes.
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +58,14 @@ class Feed:
 
     model: str
     source: KvSource
+    # The engine process's identity (pid and start time); "" when unknown: its blocks are not saved.
+    engine: str = ""
+
+    @property
+    def state_path(self) -> Path | None:
+        """Beside the engine's socket: the relay's saved blocks of it (kvstate.py)."""
+        p = self.source.ipc_path
+        return p.with_name(p.name + ".state") if p is not None and self.engine else None
 
 
 @dataclass
@@ -56,10 +74,29 @@ class _Reader:
     blocks: ReplicaBlocks
     sock: zmq.asyncio.Socket
     task: asyncio.Task[None] | None = None
+    # The sequence number last saved; the blocks are saved again when theirs moved on.
+    saved_seq: int | None = None
 
     @property
     def block_size(self) -> int:
         return self.blocks.block_size or self.feed.source.block_size
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _load(feed: Feed) -> ReplicaBlocks | None:
+    path = feed.state_path
+    if path is None:
+        return None
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    return kvstate.load(data, feed.engine)
 
 
 @dataclass
@@ -72,6 +109,9 @@ class RelayCounters:
     orphans: int = 0
     messages: int = 0
     snapshots: int = 0
+    # Replicas whose saved blocks were taken up after an agent restart, and batches replayed to them.
+    resumed: int = 0
+    replayed: int = 0
 
 
 @dataclass
@@ -121,20 +161,35 @@ class KvRelay:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         # Connecting before the engine binds is fine: ZMQ retries until the socket file exists.
         sock.connect(feed.source.endpoint)
-        rd = _Reader(feed, ReplicaBlocks(), sock)
+        saved = _load(feed)
+        rd = _Reader(feed, saved or ReplicaBlocks(), sock)
+        if saved is not None:
+            # An agent restarted beside this engine: what the last one followed, to every receiver.
+            self.counters.resumed += 1
+            rd.saved_seq = saved.last_seq
+            keys = tuple(sorted(saved.refs))
+            self.batcher.add(rid, feed.model, rd.block_size, Change(cleared=True, stored=keys))
+            log.info("replica %s: %d saved blocks taken up (batch %s)", rid, len(keys), saved.last_seq)
         rd.task = asyncio.create_task(self._read(rid, rd), name=f"kv-read-{rid}")
+        # Closed when the task ends, however: a task cancelled before it ran never reaches a finally.
+        rd.task.add_done_callback(lambda _: sock.close(linger=0))
         self.readers[rid] = rd
         log.info("following KV events of %s on %s", rid, feed.source.endpoint)
 
     def _drop_reader(self, rid: str) -> None:
         rd = self.readers.pop(rid)
         if rd.task is not None:
-            rd.task.cancel()  # its socket is closed as it ends
+            rd.task.cancel()  # its socket is closed as it ends (_add_reader's callback)
         self.batcher.gone(rid, rd.feed.model, rd.block_size)
+        path = rd.feed.state_path
+        if path is not None:
+            path.unlink(missing_ok=True)
         log.info("replica %s left: its KV entries are dropped", rid)
 
     async def _read(self, rid: str, rd: _Reader) -> None:
         try:
+            if rd.feed.source.replay is not None:
+                await self._replay(rid, rd, rd.feed.source.replay)
             while True:
                 frames = await rd.sock.recv_multipart()
                 self.on_frames(rid, rd, frames)
@@ -145,8 +200,45 @@ class KvRelay:
             # from here on) nor end the agent: cleared, logged with its traceback, followed anew.
             log.exception("KV events of %s: unexpected failure", rid)
             self._restart(rid, rd, f"{type(e).__name__}: {e}")
+
+    async def _replay(self, rid: str, rd: _Reader, endpoint: str) -> None:
+        """Ask the engine for the batches after the last one followed (all it keeps when none was),
+        apply them, then those that arrived live meanwhile and came after them."""
+        assert self._ctx is not None
+        start = 0 if rd.blocks.last_seq is None else rd.blocks.last_seq + 1
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        held: list[list[bytes]] = []
+        try:
+            dealer.connect(endpoint)
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            poller = zmq.asyncio.Poller()
+            poller.register(dealer, zmq.POLLIN)
+            poller.register(rd.sock, zmq.POLLIN)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + REPLAY_TIMEOUT_S
+            while (left := deadline - loop.time()) > 0:
+                ready = dict(await poller.poll(left * 1000))
+                if rd.sock in ready:
+                    held.append(await rd.sock.recv_multipart())
+                if dealer in ready:
+                    frames = (await dealer.recv_multipart())[1:]  # after the empty delimiter
+                    if len(frames) == 3 and frames[0] == b"" and frames[1] == END_SEQ:
+                        break
+                    self.counters.replayed += 1
+                    self.on_frames(rid, rd, frames)
         finally:
-            rd.sock.close(linger=0)
+            dealer.close(linger=0)
+        for frames in held:
+            last = rd.blocks.last_seq
+            if (
+                last is not None
+                and len(frames) == 3
+                and len(frames[1]) == 8
+                and int.from_bytes(frames[1]) <= last
+            ):
+                continue  # replayed already
+            self.on_frames(rid, rd, frames)
 
     def _restart(self, rid: str, rd: _Reader, why: str) -> None:
         """The reader ended: the replica is cleared, and the next sync follows it with a new one."""
@@ -198,10 +290,30 @@ class KvRelay:
                 await self._publish(self.subjects.kv(self.node), m)
 
     async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_save = loop.time() + SAVE_S
         while True:
             if self.batcher.due(self.clock()):
                 await self.flush_deltas()
+            if loop.time() >= next_save:
+                await self.save()
+                next_save = loop.time() + SAVE_S
             await asyncio.sleep(POLL_S)
+
+    async def save(self) -> None:
+        """Save each replica's blocks that moved on since their last save (kvstate.py)."""
+        for rid, rd in list(self.readers.items()):
+            path = rd.feed.state_path
+            seq = rd.blocks.last_seq
+            if path is None or seq is None or seq == rd.saved_seq:
+                continue
+            data = kvstate.dump(rd.feed.engine, rd.blocks)
+            try:
+                await asyncio.to_thread(_write_atomic, path, data)
+            except OSError as e:
+                log.warning("cannot save the KV blocks of %s in %s: %s", rid, path, e)
+                continue
+            rd.saved_seq = seq
 
     def views(self) -> dict[str, ReplicaView]:
         return {
@@ -254,4 +366,5 @@ class KvRelay:
         if self.batcher.changed():
             await self.flush_deltas()
         if self._ctx is not None:
-            self._ctx.term()
+            # destroy, not term: term waits (blocking the loop) for any socket still open.
+            self._ctx.destroy(linger=0)

@@ -128,7 +128,11 @@ class Agent:
         """The replicas whose engines publish KV events and run now (starting or ready): the relay
         follows these, and drops the entries of any other."""
         return {
-            sh.assignment.replica_id: Feed(sh.assignment.model, sh.spec.kv_events)
+            sh.assignment.replica_id: Feed(
+                sh.assignment.model,
+                sh.spec.kv_events,
+                f"{sh.pid}:{sh.create_time}" if sh.pid is not None and sh.create_time is not None else "",
+            )
             for sh in self.supervisor.shards.values()
             if sh.spec is not None
             and sh.spec.kv_events is not None
