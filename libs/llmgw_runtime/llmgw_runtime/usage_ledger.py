@@ -17,10 +17,10 @@ Why a KV of whole totals and not a stream of increments de-duplicated by ``Nats-
 - Reading is cheap: ``keys usage --since 30d`` reads one value per router incarnation and hour, not one
   message per request.
 
-A router writes before it hands the client the end of an answer (group commit: every request waiting
-joins the next write, ``llmgw_router.ledger``), so what a client was billed is in the ledger unless
-the bus was away (then the router serves on, and writes when it is back) or the router died between
-the write and the client's last byte. The pure parts (keys, folding rows) are here for the CLI, the
+A router writes behind its answers, at most every 0.1 s under load (``llmgw_router.tenancy.ledger``),
+so what a client was billed is in the ledger within that interval plus one write, unless the bus is
+away (the router serves on, and writes when it is back) or the router is killed outright (the usage of
+its last interval is lost with it; a router stopped writes everything first). The pure parts (keys, folding rows) are here for the CLI, the
 console and the routers.
 """
 

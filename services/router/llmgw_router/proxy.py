@@ -13,8 +13,8 @@
 
 Each step returns a value (an answer and the status to record, or why it failed); the status is
 recorded once, by :func:`serve`. What differs by API family is the route's dialect (dialects/); this
-module never asks which API it serves. Nothing here touches NATS but the usage ledger's wait
-(tenancy/ledger.py).
+module never asks which API it serves. Nothing here touches NATS or waits for it (the usage ledger is
+written behind the answers: tenancy/ledger.py).
 """
 
 from __future__ import annotations
@@ -498,9 +498,8 @@ async def attempt(
             ep.observe_latency(elapsed)
             metrics.first_byte(a.model, elapsed)
             if status < 300:
+                # Counted before the client has the answer; written behind it (tenancy/ledger.py).
                 ctx.usage.add(a.key_id, a.model, find_usage(data))
-                # In the durable ledger before the client has the answer (ledger.py: group commit).
-                await ctx.usage.settled()
                 data = a.dialect.rewrite(data, ep.tag)
             return RelayedResponse(status, data, lines, ctype is not None), status
         got = await _stream(ctx, request, up, ep, a, status < 500, started, mig, lines)
@@ -608,10 +607,9 @@ async def _stream(
                     if tagger is not None:
                         sent = tagger.feed(sent) + tagger.flush()
                     if status < 300:
-                        # Counted, and in the durable ledger, before the client has the stream's end.
+                        # Counted before the client has the stream's end; written behind it (ledger.py).
                         ctx.usage.add(key_id, model, find_usage(tail) if want_usage else None, streamed)
                         added = True
-                        await ctx.usage.settled()
                     # Nothing more will come: the last bytes and the end of the stream in one write.
                     await resp.write_eof(sent)
                     break

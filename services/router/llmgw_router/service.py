@@ -166,8 +166,8 @@ class Router:
         await until_stopped(stop, self._tasks)
 
     async def stop(self) -> None:
-        # The grace first, with the bus and the ledger's writer still up: a request that ends in it
-        # waits for its usage's write (ledger.py) like any other, then the last flush, then the drain.
+        # The grace first, with the bus and the ledger's writer still up, then the last flush (every
+        # answer's usage written: ledger.py), then the drain.
         if self.http is not None:
             await self.http.shutdown(self.shutdown_grace_s)
             self.http = None
@@ -231,7 +231,14 @@ class Router:
             self.ctx.quota.load_spent(await read_hours(usage_kv, month_bounds(now)[0]), now)
         except (nats.errors.Error, TimeoutError) as e:
             log.warning("usage ledger not read (budgets count from this start only): %s", e)
-        ledger = Ledger(self.ctx.usage, usage_kv, s.router_id, lambda: nc.is_connected, self.ctx.clock)
+        ledger = Ledger(
+            self.ctx.usage,
+            usage_kv,
+            s.router_id,
+            lambda: nc.is_connected,
+            self.ctx.clock,
+            interval_s=s.usage_write_interval_s,
+        )
         self.ledger = ledger
         writer = asyncio.create_task(ledger.run(), name="router-ledger")
         self.synced.set()

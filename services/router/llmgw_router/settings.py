@@ -126,6 +126,12 @@ class RouterSettings(BusSettings):
         description="With prefix affinity or routing by cached prefix, no replica takes more than this times "
         "its share of in-flight requests",
     )
+    usage_write_interval_s: float = Field(
+        default=0.1,
+        ge=0,
+        description="The durable usage ledger is written at most this often under load (answers never "
+        "wait for it): a router killed outright loses at most this much usage plus one write",
+    )
     cache_tokens_per_load: float = Field(
         default=512.0,
         gt=0,

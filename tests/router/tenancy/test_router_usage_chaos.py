@@ -104,6 +104,9 @@ async def test_keys_usage_equals_what_clients_were_billed_after_a_router_kill_an
         for p, proc in zip(ports, procs, strict=True):
             await wait_serving(f"http://127.0.0.1:{p}/health", proc)
         billed = [0, 0, 0]
+        # Answers the killed router finished: (when, prompt, completion). Its usage is written behind
+        # its answers (paced, every 0.1 s), so those of its last moments may be lost with it.
+        on_killed: list[tuple[float, int, int]] = []
         retries = 0
         # Attempts on the router that is killed, begun before the kill and not answered whole: each may
         # be billed without the client having had it (router README: a router killed between the
@@ -124,6 +127,8 @@ async def test_keys_usage_equals_what_clients_were_billed_after_a_router_kill_an
                         got = await _once(s, ports[at], stream, n)
                         i += 1
                         if got is not None:
+                            if at == 1:
+                                on_killed.append((time.monotonic(), got[0], got[1]))
                             break
                         retries += 1
                         if at == 1 and began <= kill_at:
@@ -146,17 +151,23 @@ async def test_keys_usage_equals_what_clients_were_billed_after_a_router_kill_an
         assert retries > 0 and billed[0] > 50, (retries, billed)
 
         # Back on the same port and data: the routers write what they served meanwhile (no request
-        # comes after to mark it again), and the totals are what clients were billed, to the token (the
-        # killed router's last write covered every answer it finished). The one excess allowed: answers
-        # the killed router wrote but had not sent whole when it died (two full runs on a loaded box
-        # showed one such answer each: 292 of 291 requests, 1,472 of 1,467 tokens). Never fewer.
+        # comes after to mark it again), and the totals are what clients were billed, to the token, but
+        # for the killed router's last moments. It wrote behind its answers, at most every 0.1 s: the
+        # answers it finished in its last write interval plus one write may be lost with it (the loss
+        # window; counted here over 1 s before the kill, a loaded box's write being slow), and an answer
+        # it counted but had not sent whole may be billed (the client retried it elsewhere).
+        window = [a for a in on_killed if kill_at - 1.0 <= a[0] <= kill_at]
+        lost_at_most = (len(window), sum(a[1] for a in window), sum(a[2] for a in window))
+
         async def agree() -> tuple[int, int, int]:
             got = await _usage_cli(srv.url, rec.id)
             extra = [g - b for g, b in zip(got, billed, strict=True)]
             exact = extra == [0, 0, 0]
             cut = 0 < extra[0] <= cut_at_kill and extra[1] > 0 and extra[2] > 0
-            if not (exact or cut):
-                raise Disagree(got, f"cut at the kill: {cut_at_kill}")  # tolerated: the failure shows it
+            lost = extra[0] < 0 and all(-e <= m for e, m in zip(extra, lost_at_most, strict=True))
+            if not (exact or cut or lost):
+                # Tolerated: the failure shows it.
+                raise Disagree(got, f"cut at the kill: {cut_at_kill}; lost at most: {lost_at_most}")
             return got
 
         await eventually(

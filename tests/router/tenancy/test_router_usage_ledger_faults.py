@@ -85,9 +85,9 @@ class Unavailable:
         return await self.kv.get(key)
 
 
-def _ledger(kv: object, now: list[float], wait_s: float = 2.0) -> tuple[UsageTable, Ledger]:
+def _ledger(kv: object, now: list[float], interval_s: float = 0.1) -> tuple[UsageTable, Ledger]:
     table = UsageTable(since=100.0, clock=lambda: now[0])
-    return table, Ledger(table, kv, "w0", lambda: True, lambda: now[0], wait_s=wait_s)  # type: ignore[arg-type]
+    return table, Ledger(table, kv, "w0", lambda: True, lambda: now[0], interval_s=interval_s)  # type: ignore[arg-type]
 
 
 def _totals(hours: list[UsageHour]) -> list[tuple[str, int, int]]:
@@ -112,25 +112,19 @@ async def test_a_writer_cancelled_mid_flush_keeps_what_it_took(prefix: str, nc: 
 
 
 @pytest.mark.slow
-async def test_while_jetstream_fails_answers_do_not_wait_and_usage_is_written_when_it_is_back(
+async def test_while_jetstream_fails_usage_is_kept_and_written_when_it_is_back(
     prefix: str, nc: NATS, caplog: pytest.LogCaptureFixture
 ) -> None:
     kv = await bus.ensure_kv(nc.jetstream(), Subjects(prefix).bucket_usage)
     down = Unavailable(kv)
     table, ledger = _ledger(down, [NOW])
     writer = asyncio.create_task(ledger.run())
-    loop = asyncio.get_running_loop()
     caplog.set_level(logging.INFO, logger="llmgw_router.tenancy.ledger")
     try:
         table.add("k1", "m1", (5, 7))
-        await table.settled()  # the first answer finds out (its wait ends with the failed flush)
-        started = loop.time()
         for _ in range(20):
             table.add("k1", "m1", (1, 1))
-            await table.settled()
-        assert loop.time() - started < 0.5  # not 20 waits of 2 s
-        assert ledger.failing
-        assert ledger._waiters == []
+        await eventually(lambda: ledger.failing, timeout=5, what="the first write failing")
         await asyncio.sleep(1.2)  # the writer retries (every 0.5 s) and fails again: one warning
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1 and "ServiceUnavailable" in warnings[0].getMessage()
@@ -149,13 +143,45 @@ async def test_while_jetstream_fails_answers_do_not_wait_and_usage_is_written_wh
             await writer
 
 
-async def test_a_waiter_that_timed_out_leaves_the_list(prefix: str, nc: NATS) -> None:
+@pytest.mark.slow
+async def test_a_burst_is_written_at_most_once_per_interval_and_whole(prefix: str, nc: NATS) -> None:
     kv = await bus.ensure_kv(nc.jetstream(), Subjects(prefix).bucket_usage)
-    table, ledger = _ledger(Gated(kv), [NOW], wait_s=0.05)  # no writer runs: nothing acknowledges
-    for _ in range(3):
+    table, ledger = _ledger(kv, [NOW], interval_s=0.1)
+    writer = asyncio.create_task(ledger.run())
+    loop = asyncio.get_running_loop()
+    try:
+        began = loop.time()
+        for _ in range(200):
+            table.add("k1", "m1", (1, 1))
+            await asyncio.sleep(0.005)
+        spent = loop.time() - began
+        await eventually(lambda: ledger.written == table.version, timeout=5, what="the burst written")
+        # Paced: one write, then at most one per interval (not one per answer, nor per round trip).
+        assert ledger.writes <= spent / 0.1 + 2, (ledger.writes, spent)
+        assert _totals(await read_hours(kv)) == [("1970-01-01T10", 200, 400)]
+    finally:
+        writer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await writer
+
+
+async def test_nothing_is_tried_while_the_bus_is_away_and_all_is_written_after(prefix: str, nc: NATS) -> None:
+    kv = await bus.ensure_kv(nc.jetstream(), Subjects(prefix).bucket_usage)
+    up = [False]
+    table = UsageTable(since=100.0, clock=lambda: NOW)
+    ledger = Ledger(table, kv, "w0", lambda: up[0], lambda: NOW, interval_s=0.05)
+    writer = asyncio.create_task(ledger.run())
+    try:
         table.add("k1", "m1", (1, 1))
-        await table.settled()
-    assert ledger._waiters == []
+        await asyncio.sleep(0.3)
+        assert ledger.writes == 0 and table.dirty == {10 * HOUR}
+        up[0] = True
+        await eventually(lambda: ledger.writes > 0, timeout=5, what="the write once the bus is back")
+        assert _totals(await read_hours(kv)) == [("1970-01-01T10", 1, 2)]
+    finally:
+        writer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await writer
 
 
 async def test_an_hour_that_cannot_be_written_holds_no_other_and_a_deleted_key_is_written_again(

@@ -26,9 +26,6 @@ class Ledger(Protocol):
     def kick(self) -> None:
         """Something was added: write soon."""
 
-    async def settled(self, version: int) -> None:
-        """Return once the table's ``version`` is written (or at once when writes cannot wait)."""
-
 
 # OpenAI's chat and completions name them prompt/completion; the Responses API and Anthropic's
 # Messages input/output (whose ``input_tokens_details`` the closing quote keeps out).
@@ -104,12 +101,6 @@ class UsageTable:
         self.version += 1
         if self.ledger is not None:
             self.ledger.kick()
-
-    async def settled(self) -> None:
-        """Returns once what was added so far is in the durable ledger (or at once without one, or
-        while the bus is away): awaited before the end of an answer reaches its client."""
-        if self.ledger is not None:
-            await self.ledger.settled(self.version)
 
     def report(self, router: str, now: float) -> UsageReport:
         self.seq += 1
