@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from llmgw_agent.converge import Running, Wanted, assignment_fingerprint, plan_converge
 from llmgw_agent.engines import LaunchSpec, Refusal
 from llmgw_agent.metrics import VLLM_METRICS
@@ -70,3 +72,16 @@ def test_adoptable_refused_or_already_running_is_stopped_not_adopted() -> None:
     assert (p.adopt, p.stop_orphans, p.start) == ([], [A], [])
     p2 = plan_converge({A: Wanted("1", Refusal(NO_GPU))}, {}, {A: "1"})
     assert (p2.adopt, p2.stop_orphans, p2.refuse) == ([], [A], [A])
+
+
+def test_a_field_added_later_changes_no_running_shards_fingerprint() -> None:
+    from llmgw_agent.converge import assignment_fingerprint
+    from llmgw_common.catalog import CacheRouting
+    from llmgw_common.messages import ShardAssignment
+
+    a = ShardAssignment(replica_id="r1", shard=0, model="m", engine="sim", port=9000)
+    # The fingerprint an agent from before ``cache_routing`` computed: the dump without that field.
+    before = hashlib.sha256(a.model_dump_json(exclude={"cache_routing"}).encode()).hexdigest()[:16]
+    assert assignment_fingerprint(a) == before
+    off = a.model_copy(update={"cache_routing": CacheRouting.OFF})
+    assert assignment_fingerprint(off) != before  # set, it is asked of the shard: the engine follows

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmgw_common.catalog import Catalog, ModelProfile
+from llmgw_common.catalog import CacheRouting, Catalog, ModelProfile
 from llmgw_common.names import NodeName, RouterId
 
 
@@ -157,6 +157,9 @@ class ShardAssignment(Message):
     startup_timeout_s: float = 600.0
     # Engine-specific options from the catalog profile (e.g. the simulator's timing).
     options: dict[str, Any] = Field(default_factory=dict)
+    # The profile's routing by cached prefix (None: the engine's default): whether the engine publishes
+    # its KV-cache events for the agent to relay.
+    cache_routing: CacheRouting | None = None
 
 
 class Assignment(Message):
@@ -224,6 +227,8 @@ SPEC_FIELDS = (
     "nodes",
     "min_memory_gb",
     "node_selector",
+    # The engine's flags follow it (KV events on or off).
+    "cache_routing",
 )
 
 
@@ -242,6 +247,7 @@ class ReplicaSpec(Message):
     nodes: int = 1
     min_memory_gb: float | None = None
     node_selector: dict[str, str] = Field(default_factory=dict)
+    cache_routing: CacheRouting | None = None
 
     @classmethod
     def of(cls, profile: ModelProfile) -> ReplicaSpec:

@@ -27,9 +27,15 @@ from llmgw_common.messages import ShardAssignment
 ShardKey = tuple[str, int]
 
 
+# Fields added to ShardAssignment after engines were running: left out of the fingerprint while at their
+# default, so an upgrade of the agent or the control plane restarts no engine.
+_LATER_FIELDS = ("cache_routing",)
+
+
 def assignment_fingerprint(a: ShardAssignment) -> str:
     """A short hash of everything the control plane asked of this shard."""
-    return hashlib.sha256(a.model_dump_json().encode()).hexdigest()[:16]
+    unset = {f for f in _LATER_FIELDS if getattr(a, f) is None}
+    return hashlib.sha256(a.model_dump_json(exclude=unset or None).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,6 +72,7 @@ def shard_assignments(
             env=dict(spec.env),
             startup_timeout_s=spec.startup_timeout_s,
             options=dict(spec.options),
+            cache_routing=spec.cache_routing,
         )
         for s in shards
     ]
