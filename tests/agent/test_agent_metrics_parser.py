@@ -57,3 +57,16 @@ def test_the_parser_is_much_faster_than_prometheus_client_on_that_page() -> None
 
     # Measured 2 ms against 27-45 ms; a factor of 3 leaves room for a loaded machine.
     assert best(parse_prometheus) * 3 < best(_library_sums)
+
+
+def test_the_engines_prefix_cache_counters_are_read_and_absent_stays_unknown() -> None:
+    page = VLLM_PAGE.replace(
+        'vllm:prefix_cache_queries_total{engine="0",model_name="minilm"} 0.0',
+        'vllm:prefix_cache_queries_total{engine="0",model_name="minilm"} 2048.0',
+    )
+    assert page != VLLM_PAGE
+    load = extract_load(parse_prometheus(page), VLLM_METRICS)
+    assert load.prefix_queries == 2048.0 and load.prefix_hits == 0.0
+    # llama.cpp exports none: not known, never 0.
+    bare = extract_load(parse_prometheus("llamacpp:requests_processing 1\n"), VLLM_METRICS)
+    assert bare.prefix_queries is None and bare.prefix_hits is None

@@ -116,11 +116,19 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return out
 
 
+# vLLM's own prefix-cache counters (tokens looked up, tokens found cached since the engine started); the
+# simulator in vLLM's style has them too, llama.cpp none. For operators: predicted against engine hit rate.
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+
+
 @dataclass(frozen=True, slots=True)
 class LoadSample:
     running: float | None
     waiting: float | None
     kv_use: float | None
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
 
 
 def extract_load(samples: Mapping[str, float], names: MetricNames) -> LoadSample:
@@ -134,4 +142,6 @@ def extract_load(samples: Mapping[str, float], names: MetricNames) -> LoadSample
         running=samples.get(names.running) if names.running else None,
         waiting=samples.get(names.waiting) if names.waiting else None,
         kv_use=kv,
+        prefix_queries=samples.get(PREFIX_QUERIES),
+        prefix_hits=samples.get(PREFIX_HITS),
     )

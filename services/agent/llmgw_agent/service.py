@@ -217,6 +217,8 @@ class Agent:
             running=load.running,
             waiting=load.waiting,
             kv_use=load.kv_use,
+            prefix_queries=load.prefix_queries,
+            prefix_hits=load.prefix_hits,
         )
 
     async def load_report(self) -> LoadReport:
