@@ -1,10 +1,12 @@
 """bench/kv_routing.py's clusters: ``llmgw up`` over simulated nodes, or real vLLM; and extra routers.
 
-Each llmgw mode is a catalog or settings choice over one cluster: ``cache_routing`` is the model's
-catalog switch (applied with ``llmgw ctl catalog apply``, which restarts nothing), today's text-hash
-affinity the router setting ``prefix_affinity`` (a router group of its own). The routers are ordinary
-``llmgw router`` processes on the cluster's bus, so the engines' events flow engine -> agent -> bus ->
-routers as in production.
+Each llmgw mode is a catalog or settings choice: ``cache_routing`` is a model's catalog switch, today's
+text-hash affinity the router setting ``prefix_affinity`` (a router group of its own). The switch is
+part of a replica's spec (the engines' flags follow it: KV events on or off), so applying another mode
+rolls every replica: new engines, empty caches. So the catalog holds one twin model per mode wanted,
+``bench-<mode>``, alike but for the switch, side by side on the same nodes, and the cases interleave
+over them with no catalog change. The routers are ordinary ``llmgw router`` processes on the
+cluster's bus: the engines' events flow engine -> agent -> bus -> routers as in production.
 """
 
 from __future__ import annotations
@@ -28,20 +30,25 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from tests.kit.ports import free_port  # noqa: E402
 
-MODEL = "bench"
 GPU = "H100-80GB"
 GPUS_PER_NODE = 4
 VLLM_MAX_MODEL_LEN = 4096
 
 
-def sim_catalog(replicas: int, mode: str | None, sim: dict[str, Any]) -> str:
+def model_for(mode: str) -> str:
+    """The twin model whose catalog ``cache_routing`` is ``mode``."""
+    return f"bench-{mode}"
+
+
+def sim_catalog(replicas: int, modes: list[str], sim: dict[str, Any]) -> str:
     # engine vllm on simulated nodes: the simulator with vLLM's metric names; options it does not know
     # yet (block_size, prefill_tokens_per_s before the prefix cache lands) are dropped by the agent.
-    m: dict[str, Any] = {"name": MODEL, "engine": "vllm", "gpu_class": GPU, "gpus_per_node": 1}
-    m.update(replicas=replicas, options=sim)
-    if mode is not None:
-        m["cache_routing"] = mode
-    return yaml.safe_dump({"models": [m]}, sort_keys=False)
+    models = [
+        {"name": model_for(m), "engine": "vllm", "gpu_class": GPU, "gpus_per_node": 1, "replicas": replicas,
+         "cache_routing": m, "options": sim}
+        for m in modes
+    ]  # fmt: skip
+    return yaml.safe_dump({"models": models}, sort_keys=False)
 
 
 def fleet(replicas: int) -> str:
@@ -84,7 +91,6 @@ class Cluster:
     prefix: str = "llmgw"
     key: str = ""
     catalog: str = ""
-    mode: str | None = None
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     closers: list[Any] = field(default_factory=list)
 
@@ -105,65 +111,24 @@ class Cluster:
             raise RuntimeError(f"llmgw ctl {' '.join(args)}: {r.stderr.strip()[-400:]}")
         return r.stdout
 
-    def replicas(self) -> tuple[list[dict[str, Any]], list[str]]:
+    def replicas(self, model: str) -> tuple[list[dict[str, Any]], list[str]]:
         """The model's ready replicas, and the errors of those that failed lately."""
-        reply = json.loads(self.ctl("replicas", "--model", MODEL, "-o", "json"))
+        reply = json.loads(self.ctl("replicas", "--model", model, "-o", "json"))
         ready = [r for r in reply.get("replicas", []) if r.get("state") == "ready" and r.get("endpoint")]
         return ready, [str(r.get("error")) for r in reply.get("failed", [])]
 
-    def wait_engines(self, count: int, timeout: float) -> list[dict[str, Any]]:
+    def wait_engines(self, model: str, count: int, timeout: float) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout
         seen: list[dict[str, Any]] = []
         failed: list[str] = []
         while time.monotonic() < deadline:
             with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired, ValueError):
-                seen, failed = self.replicas()
+                seen, failed = self.replicas(model)
                 if len(seen) >= count:
                     return seen
             time.sleep(1.0)
         why = f"; {len(failed)} failed, the last: {failed[0][-600:]}" if failed else ""
-        raise RuntimeError(f"{len(seen)} of {count} replicas of {MODEL} ready after {timeout:.0f} s{why}")
-
-    def set_mode(self, mode: str | None, settle_s: float) -> None:
-        """The model's ``cache_routing`` (None: the engine's default); routers follow the catalog."""
-        if mode == self.mode:
-            return
-        doc = yaml.safe_load(self.catalog)
-        for m in doc["models"]:
-            m.pop("cache_routing", None)
-            if mode is not None:
-                m["cache_routing"] = mode
-        text = yaml.safe_dump(doc, sort_keys=False)
-        path = self.root / "catalog-applied.yaml"
-        path.write_text(text)
-        self.ctl("catalog", "apply", str(path))
-        self.catalog, self.mode = text, mode
-        time.sleep(settle_s)
-        # The switch is the routers': were it a field of the replicas' spec, the apply would roll every
-        # replica (new engines, empty caches, new URLs) and the cases after it would compare nothing.
-        reply = json.loads(self.ctl("replicas", "--model", MODEL, "-o", "json"))
-        if any(r.get("outdated") for r in reply.get("replicas", [])):
-            raise RuntimeError(f"applying cache_routing {mode} rolls the replicas: it cannot switch per case")
-        # Where routers report their mode (ctl models' cache, merged over them), wait until it is this.
-        if mode is None:
-            return
-        deadline = time.monotonic() + 15.0
-        while time.monotonic() < deadline:
-            seen = self.reported_mode()
-            if seen is None or seen == mode:
-                return
-            time.sleep(1.0)
-        print(
-            f"kv_routing: routers still report mode {self.reported_mode()} after applying {mode}", flush=True
-        )
-
-    def reported_mode(self) -> str | None:
-        """The model's routing mode as the routers report it (``ctl models``), None where none does."""
-        with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired, ValueError):
-            for m in json.loads(self.ctl("models", "-o", "json")).get("models", []):
-                if m.get("name") == MODEL and m.get("cache"):
-                    return str(m["cache"].get("mode"))
-        return None
+        raise RuntimeError(f"{len(seen)} of {count} replicas of {model} ready after {timeout:.0f} s{why}")
 
     def close(self) -> None:
         for c in reversed(self.closers):
@@ -172,10 +137,10 @@ class Cluster:
             stop_group(p, 60.0)
 
 
-def start_up(root: Path, replicas: int, mode: str | None, sim: dict[str, Any], timeout: float) -> Cluster:
+def start_up(root: Path, replicas: int, modes: list[str], sim: dict[str, Any], timeout: float) -> Cluster:
     """``llmgw up --fleet F --catalog C --data-dir D`` as a process; returns once it serves."""
-    (root / "fleet.yaml").write_text(fleet(replicas))
-    catalog = sim_catalog(replicas, mode, sim)
+    (root / "fleet.yaml").write_text(fleet(replicas * len(modes)))
+    catalog = sim_catalog(replicas, modes, sim)
     (root / "catalog.yaml").write_text(catalog)
     data = root / "up"
     argv = [
@@ -192,7 +157,7 @@ def start_up(root: Path, replicas: int, mode: str | None, sim: dict[str, Any], t
     argv += ["--no-local-agent", "--ready-timeout", str(int(timeout))]
     with (root / "up.log").open("wb") as log:
         p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    c = Cluster(root, catalog=catalog, mode=mode, procs=[p])
+    c = Cluster(root, catalog=catalog, procs=[p])
     deadline = time.monotonic() + timeout
     state: dict[str, Any] = {}
     while time.monotonic() < deadline:
@@ -211,8 +176,8 @@ def start_up(root: Path, replicas: int, mode: str | None, sim: dict[str, Any], t
     return c
 
 
-def start_vllm(root: Path, mode: str | None, timeout: float) -> Cluster:
-    """Two real vLLM replicas of Gemma 3 270M, one core each (the tests' cluster, tests/vllm)."""
+def start_vllm(root: Path, modes: list[str], timeout: float) -> Cluster:
+    """Two real vLLM replicas of Gemma 3 270M per mode, one on each core (the tests' cluster, tests/vllm)."""
     from tests.chaos.chaos_waits import mint_key
     from tests.vllm.vllm_cluster import SETTINGS, VllmCluster, catalog_yaml, profile
     from tests.vllm.vllm_kit import GEMMA, ONE_WORKER_ARGS, find_vllm
@@ -228,12 +193,12 @@ def start_vllm(root: Path, mode: str | None, timeout: float) -> Cluster:
         "--enable-prefix-caching",
         *ONE_WORKER_ARGS,
     )
-    entry = profile(MODEL, GEMMA, replicas=2, args=args)
-    if mode is not None:
-        entry["cache_routing"] = mode
-    catalog = catalog_yaml(entry)
+    entries = [profile(model_for(m), GEMMA, replicas=2, args=args) for m in modes]
+    for e, m in zip(entries, modes, strict=True):
+        e["cache_routing"] = m
+    catalog = catalog_yaml(*entries)
     vc = VllmCluster(root, prefix="kvb", settings=dict(SETTINGS), catalog=catalog, install=install)
-    c = Cluster(root, prefix="kvb", catalog=catalog, mode=mode, closers=[vc.close])
+    c = Cluster(root, prefix="kvb", catalog=catalog, closers=[vc.close])
     try:
         vc.start_nats()
         vc.start_controlplane()
@@ -241,7 +206,8 @@ def start_vllm(root: Path, mode: str | None, timeout: float) -> Cluster:
         vc.start_real_agent("node-b", "1")
         c.nats_url = vc.nats_url
         c.key = mint_key(vc)
-        c.wait_engines(2, timeout)
+        for m in modes:
+            c.wait_engines(model_for(m), 2, timeout)
     except BaseException:
         c.close()
         raise
@@ -299,9 +265,10 @@ class Routers:
 
 @dataclass
 class IndexWatch:
-    """The KV index size one router reports for the bench's model in its demand reports (every tick,
+    """The KV index size one router reports for ``model`` in its demand reports (every tick,
     ``ModelDemand.cache.index_blocks``): (router start, sent at, blocks) of the latest."""
 
+    model: str
     latest: tuple[float, float, int] | None = None
 
     def on_report(self, data: bytes) -> None:
@@ -309,12 +276,14 @@ class IndexWatch:
         from llmgw_common.router_messages import DemandReport
 
         r = decode(data, DemandReport)
-        m = r.models.get(MODEL)
+        m = r.models.get(self.model)
         if m is not None and m.cache is not None:
             self.latest = (r.since, r.sent_at, m.cache.index_blocks)
 
 
-async def restart_to_full_index(c: Cluster, group: Routers, timeout: float) -> tuple[float | None, str]:
+async def restart_to_full_index(
+    c: Cluster, group: Routers, model: str, timeout: float
+) -> tuple[float | None, str]:
     """Restart router 0 of ``group``; seconds from its new process's start until the index it reports
     holds what the old one's last report held (99 %: the engines evict meanwhile)."""
     from nats.aio.msg import Msg
@@ -324,7 +293,7 @@ async def restart_to_full_index(c: Cluster, group: Routers, timeout: float) -> t
     from llmgw_runtime.settings import BusSettings
 
     nc = await bus.connect(BusSettings(nats_urls=[c.nats_url], prefix=c.prefix), "kv-bench", wait=False)
-    watch = IndexWatch()
+    watch = IndexWatch(model)
 
     async def cb(msg: Msg) -> None:
         watch.on_report(msg.data)
@@ -341,10 +310,15 @@ async def restart_to_full_index(c: Cluster, group: Routers, timeout: float) -> t
             return None, "the index was empty before the restart"
         # A faster tick for the restarted router only: its reports then tell the moment within 0.25 s.
         start = group.restart(0, {"LLMGW_TICK_S": "0.25"})
+        first: float | None = None  # the new process's first report (its start, Python's imports included)
         while time.time() - start < timeout:
             now = watch.latest
-            if now is not None and now[0] >= start and now[2] >= 0.99 * before:
-                return now[1] - start, f"{now[2]:,} of {before:,} blocks"
+            if now is not None and now[0] >= start:
+                first = now[1] - start if first is None else first
+                if now[2] >= 0.99 * before:
+                    return now[
+                        1
+                    ] - start, f"{now[2]:,} of {before:,} blocks; its first report at {first:.2f} s"
             await asyncio.sleep(0.05)
         return None, f"index not full {timeout:.0f} s after the restart ({watch.latest})"
     finally:

@@ -1,5 +1,11 @@
 """KV-cache-aware routing, measured side by side (issue 32): llmgw's modes and the Rust peers, one run,
-the same engines, cases interleaved.
+one cluster, cases interleaved.
+
+A model's ``cache_routing`` is part of its replicas' spec (the engines' KV-event flags follow it), so
+the catalog holds a twin model per mode, ``bench-off``, ``bench-events`` (bench/kv_cluster.py), the
+same in all else, side by side on the same nodes. ``ll`` and ``affinity`` run on ``bench-off``'s
+engines; ``kv``, ``kv1`` and every peer on ``bench-events``' (the peers need no mode; ``vr-kv`` needs
+the events).
 
 Targets (``--targets``; default all but ``approx``, and --quick and --vllm leave ``kv1`` out too):
 
@@ -80,7 +86,8 @@ class Target:
     pids: list[int]
     headers: dict[str, str] = field(default_factory=dict)
     peer_specs: list[kp.PeerSpec] = field(default_factory=list)
-    mode: str | None = None  # the catalog's cache_routing for llmgw targets; None for peers
+    model: str = ""  # the twin model whose engines it routes to
+    engines: list[str] = field(default_factory=list)
     llmgw: bool = True
 
 
@@ -113,7 +120,7 @@ def sim_options() -> tuple[dict[str, Any], list[str]]:
 
 async def works(t: Target, timeout: float) -> str | None:
     """None once one short chat goes through ``t``'s every URL, else the last failure."""
-    body = {"model": kc.MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 2}
+    body = {"model": t.model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 2}
     deadline = time.monotonic() + timeout
     last = "not tried"
     async with aiohttp.ClientSession(headers=t.headers, timeout=aiohttp.ClientTimeout(total=20)) as s:
@@ -132,8 +139,17 @@ async def works(t: Target, timeout: float) -> str | None:
     return None
 
 
-def llmgw_targets(a: argparse.Namespace, c: kc.Cluster) -> tuple[list[Target], dict[str, kc.Routers]]:
-    """The llmgw modes: two router groups (plain; with today's affinity), the mode a catalog switch."""
+def modes_wanted(targets: list[str]) -> list[str]:
+    """The twin models a run needs: a mode per llmgw target; the peers run on the events model's engines."""
+    mode = {"ll": "off", "affinity": "off", "kv": "events", "kv1": "events", "approx": "approximate"}
+    want = {mode[t] for t in targets if t in mode} | ({"events"} if set(targets) - set(mode) else set())
+    return [m for m in ("off", "events", "approximate") if m in want]
+
+
+def llmgw_targets(
+    a: argparse.Namespace, c: kc.Cluster, engines: dict[str, list[str]]
+) -> tuple[list[Target], dict[str, kc.Routers]]:
+    """The llmgw modes: two router groups (plain; with today's affinity) over the twin models."""
     auth = {"Authorization": f"Bearer {c.key}"}
     wanted = a.targets.split(",")
     plain = aff = None
@@ -152,7 +168,8 @@ def llmgw_targets(a: argparse.Namespace, c: kc.Cluster) -> tuple[list[Target], d
     ):
         if key in wanted and group is not None:
             pids = [p.pid for p in group.procs[:k]]
-            out.append(Target(key, label, group.urls[:k], pids, headers=auth, mode=mode))
+            m = kc.model_for(mode)
+            out.append(Target(key, label, group.urls[:k], pids, headers=auth, model=m, engines=engines[m]))
     return out, {g.name: g for g in (plain, aff) if g is not None}
 
 
@@ -203,26 +220,29 @@ def peer_specs(
 def build_targets(
     a: argparse.Namespace,
     c: kc.Cluster,
-    engines: list[dict[str, Any]],
+    replicas: dict[str, list[dict[str, Any]]],
     skipped: dict[str, str],
     notes: list[str],
 ) -> tuple[list[Target], dict[str, kc.Routers]]:
-    out, groups = llmgw_targets(a, c)
-    for key, specs in peer_specs(a, engines, skipped, notes):
+    engines = {m: [str(r["endpoint"]) for r in rs] for m, rs in replicas.items()}
+    out, groups = llmgw_targets(a, c, engines)
+    peer_model = kc.model_for("events")
+    for key, specs in peer_specs(a, replicas.get(peer_model, []), skipped, notes):
         procs = [kp.start_peer(s, c.root / f"peer-{key}.log") for s in specs]
         c.procs.extend(procs)
         label = f"{specs[0].name} x{len(procs)}"
         pids = [p.pid for p in procs]
-        out.append(Target(key, label, [s.url for s in specs], pids, peer_specs=specs, llmgw=False))
+        out.append(
+            Target(key, label, [s.url for s in specs], pids, peer_specs=specs, llmgw=False,
+                   model=peer_model, engines=engines[peer_model])
+        )  # fmt: skip
     return out, groups
 
 
 # ---------------------------------------------------------------- the run
 
 
-async def run_cases(
-    a: argparse.Namespace, c: kc.Cluster, targets: list[Target], engines: list[str], scale: kw.Scale
-) -> list[Row]:
+async def run_cases(a: argparse.Namespace, targets: list[Target], scale: kw.Scale) -> list[Row]:
     rows: list[Row] = []
     for wl in a.workloads.split(","):
         for rnd in range(a.rounds):
@@ -231,14 +251,12 @@ async def run_cases(
             if rnd % 2:
                 order.reverse()
             for t in order:
-                if t.llmgw:
-                    c.set_mode(t.mode, a.settle)
                 scripts = kw.sessions(wl, scale, a.seed + rnd, tag=f"{wl}-{rnd}-{t.key}-{a.seed}")
-                before = await kw.engine_counters(engines)
+                before = await kw.engine_counters(t.engines)
                 cpu0 = kc.tree_cpu_s(t.pids)
-                tally = await kw.run_case(t.urls, t.headers, kc.MODEL, scripts, a.request_timeout)
+                tally = await kw.run_case(t.urls, t.headers, t.model, scripts, a.request_timeout)
                 cpu = kc.tree_cpu_s(t.pids) - cpu0
-                after = await kw.engine_counters(engines)
+                after = await kw.engine_counters(t.engines)
                 computed, queried, hits = kw.cache_delta(before, after)
                 hit = hits / queried if queried else None
                 row = Row(wl, t.key, rnd, tally.ok + len(tally.errors), len(tally.errors), tally.seconds,
@@ -306,9 +324,9 @@ async def main(a: argparse.Namespace) -> int:
     scale = kw.VLLM_SMOKE if a.vllm else (kw.QUICK if a.quick else kw.FULL)
     skipped: dict[str, str] = {}
     notes: list[str] = []
-    first_mode = "off"
+    modes = modes_wanted(a.targets.split(","))
     if a.vllm:
-        c = await asyncio.to_thread(kc.start_vllm, root, first_mode, a.start_timeout)
+        c = await asyncio.to_thread(kc.start_vllm, root, modes, a.start_timeout)
         want = 2
     else:
         sim, unknown = sim_options()
@@ -316,14 +334,16 @@ async def main(a: argparse.Namespace) -> int:
             notes.append(
                 f"this simulator lacks {', '.join(unknown)}: no prefix cache, every prompt token computed"
             )
-        c = await asyncio.to_thread(kc.start_up, root, a.replicas, first_mode, sim, a.start_timeout)
+        c = await asyncio.to_thread(kc.start_up, root, a.replicas, modes, sim, a.start_timeout)
         want = a.replicas
     try:
-        replicas = await asyncio.to_thread(c.wait_engines, want, a.start_timeout)
-        engines = [str(r["endpoint"]) for r in replicas]
+        replicas = {}
+        for m in modes:
+            name = kc.model_for(m)
+            replicas[name] = await asyncio.to_thread(c.wait_engines, name, want, a.start_timeout)
+        took = time.monotonic() - t_start
         print(
-            f"kv_routing: {len(engines)} engines serving {time.monotonic() - t_start:.0f} s after start",
-            flush=True,
+            f"kv_routing: {want} engines for each of {', '.join(replicas)} serving {took:.0f} s after start"
         )
         targets, groups = build_targets(a, c, replicas, skipped, notes)
         for t in list(targets):
@@ -335,7 +355,7 @@ async def main(a: argparse.Namespace) -> int:
             print(f"kv_routing: SKIPPED {k}: {why}", flush=True)
         took = time.monotonic() - t_start
         print(f"kv_routing: targets {', '.join(t.label for t in targets)} ({took:.0f} s)", flush=True)
-        rows = await run_cases(a, c, targets, engines, scale)
+        rows = await run_cases(a, targets, scale)
         vr_kv = next((t for t in targets if t.key == "vr-kv"), None)
         if vr_kv is not None:
             seen = await kp.kv_lookups(vr_kv.peer_specs)
@@ -343,8 +363,7 @@ async def main(a: argparse.Namespace) -> int:
         idx_s: float | None = None
         idx_note = "no llmgw kv target"
         if any(t.key == "kv" for t in targets):
-            c.set_mode("events", a.settle)
-            idx_s, idx_note = await kc.restart_to_full_index(c, groups["kvb"], 30.0)
+            idx_s, idx_note = await kc.restart_to_full_index(c, groups["kvb"], kc.model_for("events"), 30.0)
     finally:
         t_close = time.monotonic()
         await asyncio.to_thread(c.close)
@@ -377,11 +396,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--rounds", type=int, default=None, help="cases per workload and target (default 2; quick 1)"
     )
-    ap.add_argument("--replicas", type=int, default=16, help="simulated replicas")
+    ap.add_argument("--replicas", type=int, default=16, help="simulated replicas of each twin model")
     ap.add_argument("--routers", type=int, default=None, help="routers per llmgw group (default 3; vllm 1)")
     ap.add_argument("--peer-routers", type=int, default=None, help="instances per peer (default: --routers)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--settle", type=float, default=2.0, help="seconds after a catalog apply")
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--no-install", action="store_true", help="do not install the peers; skip them if absent")
