@@ -206,13 +206,18 @@ class ChaosCluster:
         )
 
     def start_router(
-        self, name: str = "router", port: int | None = None, launcher: list[str] | None = None
+        self,
+        name: str = "router",
+        port: int | None = None,
+        launcher: list[str] | None = None,
+        admin_port: int = 0,
     ) -> Proc:
+        """``admin_port``: where its /metrics is served (0: a free port nobody is told)."""
         old = self.procs.get(name)
         port = port or (old.port if old is not None and old.port else free_port())
         p = self._proc(
             name,
-            ["router", "--port", str(port), "--admin-port", "0", "--router-id", name],
+            ["router", "--port", str(port), "--admin-port", str(admin_port), "--router-id", name],
             {},
             launcher,
         )
