@@ -102,18 +102,23 @@ async def closed_by_peer(reader: asyncio.StreamReader, timeout: float) -> bytes:
 
 
 class CountingUpstream:
-    """A real HTTP server that answers every POST with ``status`` and counts the requests it got."""
+    """A real HTTP server that answers every POST with ``status`` (an error naming ``message``, or
+    ``answer`` when given) and keeps the bodies it got."""
 
-    def __init__(self, status: int, message: str) -> None:
-        self.status, self.message = status, message
-        self.hits = 0
+    def __init__(self, status: int, message: str = "", answer: dict[str, Any] | None = None) -> None:
+        self.status, self.message, self.answer = status, message, answer
+        self.bodies: list[bytes] = []
         self.runner: web.AppRunner | None = None
         self.url = ""
 
+    @property
+    def hits(self) -> int:
+        return len(self.bodies)
+
     async def _answer(self, request: web.Request) -> web.Response:
-        self.hits += 1
-        await request.read()
-        return web.json_response({"error": {"message": self.message}}, status=self.status)
+        self.bodies.append(await request.read())
+        body = self.answer if self.answer is not None else {"error": {"message": self.message}}
+        return web.json_response(body, status=self.status)
 
     async def __aenter__(self) -> CountingUpstream:
         app = web.Application()

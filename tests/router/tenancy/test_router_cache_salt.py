@@ -11,65 +11,44 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from llmgw_common.messages import CacheScope
 from llmgw_router.tenancy.salt import salt_for
 from llmgw_runtime.apikeys import generate_key, hash_key
-from tests.router.router_helpers import RouterFactory, StaticFile
+from tests.router.router_helpers import CountingUpstream, RouterFactory, StaticFile
 
 SHARED, APART, TEAM_A, TEAM_B = (generate_key() for _ in range(4))
 
 
-class RecordingEngine:
-    """Answers every POST with a small chat completion and keeps the raw bodies."""
+CHAT_ANSWER = {
+    "id": "x",
+    "object": "chat.completion",
+    "choices": [],
+    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+}
 
-    def __init__(self) -> None:
-        self.bodies: list[bytes] = []
-        self.url = ""
-        self.runner: web.AppRunner | None = None
 
-    async def _answer(self, request: web.Request) -> web.Response:
-        self.bodies.append(await request.read())
-        return web.json_response(
-            {"id": "x", "object": "chat.completion", "choices": [], "usage": {"prompt_tokens": 1,
-             "completion_tokens": 1, "total_tokens": 2}}
-        )  # fmt: skip
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_post("/{tail:.*}", self._answer)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = self.runner.addresses[0][:2]
-        self.url = f"http://{host}:{port}"
-
-    def last(self) -> dict[str, Any]:
-        got: dict[str, Any] = json.loads(self.bodies[-1])
-        return got
+def last(eng: CountingUpstream) -> dict[str, Any]:
+    got: dict[str, Any] = json.loads(eng.bodies[-1])
+    return got
 
 
 @pytest.fixture
 async def setup(
     routers: RouterFactory, static_file: StaticFile
-) -> AsyncIterator[tuple[str, RecordingEngine]]:
-    eng = RecordingEngine()
-    await eng.start()
-    keys = [
-        {"name": "shared", "hash": hash_key(SHARED)},
-        {"name": "apart", "id": "k-apart", "hash": hash_key(APART), "cache_scope": "key"},
-        # Two keys of no team in team scope: each kept to itself, never sharing with the other.
-        {"name": "ta", "id": "k-ta", "hash": hash_key(TEAM_A), "cache_scope": "team"},
-        {"name": "tb", "id": "k-tb", "hash": hash_key(TEAM_B), "cache_scope": "team"},
-    ]
-    static = static_file({"m": [eng.url]}, keys=keys)
-    static["models"][0]["apis"] = ["chat", "completions", "messages", "embeddings"]
-    r = await routers(static)
-    yield f"http://127.0.0.1:{r.port}", eng
-    assert eng.runner is not None
-    await eng.runner.cleanup()
+) -> AsyncIterator[tuple[str, CountingUpstream]]:
+    async with CountingUpstream(200, answer=CHAT_ANSWER) as eng:
+        keys = [
+            {"name": "shared", "hash": hash_key(SHARED)},
+            {"name": "apart", "id": "k-apart", "hash": hash_key(APART), "cache_scope": "key"},
+            # Two keys of no team in team scope: each kept to itself, never sharing with the other.
+            {"name": "ta", "id": "k-ta", "hash": hash_key(TEAM_A), "cache_scope": "team"},
+            {"name": "tb", "id": "k-tb", "hash": hash_key(TEAM_B), "cache_scope": "team"},
+        ]
+        static = static_file({"m": [eng.url]}, keys=keys)
+        static["models"][0]["apis"] = ["chat", "completions", "messages", "embeddings"]
+        r = await routers(static)
+        yield f"http://127.0.0.1:{r.port}", eng
 
 
 async def post(base: str, key: str, path: str, body: dict[str, Any] | bytes) -> tuple[int, dict[str, Any]]:
@@ -89,28 +68,28 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 async def test_a_key_kept_apart_is_salted_with_its_own_and_its_clients_salt_kept(
-    setup: tuple[str, RecordingEngine],
+    setup: tuple[str, CountingUpstream],
 ) -> None:
     base, eng = setup
     assert (await post(base, APART, "/v1/chat/completions", CHAT))[0] == 200
-    assert eng.last()["cache_salt"] == "llmgw:key:k-apart"
+    assert last(eng)["cache_salt"] == "llmgw:key:k-apart"
     assert (await post(base, APART, "/v1/completions", {"model": "m", "prompt": "x", "cache_salt": "s"}))[
         0
     ] == 200
-    assert eng.last()["cache_salt"] == "llmgw:key:k-apart:s"
+    assert last(eng)["cache_salt"] == "llmgw:key:k-apart:s"
     # Anthropic's Messages takes vLLM's cache_salt too.
     msg = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     assert (await post(base, APART, "/v1/messages", msg))[0] == 200
-    assert eng.last()["cache_salt"] == "llmgw:key:k-apart"
+    assert last(eng)["cache_salt"] == "llmgw:key:k-apart"
     # Team scope without a team: each key is kept to itself.
     await post(base, TEAM_A, "/v1/chat/completions", CHAT)
-    a = eng.last()["cache_salt"]
+    a = last(eng)["cache_salt"]
     await post(base, TEAM_B, "/v1/chat/completions", CHAT)
-    assert a != eng.last()["cache_salt"] and a == "llmgw:key:k-ta"
+    assert a != last(eng)["cache_salt"] and a == "llmgw:key:k-ta"
 
 
 async def test_a_shared_keys_body_goes_untouched_and_a_forged_salt_is_refused(
-    setup: tuple[str, RecordingEngine],
+    setup: tuple[str, CountingUpstream],
 ) -> None:
     base, eng = setup
     raw = b'{"model":"m",  "messages":[{"role":"user","content":"hi"}], "cache_salt":"mine"}'
@@ -128,10 +107,10 @@ async def test_a_shared_keys_body_goes_untouched_and_a_forged_salt_is_refused(
     assert len(eng.bodies) == n  # none of the refused reached the engine
 
 
-async def test_embeddings_are_not_salted(setup: tuple[str, RecordingEngine]) -> None:
+async def test_embeddings_are_not_salted(setup: tuple[str, CountingUpstream]) -> None:
     base, eng = setup
     assert (await post(base, APART, "/v1/embeddings", {"model": "m", "input": "x"}))[0] == 200
-    assert "cache_salt" not in eng.last()
+    assert "cache_salt" not in last(eng)
 
 
 def test_salt_for_without_a_key_is_the_clients_own() -> None:

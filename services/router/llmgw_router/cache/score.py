@@ -28,28 +28,18 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
+from llmgw_router.routing.scheduling import LoadView, load_score
 from llmgw_router.routing.scheduling import choose as two_choices
-from llmgw_router.routing.scheduling import load_score
 
 # Prompt tokens of prefill that weigh as much as one request of load.
 DEFAULT_TOKENS_PER_LOAD = 512.0
 
 
-class Candidate(Protocol):
-    """What the choice reads of an endpoint (the router's EndpointState has these fields)."""
+class Candidate(LoadView, Protocol):
+    """What the choice reads of an endpoint: its load (``routing.scheduling.LoadView``) and its replica."""
 
     @property
     def replica_id(self) -> str: ...
-    @property
-    def in_flight(self) -> int: ...
-    @property
-    def running(self) -> float | None: ...
-    @property
-    def waiting(self) -> float | None: ...
-    @property
-    def kv_use(self) -> float | None: ...
-    @property
-    def load_at(self) -> float | None: ...
 
 
 C = TypeVar("C", bound=Candidate)
