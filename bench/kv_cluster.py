@@ -180,19 +180,16 @@ def start_vllm(root: Path, modes: list[str], timeout: float) -> Cluster:
     """Two real vLLM replicas of Gemma 3 270M per mode, one on each core (the tests' cluster, tests/vllm)."""
     from tests.chaos.chaos_waits import mint_key
     from tests.vllm.vllm_cluster import SETTINGS, VllmCluster, catalog_yaml, profile
-    from tests.vllm.vllm_kit import GEMMA, ONE_WORKER_ARGS, find_vllm
+    from tests.vllm.vllm_kit import GEMMA, find_vllm
 
     install = find_vllm()
     if install is None:
         raise RuntimeError("no vLLM install (make vllm; see docs/vllm.md)")
-    # The tests' arguments but a longer context: a conversation's later turns pass the tests' 512.
-    args = (
-        "--max-model-len",
-        str(VLLM_MAX_MODEL_LEN),
-        "--enforce-eager",
-        "--enable-prefix-caching",
-        *ONE_WORKER_ARGS,
-    )
+    # The tests' arguments but a longer context (a conversation's later turns pass the tests' 512), and
+    # without their in-process Worker: with it the engine computes in the API server's own loop, whose
+    # /health then goes unanswered through a long prefill, and the agent stopped such engines mid-run
+    # (3 failed checks in a row; seen in a smoke with two engines on a core).
+    args = ("--max-model-len", str(VLLM_MAX_MODEL_LEN), "--enforce-eager", "--enable-prefix-caching")
     entries = [profile(model_for(m), GEMMA, replicas=2, args=args) for m in modes]
     for e, m in zip(entries, modes, strict=True):
         e["cache_routing"] = m
