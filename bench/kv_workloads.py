@@ -211,9 +211,12 @@ async def run_case(
 # ---------------------------------------------------------------- engine counters
 
 
-async def engine_counters(engines: list[str]) -> dict[str, float]:
-    """The prefix-cache and prompt counters summed over ``engines``; a counter no engine serves is absent."""
-    out: dict[str, float] = {}
+Counters = dict[str, dict[str, float]]  # engine URL -> counter name -> value
+
+
+async def engine_counters(engines: list[str]) -> Counters:
+    """Each engine's prefix-cache and prompt counters (an engine that does not answer is absent)."""
+    out: Counters = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
         for e in engines:
             try:
@@ -221,19 +224,30 @@ async def engine_counters(engines: list[str]) -> dict[str, float]:
                     text = await r.text()
             except (aiohttp.ClientError, TimeoutError):
                 continue
+            mine = out.setdefault(e, {})
             for (name, _), v in samples(text).items():
                 if name in (HITS, QUERIES, PROMPT):
-                    out[name] = out.get(name, 0.0) + v
+                    mine[name] = mine.get(name, 0.0) + v
     return out
 
 
-def cache_delta(before: dict[str, float], after: dict[str, float]) -> tuple[float | None, float, float]:
+def _grew(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    # A counter that fell is an engine that restarted (the agent replaced it): it counted from 0.
+    a, b = after.get(name, 0.0), before.get(name, 0.0)
+    return a - b if a >= b else a
+
+
+def cache_delta(before: Counters, after: Counters) -> tuple[float | None, float, float]:
     """(prompt tokens the engines computed, tokens looked up, tokens found) between two scrapes:
     queries - hits where the cache counters exist, else every prompt token (no cache: all computed)."""
-    if QUERIES in after and HITS in after:
-        q = after[QUERIES] - before.get(QUERIES, 0.0)
-        h = after[HITS] - before.get(HITS, 0.0)
-        return q - h, q, h
-    if PROMPT in after:
-        return after[PROMPT] - before.get(PROMPT, 0.0), 0.0, 0.0
-    return None, 0.0, 0.0
+    computed: float | None = None
+    q = h = 0.0
+    for e, now in after.items():
+        was = before.get(e, {})
+        if QUERIES in now and HITS in now:
+            eq, eh = _grew(was, now, QUERIES), _grew(was, now, HITS)
+            q, h = q + eq, h + eh
+            computed = (computed or 0.0) + eq - eh
+        elif PROMPT in now:
+            computed = (computed or 0.0) + _grew(was, now, PROMPT)
+    return computed, q, h
