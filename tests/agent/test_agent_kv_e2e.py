@@ -16,7 +16,6 @@ from pathlib import Path
 import httpx
 import pytest
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.js.errors import ObjectNotFoundError
 
 from llmgw_agent.service import serve
@@ -24,7 +23,6 @@ from llmgw_agent.settings import AgentSettings
 from llmgw_agent.tokenizer_store import INFO_ENTRY
 from llmgw_common.codec import decode, encode
 from llmgw_common.kvcache import (
-    KvDeltas,
     KvSnapshot,
     KvSnapshotRequest,
     TokenizerInfo,
@@ -37,6 +35,7 @@ from llmgw_common.subjects import Subjects
 from llmgw_runtime.bus import ensure_kv, ensure_object_store
 from llmgw_runtime.natsserver import NatsServer
 from tests.agent.agent_helpers import fake_collect, free_port, shard_of, watch_node
+from tests.kit.kvtap import KvTap
 from tests.kit.poll import eventually
 
 pytestmark = pytest.mark.e2e
@@ -59,30 +58,13 @@ async def test_agent_relays_the_simulators_kv_events(
     )
     subjects = Subjects(prefix)
     seen = await watch_node(nc, prefix, node)
-    deltas: list[KvDeltas] = []
-
-    async def on_kv(msg: Msg) -> None:
-        deltas.append(decode(msg.data, KvDeltas))
-
-    await nc.subscribe(subjects.kv(node), cb=on_kv)
+    tap = await KvTap.on(nc, prefix, node)
     kv = await ensure_kv(nc.jetstream(), subjects.bucket_assign)
     stop = asyncio.Event()
     agent = asyncio.create_task(serve(s, stop, collect=fake_collect))
     port = free_port()
 
-    def held() -> dict[str, set[int]]:
-        out: dict[str, set[int]] = {}
-        for m in deltas:
-            for r in m.replicas:
-                if r.gone:
-                    out.pop(r.replica, None)
-                    continue
-                ks = out.setdefault(r.replica, set())
-                if r.cleared:
-                    ks.clear()
-                ks |= set(r.stored)
-                ks -= set(r.removed)
-        return out
+    held = tap.held
 
     try:
         shard = ShardAssignment(
@@ -115,7 +97,7 @@ async def test_agent_relays_the_simulators_kv_events(
                 return want <= held().get("rs", set())
 
             await eventually(relayed, timeout=20, what="the prompt's blocks relayed")
-        entry = next(r for m in deltas for r in m.replicas if r.replica == "rs" and r.stored)
+        entry = next(r for m in tap.deltas for r in m.replicas if r.replica == "rs" and r.stored)
         assert entry.model == "ms" and entry.block_size == BS
 
         # The ready replica's tokenizer is in the object store: the simulator's, no files.
@@ -139,7 +121,7 @@ async def test_agent_relays_the_simulators_kv_events(
 
         await kv.put(node, encode(Assignment(node=node, fence=1, shards=())))
         await eventually(
-            lambda: any(r.gone for m in deltas for r in m.replicas if r.replica == "rs"),
+            lambda: any(r.gone for m in tap.deltas for r in m.replicas if r.replica == "rs"),
             timeout=20,
             what="the replica announced gone",
         )

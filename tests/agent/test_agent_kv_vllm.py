@@ -17,7 +17,6 @@ from pathlib import Path
 import httpx
 import pytest
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.js.errors import ObjectNotFoundError
 
 from llmgw_agent.engines import LaunchSpec, launch_spec
@@ -26,12 +25,13 @@ from llmgw_agent.service import serve
 from llmgw_agent.settings import AgentSettings
 from llmgw_agent.tokenizer_store import INFO_ENTRY
 from llmgw_common.codec import decode, encode
-from llmgw_common.kvcache import KvDeltas, TokenizerInfo, TokenizerKind, block_keys
+from llmgw_common.kvcache import TokenizerInfo, TokenizerKind, block_keys
 from llmgw_common.messages import Assignment, ShardAssignment, ShardState
 from llmgw_common.subjects import Subjects
 from llmgw_runtime.bus import ensure_kv, ensure_object_store
 from llmgw_runtime.natsserver import NatsServer
 from tests.agent.agent_helpers import fake_collect, free_port, shard_of, watch_node
+from tests.kit.kvtap import KvTap
 from tests.kit.poll import eventually
 from tests.vllm.vllm_kit import BASE_ARGS, ONE_WORKER_ENV, READY_TIMEOUT_S, profile_env, require_vllm
 
@@ -58,28 +58,14 @@ async def test_agent_relays_real_vllm_events_as_the_prompts_block_keys(
     )
     subjects = Subjects(prefix)
     seen = await watch_node(nc, prefix, node)
-    deltas: list[KvDeltas] = []
-
-    async def on_kv(msg: Msg) -> None:
-        deltas.append(decode(msg.data, KvDeltas))
-
-    await nc.subscribe(subjects.kv(node), cb=on_kv)
+    tap = await KvTap.on(nc, prefix, node)
     kv = await ensure_kv(nc.jetstream(), subjects.bucket_assign)
     stop = asyncio.Event()
     agent = asyncio.create_task(serve(s, stop, collect=fake_collect))
     port = free_port()
 
     def held() -> set[int]:
-        out: set[int] = set()
-        for m in deltas:
-            for r in m.replicas:
-                if r.replica != "rg":
-                    continue
-                if r.cleared or r.gone:
-                    out.clear()
-                out |= set(r.stored)
-                out -= set(r.removed)
-        return out
+        return tap.held().get("rg", set())
 
     try:
         shard = ShardAssignment(
@@ -114,7 +100,7 @@ async def test_agent_relays_real_vllm_events_as_the_prompts_block_keys(
         await eventually(lambda: want <= held(), timeout=30, what="the prompt's full blocks relayed")
         # At most one block more: one the output completed (prompt and generated tokens).
         assert len(held() - want) <= 1
-        entry = next(r for m in deltas for r in m.replicas if r.replica == "rg" and r.stored)
+        entry = next(r for m in tap.deltas for r in m.replicas if r.replica == "rg" and r.stored)
         assert entry.block_size == BLOCK and entry.model == "gemma"
 
         # An agent restarted beside this engine with nothing saved: vLLM replays what it keeps (from
@@ -151,4 +137,4 @@ async def test_agent_relays_real_vllm_events_as_the_prompts_block_keys(
     finally:
         stop.set()
         await asyncio.wait_for(agent, 120)
-    assert any(r.gone for m in deltas for r in m.replicas if r.replica == "rg")
+    assert any(r.gone for m in tap.deltas for r in m.replicas if r.replica == "rg")
