@@ -74,8 +74,9 @@ class Proc:
     env: dict[str, str]
     log_path: Path
     popen: subprocess.Popen[bytes] | None = None
-    # Set for routers: where their OpenAI listener is.
+    # Set for routers: where their OpenAI listener is, and their /metrics (0: not told).
     port: int = 0
+    admin_port: int = 0
 
     @property
     def pid(self) -> int:
@@ -222,6 +223,7 @@ class ChaosCluster:
             launcher,
         )
         p.port = port
+        p.admin_port = admin_port
         return p
 
     def start_agent(self, node: str, gpus: str = "8xH100-80GB") -> Proc:

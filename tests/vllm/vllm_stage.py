@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 
 from tests.chaos.chaos_waits import mint_key
+from tests.kit.ports import free_port
 from tests.vllm.vllm_cluster import SETTINGS, VllmCluster, endpoints
 from tests.vllm.vllm_kit import VllmInstall, describe
 
@@ -69,7 +70,8 @@ class ClusterStage:
         try:
             c.start_nats()
             c.start_controlplane()
-            c.start_router()
+            # Its /metrics where a test can read it (routing by cached prefix: tokenizers, predictions).
+            c.start_router(admin_port=free_port())
             c.start_real_agent("node-a", "0")
             c.start_real_agent("node-b", "1")
             self.key = mint_key(c)
