@@ -400,7 +400,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--routers", type=int, default=None, help="routers per llmgw group (default 3; vllm 1)")
     ap.add_argument("--peer-routers", type=int, default=None, help="instances per peer (default: --routers)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--start-timeout", type=float, default=300.0)
+    ap.add_argument(
+        "--start-timeout", type=float, default=None, help="seconds for engines to serve (300; vllm 900)"
+    )
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--no-install", action="store_true", help="do not install the peers; skip them if absent")
     ap.add_argument("--json", help="write every case's figures here")
@@ -411,6 +413,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     bad = set(a.targets.split(",")) - set(TARGETS)
     if bad:
         ap.error(f"unknown targets {', '.join(sorted(bad))}")
+    a.start_timeout = a.start_timeout or (900.0 if a.vllm else 300.0)
     a.rounds = a.rounds or (1 if a.quick or a.vllm else 2)
     a.routers = a.routers or (1 if a.vllm else 3)
     a.peer_routers = a.peer_routers or a.routers
