@@ -65,31 +65,40 @@ async def test_a_second_turn_reaches_the_replica_holding_the_first_because_the_e
     # The agent puts gemma's tokenizer in the object store once a replica serves; the router reads it.
     await eventually(tokenizer_loaded, timeout=60, every=0.5, what="gemma's tokenizer loaded by the router")
     rng = random.Random()
+    # Three conversations: each first turn lands where the load says (between idle replicas, either), so
+    # by load alone all three second turns would find their replica one time in eight.
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=180) as http:
+        for _ in range(3):
+            await _conversation(http, c, engines, metrics_url, rng)
+
+
+async def _conversation(
+    http: httpx.AsyncClient, c: VllmCluster, engines: list[str], metrics_url: str, rng: random.Random
+) -> None:
     # About 380 tokens of shared context (the cluster's gemma takes 512): two full 128-token blocks and
     # more, a prefill of seconds on one core.
     msgs: list[dict[str, str]] = [
         {"role": "system", "content": _text(rng, 350)},
         {"role": "user", "content": "Name one word from the list above."},
     ]
-    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=180) as http:
 
-        async def chat() -> str:
-            body = {"model": "gemma", "messages": msgs, "max_tokens": 2, "temperature": 0}
-            r = await http.post(f"{c.router_url()}/v1/chat/completions", json=body)
-            assert r.status_code == 200, r.text
-            return str(r.json()["choices"][0]["message"]["content"] or "")
+    async def chat() -> str:
+        body = {"model": "gemma", "messages": msgs, "max_tokens": 2, "temperature": 0}
+        r = await http.post(f"{c.router_url()}/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        return str(r.json()["choices"][0]["message"]["content"] or "")
 
-        before = await _counters(engines)
-        answer = await chat()
-        first = await _counters(engines)
-        served = [u for u in engines if first[u][0] > before[u][0]]
-        assert len(served) == 1, (before, first)
-        # The second turn: the first's prompt and answer, and a new question. The pause lets the events
-        # reach the router and a load report show the first replica idle again.
-        msgs += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And another one."}]
-        await asyncio.sleep(2.0)
-        predicted = (await _metrics(metrics_url)).get("llmgw_router_prefix_predicted_hit_tokens_total", 0.0)
-        await chat()
+    before = await _counters(engines)
+    answer = await chat()
+    first = await _counters(engines)
+    served = [u for u in engines if first[u][0] > before[u][0]]
+    assert len(served) == 1, (before, first)
+    # The second turn: the first's prompt and answer, and a new question. The pause lets the events
+    # reach the router and a load report show the first replica idle again.
+    msgs += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And another one."}]
+    await asyncio.sleep(2.0)
+    predicted = (await _metrics(metrics_url)).get("llmgw_router_prefix_predicted_hit_tokens_total", 0.0)
+    await chat()
     second = await _counters(engines)
     again = [u for u in engines if second[u][0] > first[u][0]]
     assert again == served, f"the second turn went to {again}, its prefix is on {served}"
