@@ -6,9 +6,11 @@ one, vLLM's response store on).
 
 The modules run on one worker (the ``vllm`` xdist group), in name order, which is the order of what
 they need: ``api_fidelity`` and ``api_sdks`` ask the default catalog's engines directly and through
-the router; ``argv`` needs no cluster; ``cluster`` starts on the default catalog, fails two starts,
+the router; ``argv`` needs no cluster; ``cache_routing`` sends conversations through the router on the
+default catalog; ``cluster`` starts on the default catalog, fails two starts,
 then takes minilm away; ``cluster_lifecycle`` drains and wakes on gemma alone; ``failover`` SIGKILLs a
-gemma last, so the replacement's start is one nobody waits for. Every start saved is 30-100 s of both
+gemma last, so the replacement's start is one nobody waits for; ``kv_prediction`` runs a vLLM of its own
+(the router's predicted blocks against the events vLLM publishes). Every start saved is 30-100 s of both
 cores (a vLLM start here is about 55 s of CPU, a 4-token chat about 0.45 s).
 """
 
