@@ -20,6 +20,7 @@ from llmgw_common.subjects import Subjects
 from llmgw_router.cache.tokenizers import (
     INFO_ENTRY,
     BundleError,
+    PromptTokenizer,
     SimPromptTokenizer,
     TokenizerStore,
     build_tokenizer,
@@ -158,3 +159,22 @@ async def test_no_bucket_yet_then_one(nc: NATS, prefix: str, store: Store) -> No
         await eventually(lambda: s.loaded() == ["m"], what="the tokenizer once the bucket exists")
     finally:
         await js.delete_object_store(Subjects(prefix).bucket_tokenizers)
+
+
+async def test_models_with_the_same_files_share_one_tokenizer(objects: ObjectStore, store: Store) -> None:
+    files = {"tokenizer.json": tiny_tokenizer_json()}
+    for m in ("base", "base-ft"):
+        await objects.put(m, bundle(m, TokenizerKind.HF, files))
+    await objects.put(
+        "other", bundle("other", TokenizerKind.HF, {"tokenizer.json": tiny_tokenizer_json() + b" "})
+    )
+    built: list[str] = []
+
+    def build(info: TokenizerInfo, fs: dict[str, bytes]) -> PromptTokenizer:
+        built.append(info.model)
+        return build_tokenizer(info, fs)
+
+    s = await store(["base", "base-ft", "other"], build=build)
+    await eventually(lambda: s.loaded() == ["base", "base-ft", "other"], what="all three loaded")
+    assert s.get("base") is s.get("base-ft") and s.get("other") is not s.get("base")
+    assert len(built) == 2

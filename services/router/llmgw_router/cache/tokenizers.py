@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import hashlib
 import io
+import json
 import logging
 import zipfile
 from collections.abc import Callable, Iterable, Mapping
@@ -125,6 +126,12 @@ class _Loaded:
     digest: str
     tokenizer: PromptTokenizer | None  # None: this version failed to load
     kind: TokenizerKind | None
+    # What the tokenizer was built from (its kind and files' digests): equal means the same tokenizer.
+    files: str = ""
+
+
+def _files_key(info: TokenizerInfo) -> str:
+    return json.dumps([info.kind.value, sorted(info.files.items())])
 
 
 class TokenizerStore:
@@ -221,14 +228,24 @@ class TokenizerStore:
             tok_info, files = read_bundle(data)
             if tok_info.model != model:
                 raise BundleError(f"the info is of model {tok_info.model!r}")
+            # Models with the same files (a base and its fine-tunes, one model under two names) share one
+            # tokenizer: a 30 MB tokenizer.json costs ~100 MB built, once.
+            same = self._same_files(tok_info)
             # Off the event loop: parsing a 30 MB tokenizer.json takes a while.
-            tok = await asyncio.to_thread(self.build, tok_info, files)
+            tok = same if same is not None else await asyncio.to_thread(self.build, tok_info, files)
         except ValueError as e:  # BundleError, or the builder refusing the files
             self._failed(model, digest, str(e))
             return
-        self._loaded[model] = _Loaded(digest, tok, tok_info.kind)
+        self._loaded[model] = _Loaded(digest, tok, tok_info.kind, _files_key(tok_info))
         self.loads += 1
         log.info("tokenizer of %s loaded (%s, %d files)", visible(model), tok_info.kind.value, len(files))
+
+    def _same_files(self, info: TokenizerInfo) -> PromptTokenizer | None:
+        key = _files_key(info)
+        for got in self._loaded.values():
+            if got.tokenizer is not None and got.files == key:
+                return got.tokenizer
+        return None
 
     def _failed(self, model: str, digest: str, why: str) -> None:
         self.failures += 1
