@@ -84,6 +84,22 @@ def test_events_mode_routes_to_the_replica_the_events_say_holds_the_prefix() -> 
     assert salted is not None and r.index.match("sim", salted.keys) == {}
 
 
+def test_a_prompt_just_sent_counts_as_cached_there_until_the_events_come() -> None:
+    """An agent's next step sent before the engine's events crossed the bus still finds its replica."""
+    r = routing(sim=SimPromptTokenizer())
+    r.index.apply(ReplicaKv(replica="x", model="sim", block_size=16, stored=[1]))  # the block size known
+    first = r.prefix("sim", chat("step one"), None)
+    nxt = r.prefix("sim", chat("step one", "done", "step two"), None)
+    assert first is not None and nxt is not None
+    eps = [Ep("a"), Ep("b"), Ep("c")]
+    r.sent("sim", "b", first, 10.0)
+    for seed in range(20):
+        assert r.choose("sim", eps, nxt, 10.5, random.Random(seed)) is eps[1]
+    # Never confirmed by an event: forgotten after the pending window, the choice is by load again.
+    picks = {r.choose("sim", eps, nxt, 10.0 + 30.0, random.Random(seed)).replica_id for seed in range(40)}  # type: ignore[union-attr]
+    assert picks == {"a", "b", "c"}
+
+
 def test_an_unpredictable_prompt_goes_by_load() -> None:
     r = routing(sim=SimPromptTokenizer())
     r.index.apply(ReplicaKv(replica="a", model="sim", block_size=16, stored=[1]))

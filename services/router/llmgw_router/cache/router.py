@@ -54,6 +54,12 @@ class EventLag(Protocol):
     def lag_by_model(self) -> Mapping[str, float]: ...
 
 
+# How long a prompt sent is taken as cached before the engine's events say so, and how many
+# (replica, block) pairs that holds at most (~78 MB per million).
+PENDING_TTL_S = 5.0
+PENDING_MAX_ENTRIES = 200_000
+
+
 @dataclass(frozen=True, slots=True)
 class CacheLimits:
     # A load report older than this is ignored (the router's load_stale_s).
@@ -106,6 +112,10 @@ class PrefixRouting:
         self.tokenizers = tokenizers
         self.limits = limits or CacheLimits()
         self.approx = approx or ApproxIndex()
+        # Events mode: where this router just sent a prompt, taken as cached there until the engine's own
+        # events confirm it (they come in batches every 150 ms, then cross the bus): an agent's next step
+        # or a quick next turn sent before then still finds its replica. Short-lived, bounded.
+        self.pending = ApproxIndex(ttl_s=PENDING_TTL_S, max_entries=PENDING_MAX_ENTRIES)
         self.lag = lag
         self._modes: dict[str, CacheRouting] = {}
         self._stats: dict[str, ModelCacheStats] = {}
@@ -125,7 +135,9 @@ class PrefixRouting:
     def retain(self, replicas: Iterable[str]) -> None:
         """The routing table's replicas now: the approximate index forgets the others (the exact index's
         are dropped by the follower's ``retain``)."""
-        self.approx.retain(set(replicas))
+        keep = set(replicas)
+        self.approx.retain(keep)
+        self.pending.retain(keep)
 
     # ------------------------------------------------------------------ the request path
 
@@ -175,6 +187,9 @@ class PrefixRouting:
         if prefix is not None and prefix.keys:
             if prefix.mode is CacheRouting.EVENTS:
                 hits = self.index.match(model, prefix.keys)
+                sent = self.pending.match(model, prefix.keys, now)
+                if sent:
+                    hits = {r: max(hits.get(r, 0), n) for r, n in (*hits.items(), *sent.items())}
             else:
                 hits = self.approx.match(model, prefix.keys, now)
         lim = self.limits
@@ -190,6 +205,7 @@ class PrefixRouting:
         st = self._stats.get(model)
         if prefix.mode is CacheRouting.EVENTS:
             hit = self.index.match_one(model, replica, prefix.keys)
+            self.pending.record(model, replica, prefix.keys, now)
         else:
             hit = self.approx.match(model, prefix.keys, now).get(replica, 0)
             self.approx.record(model, replica, prefix.keys, now)
