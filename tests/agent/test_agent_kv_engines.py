@@ -133,6 +133,18 @@ def test_a_long_state_dir_moves_the_socket_where_its_path_fits(tmp_path: Path) -
     assert p == kv_socket_path(s, shard()) and p != kv_socket_path(s, shard(replica_id="r2"))
 
 
+def test_a_state_dir_where_only_the_replay_socket_would_not_fit_moves_both(tmp_path: Path) -> None:
+    # kv.sock's path 106 bytes (it fits), kv-replay.sock's 113 (it would not: vLLM would fail to start).
+    pad = 106 - len(str(tmp_path)) - 1 - len("/state/run/r1-0/kv.sock")
+    s = settings(tmp_path / ("p" * pad))
+    assert len(str(tmp_path / ("p" * pad) / "state/run/r1-0/kv.sock")) == 106
+    p = kv_socket_path(s, shard())
+    replay = p.with_name(p.stem + "-replay.sock")
+    assert len(str(replay)) <= MAX_IPC_PATH, replay
+    spec = spec_of(shard(), s)
+    assert spec.kv_events is not None and spec.kv_events.replay == f"ipc://{replay}"
+
+
 def test_the_simulator_gets_the_same_endpoint(tmp_path: Path) -> None:
     s = settings(tmp_path)
     spec = spec_of(shard(engine="sim", gpus=(), options={"block_size": 8}), s)

@@ -75,6 +75,7 @@ LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 KV_TOPIC = "kv"
 # sun_path holds 108 bytes with its NUL: a longer ipc:// path cannot be bound.
 MAX_IPC_PATH = 107
+REPLAY_SUFFIX = "-replay.sock"
 # vLLM's default block size where the profile does not set --block-size: 16 on GPUs, 128 on CPU.
 VLLM_BLOCK_SIZE_GPU = 16
 VLLM_BLOCK_SIZE_CPU = 128
@@ -195,7 +196,9 @@ def kv_socket_path(s: AgentSettings, a: ShardAssignment) -> Path:
     Its directory is made here (the one side effect of an adapter): the engine binds the socket and
     neither vLLM nor ZMQ makes a missing directory, whoever starts the command line."""
     path = Path(s.state_dir).absolute() / "run" / f"{safe_name(a.replica_id)}-{a.shard}" / "kv.sock"
-    if len(str(path)) > MAX_IPC_PATH:
+    # The replay socket beside it (``kv-replay.sock``) is the longer path: both must fit, or vLLM fails
+    # to start (a test's temporary directory under xdist was 2 bytes too long for it).
+    if len(str(path.with_name(path.stem + REPLAY_SUFFIX))) > MAX_IPC_PATH:
         digest = hashlib.sha256(str(path).encode()).hexdigest()[:20]
         path = Path(tempfile.gettempdir()) / f"llmgw-kv-{os.getuid()}" / f"{digest}.sock"
     with contextlib.suppress(OSError):  # unwritable: the engine's bind fails and says where
@@ -241,7 +244,7 @@ def vllm_kv_events(a: ShardAssignment, s: AgentSettings) -> tuple[list[str], KvS
         sock = kv_socket_path(s, a)
         endpoint = f"ipc://{sock}"
         # A restarted agent asks for the batches it missed (kvstate.py); vLLM keeps the last 10,000.
-        replay = f"ipc://{sock.with_name(sock.stem + '-replay.sock')}"
+        replay = f"ipc://{sock.with_name(sock.stem + REPLAY_SUFFIX)}"
         config = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
