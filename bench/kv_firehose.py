@@ -4,7 +4,7 @@ A real nats-server and a real ``llmgw router`` process; this script plays the ag
 (``--replicas`` each), publishing what they would relay for ``--rate`` requests a second across the
 cluster, each storing the blocks of a ``--prompt``-token prompt in ``--block``-token blocks (``--reuse``:
 the share of a prompt's blocks already cached, not published again; 0 is the worst case) and evicting as
-many old ones. Batches go out per node every 150 ms, as the agents send them. The router's CPU is read
+many old ones. Batches go out per node every 50 ms, as the agents send them. The router's CPU is read
 from /proc before and after a steady window, beside an idle window of the same length: what is printed
 is the cost of following, in share of one core, and the bytes per request on the bus.
 
@@ -40,7 +40,7 @@ from llmgw_runtime import bus
 from llmgw_runtime.natsserver import NatsServer
 
 PREFIX = "fire"
-BATCH_S = 0.15
+BATCH_S = 0.05
 
 
 def cpu_s(pid: int) -> float:

@@ -113,7 +113,7 @@ class PrefixRouting:
         self.limits = limits or CacheLimits()
         self.approx = approx or ApproxIndex()
         # Events mode: where this router just sent a prompt, taken as cached there until the engine's own
-        # events confirm it (they come in batches every 150 ms, then cross the bus): an agent's next step
+        # events confirm it (they come in batches every 50 ms, then cross the bus): an agent's next step
         # or a quick next turn sent before then still finds its replica. Short-lived, bounded.
         self.pending = ApproxIndex(ttl_s=PENDING_TTL_S, max_entries=PENDING_MAX_ENTRIES)
         self.lag = lag
