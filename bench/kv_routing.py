@@ -33,6 +33,7 @@ holds what it held before.
     .venv/bin/python bench/kv_routing.py --quick --workloads chat    # a smoke
     .venv/bin/python bench/kv_routing.py                             # full: 2 rounds, 4 workloads
     .venv/bin/python bench/kv_routing.py --vllm --workloads chat     # real vLLM (minutes of both cores)
+    .venv/bin/python bench/kv_routing.py --vllm --long --workloads chat  # real vLLM, long conversations
     .venv/bin/python bench/kv_routing.py --json out.json
 
 The peers are installed on first use into ~/.cache/llmgw/peers/venv (``--no-install`` skips them).
@@ -321,7 +322,7 @@ async def main(a: argparse.Namespace) -> int:
     t_start = time.monotonic()
     root = Path(tempfile.mkdtemp(prefix="llmgw-kv-routing-"))
     print(f"kv_routing: work in {root}", flush=True)
-    scale = kw.VLLM_SMOKE if a.vllm else (kw.QUICK if a.quick else kw.FULL)
+    scale = (kw.VLLM_LONG if a.long else kw.VLLM_SMOKE) if a.vllm else (kw.QUICK if a.quick else kw.FULL)
     skipped: dict[str, str] = {}
     notes: list[str] = []
     modes = modes_wanted(a.targets.split(","))
@@ -387,6 +388,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small workloads, one round (under 3 minutes)")
     ap.add_argument("--vllm", action="store_true", help="two real vLLM replicas instead of the simulator")
+    ap.add_argument(
+        "--long", action="store_true", help="with --vllm: ~1,000-token conversations of their own (~10 min)"
+    )
     ap.add_argument(
         "--workloads",
         default=None,

@@ -66,6 +66,12 @@ VLLM_SMOKE = Scale(conversations=2, turns=3, groups=1, system_words=300, user_wo
                    agents=1, steps=3, context_words=300, tool_words=60, control_loops=2,
                    control_requests=2, max_tokens=4)  # fmt: skip
 
+# Real vLLM, the regime: each conversation its own ~1,000-token context (a prefill of ~10 s cold
+# on one core, ~2 s cached), three turns, pauses between them.
+VLLM_LONG = Scale(conversations=4, turns=3, groups=4, system_words=900, user_words=30, think_s=0.5,
+                  agents=2, steps=3, context_words=900, tool_words=60, control_loops=2,
+                  control_requests=2, max_tokens=4)  # fmt: skip
+
 WORKLOADS = ("chat", "chat-closed", "agent", "control")
 
 
