@@ -301,3 +301,19 @@ async def test_a_restarted_agent_takes_up_its_saved_blocks_and_the_batches_it_mi
         await first.stop()
         await engine.close()
     assert not sock.with_name("kv.sock.state").exists()  # the replica gone: its saved blocks too
+
+
+async def test_a_reader_that_fails_the_same_way_at_every_sync_says_so_once(
+    relay: KvRelay, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A socket path longer than a Unix socket's: the reader fails at once, and the agent's sync (every
+    # tick) makes a new one, which fails the same way.
+    endpoint = f"ipc://{tmp_path / ('x' * 120) / 'kv.sock'}"
+    feeds = {"r1": Feed("m", KvSource(endpoint, "kv", BS))}
+    caplog.set_level("INFO", logger="llmgw.agent.kvrelay")
+    for _ in range(4):
+        relay.sync(feeds)
+        await eventually(lambda: "r1" not in relay.readers, timeout=5, what="the reader failed")
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "r1" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in warned]
+    assert relay.counters.clears >= 4  # each failure still clears the replica: never stale entries

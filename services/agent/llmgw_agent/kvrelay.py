@@ -137,6 +137,9 @@ class KvRelay:
         # Held from taking a batch until it is published: deltas go out in seq order whoever takes
         # them (the loop, a snapshot answer), even when a publish waits on a full buffer.
         self._sending = asyncio.Lock()
+        # Replica -> why its reader last failed, until a batch is read again: a reader that fails the
+        # same way at every sync (a socket that cannot be opened) says so once, not once a second.
+        self._failing: dict[str, str] = {}
 
     # ---------------------------------------------------------------- replicas
 
@@ -160,7 +163,16 @@ class KvRelay:
         # Every topic: a message of another topic on this socket is counted and dropped, not filtered.
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         # Connecting before the engine binds is fine: ZMQ retries until the socket file exists.
-        sock.connect(feed.source.endpoint)
+        try:
+            sock.connect(feed.source.endpoint)
+        except zmq.ZMQError as e:
+            # An endpoint ZMQ refuses outright (a path too long for a Unix socket): nothing is followed,
+            # nothing of it may stay indexed; the next sync tries again, and it is said once.
+            sock.close(linger=0)
+            self.counters.clears += 1
+            self.batcher.add(rid, feed.model, feed.source.block_size, Change(cleared=True))
+            self._failed(rid, f"{e} ({feed.source.endpoint})")
+            return
         saved = _load(feed)
         rd = _Reader(feed, saved or ReplicaBlocks(), sock)
         if saved is not None:
@@ -174,7 +186,8 @@ class KvRelay:
         # Closed when the task ends, however: a task cancelled before it ran never reaches a finally.
         rd.task.add_done_callback(lambda _: sock.close(linger=0))
         self.readers[rid] = rd
-        log.info("following KV events of %s on %s", rid, feed.source.endpoint)
+        if rid not in self._failing:
+            log.info("following KV events of %s on %s", rid, feed.source.endpoint)
 
     def _drop_reader(self, rid: str) -> None:
         rd = self.readers.pop(rid)
@@ -184,6 +197,7 @@ class KvRelay:
         path = rd.feed.state_path
         if path is not None:
             path.unlink(missing_ok=True)
+        self._failing.pop(rid, None)
         log.info("replica %s left: its KV entries are dropped", rid)
 
     async def _read(self, rid: str, rd: _Reader) -> None:
@@ -240,9 +254,14 @@ class KvRelay:
                 continue  # replayed already
             self.on_frames(rid, rd, frames)
 
+    def _failed(self, rid: str, why: str) -> None:
+        if self._failing.get(rid) != why:
+            log.warning("KV events of %s: %s; following it anew (said once while it goes on)", rid, why)
+            self._failing[rid] = why
+
     def _restart(self, rid: str, rd: _Reader, why: str) -> None:
         """The reader ended: the replica is cleared, and the next sync follows it with a new one."""
-        log.warning("KV events of %s: %s; following it anew", rid, why)
+        self._failed(rid, why)
         if self.readers.get(rid) is rd:
             del self.readers[rid]
             self.counters.clears += 1
@@ -250,6 +269,7 @@ class KvRelay:
 
     def on_frames(self, rid: str, rd: _Reader, frames: list[bytes]) -> None:
         self.counters.batches += 1
+        self._failing.pop(rid, None)
         try:
             topic, seq, batch = decode_frames(frames)
         except KvWireError as e:
