@@ -15,15 +15,15 @@ import pytest
 import zmq
 import zmq.asyncio
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 
 from llmgw_agent.engines import KvSource
 from llmgw_agent.kvrelay import Feed, KvRelay
 from llmgw_common.codec import decode, encode
-from llmgw_common.kvcache import KvDeltas, KvSnapshot, KvSnapshotRequest, block_keys
+from llmgw_common.kvcache import KvSnapshot, KvSnapshotRequest, block_keys
 from llmgw_common.subjects import Subjects
 from llmgw_common.vllm_kv_events import BlockRemoved, BlockStored, EventBatch, encode_frames
 from llmgw_runtime.runtime import cancel_and_wait
+from tests.kit.kvtap import KvTap
 from tests.kit.poll import eventually
 
 pytestmark = pytest.mark.slow
@@ -45,31 +45,6 @@ class Pub:
         self.ctx.term()
 
 
-class Deltas:
-    def __init__(self) -> None:
-        self.msgs: list[KvDeltas] = []
-
-    async def cb(self, msg: Msg) -> None:
-        self.msgs.append(decode(msg.data, KvDeltas))
-
-    def held(self) -> dict[str, set[int]]:
-        out: dict[str, set[int]] = {}
-        for m in self.msgs:
-            for r in m.replicas:
-                if r.gone:
-                    out.pop(r.replica, None)
-                    continue
-                s = out.setdefault(r.replica, set())
-                if r.cleared:
-                    s.clear()
-                s |= set(r.stored)
-                s -= set(r.removed)
-        return out
-
-    def entries(self, replica: str) -> list[tuple[bool, bool]]:
-        return [(r.cleared, r.gone) for m in self.msgs for r in m.replicas if r.replica == replica]
-
-
 @pytest.fixture
 async def relay(nc: NATS, prefix: str) -> AsyncIterator[KvRelay]:
     r = KvRelay(nc, Subjects(prefix), NODE, "boot-1", tick_s=0.05, idle_s=0.5)
@@ -86,8 +61,8 @@ async def test_deltas_restart_gap_garbage_snapshot_and_gone(
     nc: NATS, prefix: str, relay: KvRelay, tmp_path: Path
 ) -> None:
     subjects = Subjects(prefix)
-    seen = Deltas()
-    await nc.subscribe(subjects.kv(NODE), cb=seen.cb)
+    seen = KvTap()
+    await nc.subscribe(subjects.kv(NODE), cb=seen.heard)
     endpoint = f"ipc://{tmp_path / 'kv.sock'}"
     relay.sync({"r1": Feed("m", KvSource(endpoint, "kv", BS))})
     pub = Pub(endpoint)
@@ -142,11 +117,11 @@ async def test_deltas_restart_gap_garbage_snapshot_and_gone(
         ] == [("r1", set(k11), True)]
         # Consistent with its seq: the deltas up to it hold the same set.
         await asyncio.sleep(0.2)
-        upto = Deltas()
-        upto.msgs = [m for m in seen.msgs if m.seq <= snap.seq]
+        upto = KvTap()
+        upto.deltas = [m for m in seen.deltas if m.seq <= snap.seq]
         assert upto.held()["r1"] == set(k11)
-        first = seen.msgs[0].seq  # the relay's first (empty) batch may precede the subscription
-        assert [m.seq for m in seen.msgs] == list(range(first, first + len(seen.msgs)))
+        first = seen.deltas[0].seq  # the relay's first (empty) batch may precede the subscription
+        assert [m.seq for m in seen.deltas] == list(range(first, first + len(seen.deltas)))
 
         # The replica stops: gone.
         relay.sync({})
@@ -157,11 +132,11 @@ async def test_deltas_restart_gap_garbage_snapshot_and_gone(
 
 
 async def test_an_idle_relay_sends_an_empty_batch_now_and_then(nc: NATS, prefix: str, relay: KvRelay) -> None:
-    seen = Deltas()
-    await nc.subscribe(Subjects(prefix).kv(NODE), cb=seen.cb)
-    await eventually(lambda: len(seen.msgs) >= 2, timeout=5, what="two idle batches")
-    assert all(m.replicas == [] for m in seen.msgs)
-    assert seen.msgs[1].seq == seen.msgs[0].seq + 1
+    seen = KvTap()
+    await nc.subscribe(Subjects(prefix).kv(NODE), cb=seen.heard)
+    await eventually(lambda: len(seen.deltas) >= 2, timeout=5, what="two idle batches")
+    assert all(m.replicas == [] for m in seen.deltas)
+    assert seen.deltas[1].seq == seen.deltas[0].seq + 1
 
 
 async def test_a_garbage_snapshot_request_is_dropped(nc: NATS, prefix: str, relay: KvRelay) -> None:
@@ -174,8 +149,8 @@ async def test_a_garbage_snapshot_request_is_dropped(nc: NATS, prefix: str, rela
 async def test_a_failure_inside_the_reader_clears_the_replica_and_follows_it_anew(
     nc: NATS, prefix: str, relay: KvRelay, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen = Deltas()
-    await nc.subscribe(Subjects(prefix).kv(NODE), cb=seen.cb)
+    seen = KvTap()
+    await nc.subscribe(Subjects(prefix).kv(NODE), cb=seen.heard)
     endpoint = f"ipc://{tmp_path / 'kv.sock'}"
     feeds = {"r1": Feed("m", KvSource(endpoint, "kv", BS))}
     relay.sync(feeds)
@@ -280,8 +255,8 @@ async def test_a_restarted_agent_takes_up_its_saved_blocks_and_the_batches_it_mi
         await engine.send(2, BlockRemoved((1, 2, 3)), stored((7,), None, 100))
         k7 = block_keys(tuple(range(100, 100 + BS)), BS)
 
-        seen = Deltas()
-        await nc.subscribe(subjects.kv(NODE), cb=seen.cb)
+        seen = KvTap()
+        await nc.subscribe(subjects.kv(NODE), cb=seen.heard)
         await second.start()
         second.sync({"r1": feed})
         # Saved blocks taken up, batch 2 replayed: the set is the engine's, exactly.

@@ -15,16 +15,19 @@ class KvTap:
     def __init__(self) -> None:
         self.deltas: list[KvDeltas] = []
 
+    async def heard(self, msg: Msg) -> None:
+        self.deltas.append(decode(msg.data, KvDeltas))
+
     @classmethod
     async def on(cls, nc: NATS, prefix: str, node: str) -> KvTap:
         tap = cls()
-
-        async def heard(msg: Msg) -> None:
-            tap.deltas.append(decode(msg.data, KvDeltas))
-
-        await nc.subscribe(Subjects(prefix).kv(node), cb=heard)
+        await nc.subscribe(Subjects(prefix).kv(node), cb=tap.heard)
         await nc.flush()
         return tap
+
+    def entries(self, replica: str) -> list[tuple[bool, bool]]:
+        """Each batch's (cleared, gone) for ``replica``, in order."""
+        return [(r.cleared, r.gone) for m in self.deltas for r in m.replicas if r.replica == replica]
 
     def held(self) -> dict[str, set[int]]:
         """Replica -> the block keys it holds after every batch heard (a gone replica is absent)."""
