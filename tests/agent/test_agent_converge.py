@@ -80,8 +80,10 @@ def test_a_field_added_later_changes_no_running_shards_fingerprint() -> None:
     from llmgw_common.messages import ShardAssignment
 
     a = ShardAssignment(replica_id="r1", shard=0, model="m", engine="sim", port=9000)
-    # The fingerprint an agent from before ``cache_routing`` computed: the dump without that field.
-    before = hashlib.sha256(a.model_dump_json(exclude={"cache_routing"}).encode()).hexdigest()[:16]
+    # The fingerprint an agent from before ``cache_routing`` (and LoRA's fields) computed: the dump
+    # without those fields.
+    later = {"cache_routing", "max_loras", "max_lora_rank", "max_cpu_loras", "adapters"}
+    before = hashlib.sha256(a.model_dump_json(exclude=later).encode()).hexdigest()[:16]
     assert assignment_fingerprint(a) == before
     off = a.model_copy(update={"cache_routing": CacheRouting.OFF})
     assert assignment_fingerprint(off) != before  # set, it is asked of the shard: the engine follows

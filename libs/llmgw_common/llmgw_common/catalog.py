@@ -26,6 +26,11 @@ ENGINES = ("vllm", "llamacpp", "sim")
 CPU_ENGINES = frozenset({"llamacpp", "sim"})
 # Engines that can split one replica across nodes or GPUs.
 PARALLEL_ENGINES = frozenset({"vllm", "sim"})
+# Engines that load and unload LoRA adapters at run time (issue 33): vLLM's runtime API, the simulator's
+# copy of it. llama.cpp takes adapters only on its command line, which would restart the engine.
+LORA_ENGINES = frozenset({"vllm", "sim"})
+# The ranks vLLM accepts for --max-lora-rank (vllm/config/lora.py MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class CatalogError(ProblemsError):
@@ -168,6 +173,12 @@ class ModelProfile(_Strict):
     # exceeded for ``up_after``, down one at a time once below it for ``down_after``.
     max_replicas: int | None = Field(default=None, ge=0)
     target: LoadTarget | None = None
+    # LoRA adapters (issue 33): how many one replica serves at once (vLLM's --max-loras); None: this
+    # profile serves none. ``max_cpu_loras`` (vLLM's, at least ``max_loras``) raises how many one replica
+    # holds loaded; the largest rank an adapter of this base may have.
+    max_loras: int | None = Field(default=None, ge=1)
+    max_lora_rank: int = Field(default=16, ge=1)
+    max_cpu_loras: int | None = Field(default=None, ge=1)
     up_after: float = 15.0
     down_after: float = 300.0
 
@@ -205,6 +216,14 @@ class ModelProfile(_Strict):
         return self.weights or self.name
 
     @property
+    def adapter_slots(self) -> int:
+        """How many adapters one replica of this base holds loaded: ``max_cpu_loras`` where set, else
+        ``max_loras``; 0 for a profile that serves none."""
+        if self.max_loras is None:
+            return 0
+        return max(self.max_cpu_loras or 0, self.max_loras)
+
+    @property
     def gpus(self) -> int:
         """GPUs each shard needs: 0 for a CPU profile."""
         if self.gpu_class is None:
@@ -212,8 +231,23 @@ class ModelProfile(_Strict):
         return 1 if self.gpus_per_node is None else self.gpus_per_node
 
 
+class AdapterProfile(_Strict):
+    """A LoRA adapter of a catalog model (issue 33). Clients ask for it by ``name`` as the ``model``; it
+    has no replicas of its own: replicas of ``base`` load it when it is wanted."""
+
+    name: str
+    base: str
+    # As the engine sees it, like ``ModelProfile.weights``: a path, or a name under the model directories.
+    weights: str
+    # The adapter's LoRA rank, at most its base's ``max_lora_rank``; None: not declared (the engine
+    # refuses a rank too large when it loads it).
+    rank: int | None = Field(default=None, ge=1)
+    watch: WatchSpec | None = None
+
+
 class Catalog(_Strict):
     models: tuple[ModelProfile, ...] = ()
+    adapters: tuple[AdapterProfile, ...] = ()
 
     def get(self, name: str) -> ModelProfile | None:
         for m in self.models:
@@ -221,9 +255,27 @@ class Catalog(_Strict):
                 return m
         return None
 
+    def adapter(self, name: str) -> AdapterProfile | None:
+        for a in self.adapters:
+            if a.name == name:
+                return a
+        return None
+
+    def adapters_of(self, base: str) -> tuple[AdapterProfile, ...]:
+        return tuple(a for a in self.adapters if a.base == base)
+
+    def base_of(self, name: str) -> ModelProfile | None:
+        """The model that serves ``name``: the model itself, or an adapter's base."""
+        a = self.adapter(name)
+        return self.get(a.base if a is not None else name)
+
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(m.name for m in self.models)
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.adapters)
 
 
 def identity_problems(p: ModelProfile) -> list[str]:
@@ -285,6 +337,7 @@ def _semantic_problems(p: ModelProfile) -> list[str]:
         )
     out += _scaling_problems(p, where)
     out += _load_problems(p, where)
+    out += _lora_problems(p, where)
     out += _failover_problems(p, where)
     if p.watch is not None and p.watch.budget > p.watch.probe_every:
         out.append(f"{where}: watch budget ({p.watch.budget}s) exceeds probe_every ({p.watch.probe_every}s)")
@@ -310,6 +363,58 @@ def _device_problems(p: ModelProfile, where: str) -> list[str]:
         out.append(f"{where}: options.device cpu contradicts gpu_class {p.gpu_class}: drop one")
     if p.nodes > 1:
         out.append(f"{where}: options.device cpu runs on one node (nodes={p.nodes})")
+    return out
+
+
+def _lora_problems(p: ModelProfile, where: str) -> list[str]:
+    if p.max_loras is None:
+        if p.max_cpu_loras is not None:
+            return [f"{where}: max_cpu_loras is set without max_loras: set max_loras to serve adapters"]
+        return []
+    out = []
+    if p.engine not in LORA_ENGINES:
+        out.append(
+            f"{where}: engine {p.engine} cannot load adapters at run time (max_loras is for "
+            f"{', '.join(sorted(LORA_ENGINES))})"
+        )
+    if p.max_cpu_loras is not None and p.max_cpu_loras < p.max_loras:
+        out.append(f"{where}: max_cpu_loras {p.max_cpu_loras} is below max_loras {p.max_loras}")
+    if p.engine == "vllm" and p.max_lora_rank not in VLLM_LORA_RANKS:
+        out.append(
+            f"{where}: vLLM takes max_lora_rank {p.max_lora_rank} from "
+            f"{', '.join(map(str, VLLM_LORA_RANKS))} only"
+        )
+    return out
+
+
+def _adapter_problems(a: AdapterProfile, models: dict[str, ModelProfile]) -> list[str]:
+    """An adapter against the models of its catalog: its base must exist and serve adapters of its rank."""
+    where = f"adapter {a.name!r}"
+    out: list[str] = []
+    try:
+        check_model_name(a.name)
+    except ValueError as e:
+        out.append(f"{where}: {e}")
+    if a.name in models:
+        out.append(f"{where}: a model has the same name (clients ask for both by name): rename one")
+    base = models.get(a.base)
+    if base is None:
+        known = ", ".join(sorted(models)) or "none"
+        return [*out, f"{where}: base {a.base!r} is not a model of the catalog (models: {known})"]
+    if base.max_loras is None:
+        out.append(
+            f"{where}: base {a.base!r} serves no adapters: set max_loras on model {a.base!r} (how many "
+            "adapters one replica serves at once)"
+        )
+    elif base.engine not in LORA_ENGINES:
+        out.append(f"{where}: base {a.base!r} runs on {base.engine}, which cannot load adapters at run time")
+    if a.rank is not None and a.rank > base.max_lora_rank:
+        out.append(
+            f"{where}: rank {a.rank} exceeds max_lora_rank {base.max_lora_rank} of base {a.base!r} "
+            "(raise the base's max_lora_rank, which restarts its replicas)"
+        )
+    if a.watch is not None and a.watch.budget > a.watch.probe_every:
+        out.append(f"{where}: watch budget ({a.watch.budget}s) exceeds probe_every ({a.watch.probe_every}s)")
     return out
 
 
@@ -386,18 +491,30 @@ def parse_catalog(data: Any) -> Catalog:
     data = document_mapping(data, CatalogError, "a catalog is a mapping with a 'models' list")
     problems: list[str] = []
     for key in data:
-        if key != "models":
+        if key not in ("models", "adapters"):
             problems.append(f"unknown top-level field {key!r}")
     raw_models = data.get("models") or []
+    raw_adapters = data.get("adapters") or []
     if not isinstance(raw_models, list):
         raise CatalogError([*problems, "'models' must be a list"])
+    if not isinstance(raw_adapters, list):
+        raise CatalogError([*problems, "'adapters' must be a list"])
     models, found = validate_named(
         raw_models, ModelProfile, kind="model", list_name="models", checks=_semantic_problems
     )
     problems.extend(found)
+    by_name = {m.name: m for m in models}
+    adapters, found = validate_named(
+        raw_adapters,
+        AdapterProfile,
+        kind="adapter",
+        list_name="adapters",
+        checks=lambda a: _adapter_problems(a, by_name),
+    )
+    problems.extend(found)
     if problems:
         raise CatalogError(problems)
-    return Catalog(models=tuple(models))
+    return Catalog(models=tuple(models), adapters=tuple(adapters))
 
 
 def load_catalog_file(path: str) -> Catalog:
@@ -405,5 +522,9 @@ def load_catalog_file(path: str) -> Catalog:
 
 
 def catalog_to_yaml(catalog: Catalog) -> str:
-    data = {"models": [m.model_dump(mode="json", exclude_defaults=True) for m in catalog.models]}
+    data: dict[str, Any] = {
+        "models": [m.model_dump(mode="json", exclude_defaults=True) for m in catalog.models]
+    }
+    if catalog.adapters:
+        data["adapters"] = [a.model_dump(mode="json", exclude_defaults=True) for a in catalog.adapters]
     return yaml.safe_dump(data, sort_keys=False)

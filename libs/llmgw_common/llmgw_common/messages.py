@@ -130,6 +130,12 @@ class ReplicaLoad(Message):
     # vllm:prefix_cache_queries_total / _hits_total); None where it exposes none.
     prefix_queries: float | None = None
     prefix_hits: float | None = None
+    # LoRA adapters (issue 33), on shard 0's line: loaded and serving; with requests running or waiting
+    # (vLLM's vllm:lora_requests_info running_lora_adapters, waiting_lora_adapters: never unloaded); and
+    # adapter name -> why its last load failed, in the user's terms (missing weights, rank too large).
+    adapters: tuple[str, ...] = ()
+    adapters_busy: tuple[str, ...] = ()
+    adapter_errors: dict[str, str] = Field(default_factory=dict)
 
 
 class LoadReport(Message):
@@ -139,6 +145,14 @@ class LoadReport(Message):
 
 
 # ---------------------------------------------------------------- assignments
+
+
+class AdapterLoad(Message):
+    """One LoRA adapter a replica must have loaded (``AdapterProfile`` as the engine needs it)."""
+
+    name: str
+    weights: str
+    rank: int | None = None
 
 
 class ShardAssignment(Message):
@@ -160,6 +174,15 @@ class ShardAssignment(Message):
     # The profile's routing by cached prefix (None: the engine's default): whether the engine publishes
     # its KV-cache events for the agent to relay.
     cache_routing: CacheRouting | None = None
+    # LoRA (issue 33): the base profile's engine flags, None for a profile that serves no adapters (then
+    # all three are None). Like every field above, a change restarts the engine.
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    max_cpu_loras: int | None = None
+    # The adapters this replica must have loaded, on shard 0. Declarative: the agent loads missing ones
+    # and unloads extra ones through the engine's runtime API, and loads them again after a restart.
+    # Never part of what restarts an engine (the agent's fingerprint of a shard leaves it out).
+    adapters: tuple[AdapterLoad, ...] = ()
 
 
 class Assignment(Message):
@@ -229,6 +252,10 @@ SPEC_FIELDS = (
     "node_selector",
     # The engine's flags follow it (KV events on or off).
     "cache_routing",
+    # LoRA's engine flags (issue 33). The adapters themselves are not here: adding one restarts nothing.
+    "max_loras",
+    "max_lora_rank",
+    "max_cpu_loras",
 )
 
 
@@ -248,6 +275,9 @@ class ReplicaSpec(Message):
     min_memory_gb: float | None = None
     node_selector: dict[str, str] = Field(default_factory=dict)
     cache_routing: CacheRouting | None = None
+    max_loras: int | None = None
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @classmethod
     def of(cls, profile: ModelProfile) -> ReplicaSpec:

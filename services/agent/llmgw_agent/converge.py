@@ -29,13 +29,16 @@ ShardKey = tuple[str, int]
 
 # Fields added to ShardAssignment after engines were running: left out of the fingerprint while at their
 # default, so an upgrade of the agent or the control plane restarts no engine.
-_LATER_FIELDS = ("cache_routing",)
+_LATER_FIELDS = ("cache_routing", "max_loras", "max_lora_rank", "max_cpu_loras")
+# Fields the agent converges to on a running engine, never by restarting it: a replica's LoRA adapters
+# are loaded and unloaded through the engine's runtime API (issue 33).
+_LIVE_FIELDS = frozenset({"adapters"})
 
 
 def assignment_fingerprint(a: ShardAssignment) -> str:
-    """A short hash of everything the control plane asked of this shard."""
-    unset = {f for f in _LATER_FIELDS if getattr(a, f) is None}
-    return hashlib.sha256(a.model_dump_json(exclude=unset or None).encode()).hexdigest()[:16]
+    """A short hash of everything the control plane asked of this shard that its engine is started with."""
+    leave_out = _LIVE_FIELDS | {f for f in _LATER_FIELDS if getattr(a, f) is None}
+    return hashlib.sha256(a.model_dump_json(exclude=set(leave_out)).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,6 +73,9 @@ def shard_assignments(
             startup_timeout_s=spec.startup_timeout_s,
             options=dict(spec.options),
             cache_routing=spec.cache_routing,
+            max_loras=spec.max_loras,
+            max_lora_rank=None if spec.max_loras is None else spec.max_lora_rank,
+            max_cpu_loras=spec.max_cpu_loras,
         )
         for s in shards
     ]
