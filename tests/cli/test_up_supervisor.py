@@ -27,6 +27,7 @@ from llmgw_cli.devcluster import (
     Layout,
     Supervisor,
     child_env,
+    is_run_entry_point,
     plan_children,
     run_processes,
 )
@@ -302,6 +303,58 @@ def test_sweep_spares_other_processes_naming_the_data_dir(sup: Supervisor, tmp_p
         assert os.getpid() not in found
     finally:
         for p in (tail, fake_nats):
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize(
+    ("argv", "ours"),
+    [
+        (["/x/.venv/bin/nats-server", "-js", "-sd", "/d/nats/jetstream"], True),
+        (["/x/llmgw/.venv/bin/python3", "-m", "llmgw_cli", "agent"], True),
+        (["/x/.venv/bin/python", "/x/.venv/bin/llmgw", "sim-engine"], True),
+        (["llmgw", "up"], True),
+        (["/x/llmgw/.venv/bin/python", "script.py", "/d/logs/router.log"], False),
+        (["/x/llmgw/.venv/bin/python", "-m", "llmgw_tools", "/d"], False),
+        (["/home/llmgw/bin/tail", "-f", "/d/logs/router.log"], False),
+        (["/x/.venv/bin/python", "/x/llmgw/notes.py", "/d"], False),
+        ([], False),
+    ],
+)
+def test_a_run_entry_point_is_judged_by_its_shape(argv: list[str], ours: bool) -> None:
+    assert is_run_entry_point(argv) is ours
+
+
+def test_sweep_spares_a_python_of_a_clone_named_llmgw(tmp_path: Path) -> None:
+    """`git clone` of llmgw makes a folder named llmgw, so its venv's python is …/llmgw/.venv/bin/python:
+    a user's script run by it that names the data dir is the user's, whatever folder the suite runs in.
+    An llmgw entry point naming the data dir (a console script, as pip writes one) is still the run's."""
+    bindir = tmp_path / "src" / "llmgw" / ".venv" / "bin"
+    bindir.mkdir(parents=True)
+    python = bindir / "python"
+    python.symlink_to(sys.executable)
+    data = tmp_path / "data"
+    script = bindir / "llmgw"
+    script.write_text(f"#!{python}\nimport time\ntime.sleep(600)\n")
+    script.chmod(0o755)
+    users = [
+        subprocess.Popen(
+            [str(python), "-c", "import time; time.sleep(600)", str(data / "logs" / "router.log")]
+        ),
+        # A command word that merely contains "llmgw" is no llmgw entry point either.
+        subprocess.Popen([str(python), "-c", "import time; time.sleep(600)", "llmgw", str(data)]),
+    ]
+    ours = subprocess.Popen([str(script), "sim-engine", "--kv-events-endpoint", f"ipc://{data}/agents/a/kv"])
+    try:
+        eventually_sync(
+            lambda: all(len(psutil.Process(p.pid).cmdline()) > 2 for p in (*users, ours)),
+            what="the processes to be started",
+        )
+        found = run_processes("no-such-token", data)
+        assert [p.pid for p in users if p.pid in found] == []
+        assert ours.pid in found
+    finally:
+        for p in (*users, ours):
             p.kill()
             p.wait()
 

@@ -327,10 +327,22 @@ class Supervisor:
         return killed
 
 
-def _is_ours_by_name(cmdline: list[str]) -> bool:
-    """A nats-server or an llmgw command: the only kinds the run starts that name the data dir."""
-    head = " ".join(cmdline[:4])
-    return "nats-server" in head or "llmgw" in head
+def is_run_entry_point(argv: list[str]) -> bool:
+    """A nats-server or an llmgw command: the only kinds the run starts that name the data dir.
+
+    Judged by the shape of the command, never by a substring of a path: a clone named ``llmgw`` runs
+    every python of its venv as ``…/llmgw/.venv/bin/python``, a user's scripts included. The shapes:
+    ``nats-server …`` (:class:`NatsServer`), ``python -m llmgw_cli …`` (:func:`child_argv`, the agents'
+    engines) and the ``llmgw`` console script (``llmgw …``, run by its shebang as ``python …/llmgw …``).
+    """
+    if not argv:
+        return False
+    name = os.path.basename(argv[0])
+    if name in ("nats-server", "llmgw"):
+        return True
+    if len(argv) >= 3 and argv[1] == "-m" and argv[2] == "llmgw_cli":
+        return True
+    return len(argv) >= 2 and name.startswith("python") and os.path.basename(argv[1]) == "llmgw"
 
 
 def run_processes(run_token: str, data_dir: Path | None = None) -> list[int]:
@@ -347,7 +359,7 @@ def run_processes(run_token: str, data_dir: Path | None = None) -> list[int]:
             continue
         try:
             argv = p.info["cmdline"] or []
-            named = needle is not None and needle in " ".join(argv) and _is_ours_by_name(argv)
+            named = needle is not None and needle in " ".join(argv) and is_run_entry_point(argv)
             if (named or p.environ().get(RUN_MARKER) == run_token) and p.status() != psutil.STATUS_ZOMBIE:
                 out.append(p.info["pid"])
         except psutil.Error:
