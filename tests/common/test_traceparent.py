@@ -94,7 +94,10 @@ def test_anything_read_is_forwarded_as_version_00_in_lower_case(value: str):
 
 
 def test_tracestate_is_kept_when_it_is_a_list_of_members():
-    assert clean_tracestate("congo=t61rcWkgMzE, rojo=00f067aa0ba902b7") == "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"
+    assert (
+        clean_tracestate("congo=t61rcWkgMzE, rojo=00f067aa0ba902b7")
+        == "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"
+    )
 
 
 @pytest.mark.parametrize(
