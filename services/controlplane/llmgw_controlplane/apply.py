@@ -1,4 +1,5 @@
-"""The one place the control plane writes what it decided: assignments, replica records, routing.
+"""The one place the control plane writes what it decided: assignments and replica records (the
+routing table: routing_publisher.py).
 
 :func:`desired_assignments` is pure: replica records + catalog + node addresses -> what each node must
 run. The writers compare with what they last wrote and write only the difference, so a steady cluster
@@ -20,15 +21,12 @@ from nats.js.kv import KeyValue
 from llmgw_common.catalog import Catalog
 from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.messages import (
+    AdapterLoad,
     Assignment,
-    Endpoint,
     ReplicaRecord,
     ReplicaSpec,
-    RoutingCatalog,
-    RoutingEndpoints,
     ShardAssignment,
 )
-from llmgw_common.subjects import ROUTING_CATALOG, ROUTING_ENDPOINTS
 from llmgw_runtime.bus import DropLog, forget_key, kv_get, kv_keys
 
 log = logging.getLogger("llmgw.controlplane.apply")
@@ -41,12 +39,17 @@ class Fenced(Exception):
 
 
 def shard_assignments(
-    rec: ReplicaRecord, catalog: Catalog, addresses: Mapping[str, str]
+    rec: ReplicaRecord,
+    catalog: Catalog,
+    addresses: Mapping[str, str],
+    adapters: tuple[AdapterLoad, ...] = (),
 ) -> list[ShardAssignment]:
     """The assignment lines of one replica; none when its model left the catalog (it is being torn down).
 
     Built from the spec the replica was started with: a profile change rolls replicas one at a time
-    (the reconciler replaces them), it never rewrites a running replica's assignment.
+    (the reconciler replaces them), it never rewrites a running replica's assignment. ``adapters`` (the
+    LoRA adapters it must have loaded, issue 33) go on shard 0, the one that serves: the agent loads
+    and unloads them without restarting anything.
     """
     profile = catalog.get(rec.model)
     if profile is None:
@@ -76,20 +79,25 @@ def shard_assignments(
             max_loras=spec.max_loras,
             max_lora_rank=None if spec.max_loras is None else spec.max_lora_rank,
             max_cpu_loras=spec.max_cpu_loras,
+            adapters=adapters if s.shard == 0 else (),
         )
         for s in shards
     ]
 
 
 def desired_assignments(
-    records: Mapping[str, ReplicaRecord], catalog: Catalog, addresses: Mapping[str, str]
+    records: Mapping[str, ReplicaRecord],
+    catalog: Catalog,
+    addresses: Mapping[str, str],
+    adapters: Mapping[str, tuple[AdapterLoad, ...]] | None = None,
 ) -> dict[str, NodeShards]:
-    """node -> the shards it must run, in a stable order (so equal content compares equal)."""
+    """node -> the shards it must run, in a stable order (so equal content compares equal);
+    ``adapters``: replica id -> the adapters it must have loaded."""
     out: dict[str, list[ShardAssignment]] = {}
     for rid in sorted(records):
         rec = records[rid]
         by_shard = {s.shard: s for s in rec.shards}
-        for a in shard_assignments(rec, catalog, addresses):
+        for a in shard_assignments(rec, catalog, addresses, (adapters or {}).get(rid, ())):
             out.setdefault(by_shard[a.shard].node, []).append(a)
     return {n: tuple(v) for n, v in out.items()}
 
@@ -114,6 +122,15 @@ class AssignmentWriter:
         # node -> (shards last written or read, key revision)
         self.written: dict[str, tuple[NodeShards, int]] = {}
         self.writes = 0
+
+    def adapters(self) -> dict[str, tuple[str, ...]]:
+        """Replica id -> the adapters its last written shard 0 asks for (a new tenure starts there)."""
+        return {
+            a.replica_id: tuple(x.name for x in a.adapters)
+            for shards, _ in self.written.values()
+            for a in shards
+            if a.shard == 0 and a.adapters
+        }
 
     async def load(self) -> dict[str, Assignment]:
         """Read every current assignment (after a start or a takeover): the base of the next diff."""
@@ -194,61 +211,3 @@ class ReplicaStore:
             n += 1
         return n
 
-
-class RoutingPublisher:
-    """``<prefix>_routing`` keys ``endpoints`` and ``catalog``, rewritten only when their content changes."""
-
-    def __init__(self, kv: KeyValue, drops: DropLog) -> None:
-        self.kv = kv
-        self.drops = drops
-        self.endpoints_version = 0
-        self.catalog_version = 0
-        self._endpoints: (
-            tuple[dict[str, tuple[Endpoint, ...]], dict[str, str], dict[str, str], tuple[str, ...]] | None
-        ) = None
-        self._catalog: Catalog | None = None
-
-    async def load(self) -> None:
-        """Continue the versions already in the bucket, so routers see them only grow."""
-        ep, _ = await kv_get(self.kv, ROUTING_ENDPOINTS, RoutingEndpoints, self.drops)
-        if ep is not None:
-            self.endpoints_version = ep.version
-            self._endpoints = (dict(ep.endpoints), dict(ep.unavailable), dict(ep.coming), tuple(ep.cold))
-        cat, _ = await kv_get(self.kv, ROUTING_CATALOG, RoutingCatalog, self.drops)
-        if cat is not None:
-            self.catalog_version = cat.version
-            self._catalog = cat.catalog
-
-    @property
-    def stored_cold(self) -> tuple[str, ...] | None:
-        """The models scaled to zero in the table last written or loaded (a takeover keeps them); None
-        when there is no table yet."""
-        return self._endpoints[3] if self._endpoints is not None else None
-
-    async def publish_endpoints(
-        self,
-        endpoints: dict[str, tuple[Endpoint, ...]],
-        unavailable: dict[str, str],
-        coming: dict[str, str] | None = None,
-        cold: tuple[str, ...] = (),
-    ) -> bool:
-        content = (endpoints, unavailable, coming or {}, cold)
-        if self._endpoints == content:
-            return False
-        version = self.endpoints_version + 1
-        msg = RoutingEndpoints(
-            version=version, endpoints=endpoints, unavailable=unavailable, coming=coming or {}, cold=cold
-        )
-        await self.kv.put(ROUTING_ENDPOINTS, encode(msg))
-        self.endpoints_version = version
-        self._endpoints = content
-        return True
-
-    async def publish_catalog(self, catalog: Catalog) -> bool:
-        if self._catalog == catalog:
-            return False
-        version = self.catalog_version + 1
-        await self.kv.put(ROUTING_CATALOG, encode(RoutingCatalog(version=version, catalog=catalog)))
-        self.catalog_version = version
-        self._catalog = catalog
-        return True

@@ -1,5 +1,5 @@
-"""Reports off the bus into the tables: nodes' heartbeats, inventories and statuses; routers' idle
-usage and demand reports.
+"""Reports off the bus into the tables: nodes' heartbeats, inventories, statuses and load reports (their
+LoRA adapters only); routers' idle usage and demand reports.
 
 Cheap by design: each callback updates a table and marks the reconcile loop dirty only when something
 it cares about changed (a heartbeat repeating the same state does not). A standby ingests exactly as
@@ -16,11 +16,12 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from llmgw_common.messages import Heartbeat, Inventory, ShardStatus
+from llmgw_common.messages import Heartbeat, Inventory, LoadReport, ShardStatus
 from llmgw_common.router_messages import DemandReport, IdleReport, UsageReport
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane.console.usage import UsageBook
 from llmgw_controlplane.pass_requests import PassReason, PassRequests
+from llmgw_controlplane.scheduler.adapter_reports import AdapterReports
 from llmgw_controlplane.scheduler.demand import DemandBook
 from llmgw_controlplane.scheduler.idle import IdleMerger
 from llmgw_controlplane.state import ClusterState
@@ -45,6 +46,7 @@ class Ingest:
         passes: PassRequests,
         heartbeat_interval_s: float,
         demand: DemandBook | None = None,
+        adapters: AdapterReports | None = None,
     ) -> None:
         self.nc = nc
         self.subjects = subjects
@@ -56,6 +58,7 @@ class Ingest:
         self.passes = passes
         self.heartbeat_interval_s = heartbeat_interval_s
         self.demand = demand
+        self.adapters = adapters
         # node -> when we last asked it for its inventory (own clock).
         self._inventory_asked: dict[str, float] = {}
 
@@ -69,6 +72,8 @@ class Ingest:
             await bus.subscribe(nc, sub.all_idle(), IdleReport, self.on_idle, self.drops),
             await bus.subscribe(nc, sub.all_usage(), UsageReport, self.on_usage, self.drops),
             await bus.subscribe(nc, sub.all_demand(), DemandReport, self.on_demand, self.drops),
+            # LoRA adapters loaded, busy and failed, per replica (issue 33).
+            await bus.subscribe(nc, sub.all_nodes("load"), LoadReport, self.on_load, self.drops),
         ]
 
     def forget(self, node: str) -> None:
@@ -115,6 +120,13 @@ class Ingest:
         # Not dirty: the load is judged on the tick, over time (up_after, down_after), not per message.
         if self.demand is not None and self._from_its_subject(msg, rep.router, "router"):
             self.demand.add(rep, self.clock())
+
+    def on_load(self, rep: LoadReport, msg: Msg) -> None:
+        # Dirty only when a replica's loaded adapters or their errors changed: a wake is then answered
+        # and a held request released from the assignment's point of view.
+        if self.adapters is not None and self._from_its_subject(msg, rep.node):
+            if self.adapters.add(rep, self.clock()):
+                self.passes.request(PassReason.REPORT)
 
     def on_idle(self, rep: IdleReport, msg: Msg) -> None:
         if self._from_its_subject(msg, rep.router, "router"):

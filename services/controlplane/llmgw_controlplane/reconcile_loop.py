@@ -15,11 +15,11 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import nats.errors
 
-from llmgw_common.messages import Event, ReplicaRecord
+from llmgw_common.messages import AdapterLoad, Event, ReplicaRecord
 from llmgw_common.messages import ShardPlacement as RecordShard
 from llmgw_controlplane.announcements import AnnouncedStore, FencedAbove, Judged
 from llmgw_controlplane.apply import Fenced, NodeShards
@@ -93,8 +93,11 @@ class ReconcileLoop:
         self.on_pass: Callable[[float], None] = lambda seconds: None
         self.last_reconcile_ms = 0.0
         # What this tenure wrote, so that a steady pass writes nothing: reset by new_tenure().
-        self._desired_cache: tuple[int, dict[str, NodeShards]] | None = None
+        self._desired_cache: tuple[int, dict[str, tuple[AdapterLoad, ...]], dict[str, NodeShards]] | None = (
+            None
+        )
         self._synced_generation = -1
+        self._adapters_synced: dict[str, tuple[AdapterLoad, ...]] = {}
         self._routing_key: tuple[object, ...] | None = None
         # Built here, from the publisher's JetStream context: node events and their record go together.
         self.announced = AnnouncedStore(events.js, events.subjects.prefix, replicas=s.kv_replicas)
@@ -106,6 +109,7 @@ class ReconcileLoop:
         """Forget what was written while leading before: a new tenure writes from what it loaded."""
         self._desired_cache = None
         self._synced_generation = -1
+        self._adapters_synced = {}
         self._routing_key = None
         self.memo = self.memo.new_tenure()
         self.announced.new_tenure()
@@ -220,6 +224,8 @@ class ReconcileLoop:
         sched = schedule(snap, self.memo, inputs, self.policy)
         self.memo, plan, scale = sched.memo, sched.plan, sched.scale
         self.autoscale.record(sched, snap)
+        # LoRA adapters (issue 33): which replica loads which; written on shard 0's assignment.
+        self.autoscale.adapters.decide(snap, inputs.demand, self.tables.assignments.adapters)
         if sched.evicted:
             self.tables.passes.request(PassReason.ROOM_FREED)  # place the wanted replica on the next pass
         self.last_reconcile_ms = (time.perf_counter() - t1) * 1000
@@ -287,9 +293,10 @@ class ReconcileLoop:
             rec = st.replicas.get(rid)
             if rec is not None and not rec.draining:
                 st.put_replica(rec.model_copy(update={"draining": True, "draining_since": now}))
-        if st.generation == self._synced_generation:
+        adapters = self.autoscale.adapters.loads_for(st.catalog)
+        if st.generation == self._synced_generation and adapters == self._adapters_synced:
             return plan.changes
-        desired = self.desired_assignments()
+        desired = self.desired_assignments(adapters)
         pending = self.tables.assignments.pending(desired)
         lease = self.leadership.lease
         if not await lease.confirm():
@@ -300,14 +307,22 @@ class ReconcileLoop:
             batch = items[i : i + WRITE_BATCH]
             await asyncio.gather(*(self.tables.assignments.write(n, sh, lease.fence, now) for n, sh in batch))
         self._synced_generation = st.generation
+        self._adapters_synced = adapters
         return True
 
-    def desired_assignments(self) -> dict[str, NodeShards]:
+    def desired_assignments(
+        self, adapters: Mapping[str, tuple[AdapterLoad, ...]] | None = None
+    ) -> dict[str, NodeShards]:
         gen = self.tables.state.generation
-        if self._desired_cache is None or self._desired_cache[0] != gen:
+        if adapters is None:
+            adapters = self.autoscale.adapters.loads_for(self.tables.state.catalog)
+        if self._desired_cache is None or self._desired_cache[:2] != (gen, adapters):
             addresses = {n: r.address for n, r in self.tables.state.nodes.items()}
             self._desired_cache = (
                 gen,
-                compute_assignments(self.tables.state.replicas, self.tables.state.catalog, addresses),
+                dict(adapters),
+                compute_assignments(
+                    self.tables.state.replicas, self.tables.state.catalog, addresses, adapters
+                ),
             )
-        return self._desired_cache[1]
+        return self._desired_cache[2]

@@ -33,7 +33,8 @@ from llmgw_common.subjects import Subjects
 from llmgw_controlplane.admin import AdminBindError, AdminServer, CtlApiSource, build_admin_app
 from llmgw_controlplane.admin.usage_history import add_usage_history_route, ledger_readers
 from llmgw_controlplane.api import CtlApi
-from llmgw_controlplane.apply import AssignmentWriter, ReplicaStore, RoutingPublisher
+from llmgw_controlplane.apply import AssignmentWriter, ReplicaStore
+from llmgw_controlplane.routing_publisher import RoutingPublisher
 from llmgw_controlplane.console.usage import UsageBook
 from llmgw_controlplane.desired import DesiredState, DesiredStore
 from llmgw_controlplane.events import EventPublisher
@@ -45,6 +46,8 @@ from llmgw_controlplane.metrics import ControlPlaneMetrics, add_metrics_route
 from llmgw_controlplane.pass_requests import PassReason, PassRequests
 from llmgw_controlplane.pass_verdicts import Verdicts
 from llmgw_controlplane.reconcile_loop import MAX_FAILED_PASSES, ReconcileLoop
+from llmgw_controlplane.scheduler.adapter_book import AdapterBook
+from llmgw_controlplane.scheduler.adapter_reports import AdapterReports
 from llmgw_controlplane.scheduler.autoscale import Autoscaler, idle_lookup
 from llmgw_controlplane.scheduler.demand import DemandBook
 from llmgw_controlplane.scheduler.event_detection import EventDetector
@@ -103,9 +106,14 @@ class ControlPlane:
         # Scale to zero, wakes and evictions (issue 13); wakes are answered only while leading.
         # Load following (issue 21): routers' demand reports, forgotten like their idle reports.
         self.demand = DemandBook(stale_s=max(IDLE_STALE_TICKS * s.tick_s, 5.0), doubts=self.doubts)
-        self.autoscale = Autoscaler(s.eviction_min_residency_s, self.demand)
+        self.adapters = AdapterBook(AdapterReports(stale_s=max(IDLE_STALE_TICKS * s.tick_s, 10.0)))
+        self.autoscale = Autoscaler(s.eviction_min_residency_s, self.demand, self.adapters)
         self.wakes = WakeResponder(
-            self.subjects.all_wake(), self._answer_wake, self.drops, version=lambda: self.state.version
+            self.subjects.all_wake(),
+            self._answer_wake,
+            self.drops,
+            # An adapter's answer changes with the agents' reports of it too (issue 33).
+            version=lambda: self.state.version + self.adapters.reports.changes,
         )
         # Routers' token counts, for the console's Usage page.
         self.usage = UsageBook(doubts=self.doubts)
@@ -124,6 +132,7 @@ class ControlPlane:
             passes=self.pass_requests,
             heartbeat_interval_s=s.heartbeat_interval_s,
             demand=self.demand,
+            adapters=self.adapters.reports,
         )
         self._hb_window: deque[tuple[float, int]] = deque(maxlen=64)
         # Read at scrape time from the parts built in start(); served by the admin listener.

@@ -44,6 +44,8 @@ class AdapterReports:
     def __init__(self, stale_s: float = 10.0) -> None:
         self.stale_s = stale_s
         self._seen: dict[str, AdapterSeen] = {}
+        # Reports that changed something (a wake's answer reused while this and the tables stand).
+        self.changes = 0
 
     def add(self, rep: LoadReport, received_at: float) -> bool:
         """Take a node's report; True when a replica's loaded adapters or errors changed (worth a pass)."""
@@ -72,6 +74,7 @@ class AdapterReports:
                     loaded or errors or (old is not None and (old.loaded or old.errors))
                 )
             self._seen[line.replica_id] = new
+        self.changes += changed
         return changed
 
     def seen(self, now: float) -> Mapping[str, AdapterSeen]:

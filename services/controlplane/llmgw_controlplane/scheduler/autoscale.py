@@ -27,6 +27,7 @@ from llmgw_common.event_details import (
 )
 from llmgw_common.messages import Event
 from llmgw_common.router_messages import WakeReply, WakeRequest, WakeState
+from llmgw_controlplane.scheduler.adapter_book import AdapterBook, fold_adapter_demand
 from llmgw_controlplane.scheduler.demand import DemandBook
 from llmgw_controlplane.scheduler.eviction import plan_eviction
 from llmgw_controlplane.scheduler.idle import IdleMerger
@@ -70,8 +71,12 @@ def _event(subject: str, key: str, now: float, summary: str, details: EventDetai
 
 
 class Autoscaler:
-    def __init__(self, min_residency_s: float, demand: DemandBook | None = None) -> None:
+    def __init__(
+        self, min_residency_s: float, demand: DemandBook | None = None, adapters: AdapterBook | None = None
+    ) -> None:
         self.min_residency_s = min_residency_s
+        # LoRA adapters (issue 33): what agents report of them, the wakes for them, the last decision.
+        self.adapters = adapters if adapters is not None else AdapterBook()
         # Following the load (issue 21): the routers' demand, and the verdicts of the last pass.
         self.demand = demand if demand is not None else DemandBook(stale_s=5.0)
         self.load_verdicts: Mapping[str, LoadVerdict] = MappingProxyType({})
@@ -87,6 +92,7 @@ class Autoscaler:
         :meth:`SchedulerMemo.new_tenure`)."""
         self.book = WakeBook()
         self.making_room.clear()
+        self.adapters.new_tenure()
 
     # ------------------------------------------------------------ one pass
 
@@ -96,7 +102,8 @@ class Autoscaler:
             idle=idle,
             wakes=self.book.windows(snap.catalog, snap.now),
             waking=frozenset(self.book.pending),
-            demand=self.demand.merged(snap.now),
+            # A base's count follows its adapters' requests too (its replicas serve them).
+            demand=fold_adapter_demand(self.demand.merged(snap.now), snap.catalog),
         )
 
     def record(self, s: Schedule, snap: Snapshot) -> None:
@@ -162,6 +169,13 @@ class Autoscaler:
         backoff: Mapping[str, str],
         settling: bool = False,
     ) -> WakeReply:
+        adapter = snap.catalog.adapter(req.model)
+        if adapter is not None:
+            base_req = WakeRequest(model=adapter.base, router=req.router, sent_at=req.sent_at)
+            # The base's own wake (recorded as one) only when no replica of it serves.
+            return self.adapters.answer(
+                snap, adapter, lambda: self.answer(base_req, snap, idle, backoff, settling)
+            )
         reply = wake_answer(
             snap,
             req.model,

@@ -1,0 +1,177 @@
+"""The control plane's LoRA adapters across passes (issue 33): what agents report, what wakes asked for,
+the last decision, and the answer to a wake for an adapter. Pure: time comes in as arguments.
+
+One pass: :meth:`AdapterBook.decide` (:func:`adapters.decide_adapters` over the snapshot, the routers'
+demand and the wakes) -> the assignment writer puts :meth:`AdapterBook.loads_for` on each replica's
+shard 0. A wake for an adapter (``WakeRequest(model=<adapter>)``) is answered by
+:func:`adapter_wake_answer`: ``serving`` when a replica that serves has it loaded, ``refused`` when its
+base cannot come or its load failed on every replica that could load it, else ``waking``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from types import MappingProxyType
+
+from llmgw_common.catalog import AdapterProfile, Catalog
+from llmgw_common.messages import AdapterLoad
+from llmgw_common.router_messages import WakeReply, WakeState
+from llmgw_controlplane.scheduler.adapter_reports import AdapterReports, AdapterSeen
+from llmgw_controlplane.scheduler.adapters import (
+    AdapterDecision,
+    AdapterInputs,
+    AdapterMemo,
+    AdapterPolicy,
+    adapter_loads,
+    decide_adapters,
+)
+from llmgw_controlplane.scheduler.demand import Merged
+from llmgw_controlplane.scheduler.phase import serving
+from llmgw_controlplane.scheduler.snapshot import Snapshot
+
+# A wake keeps its adapter wanted this long after the last ask (a holding router asks again).
+WANT_S = 60.0
+
+
+def adapter_demand(demand: Mapping[str, Merged], catalog: Catalog) -> dict[str, int]:
+    """Adapter -> requests the routers hold, queue or have in flight for it."""
+    return {a: m.in_flight + m.pending for a in catalog.adapter_names if (m := demand.get(a)) is not None}
+
+
+def fold_adapter_demand(demand: Mapping[str, Merged], catalog: Catalog) -> dict[str, Merged]:
+    """The routers' demand with each adapter's requests added to its base's (the base's replicas serve
+    them, so its count follows them). The engines' figures are the base's replicas' already; a base no
+    router reports by its own name takes its adapters' (the same replicas)."""
+    out = dict(demand)
+    for a in catalog.adapters:
+        m = demand.get(a.name)
+        if m is None:
+            continue
+        b = out.get(a.base)
+        if b is None:
+            out[a.base] = m
+            continue
+        out[a.base] = replace(
+            b,
+            in_flight=b.in_flight + m.in_flight,
+            queued=b.queued + m.queued,
+            held=b.held + m.held,
+            arrived=b.arrived + m.arrived,
+            completed=b.completed + m.completed,
+            ttft_samples=b.ttft_samples + m.ttft_samples,
+            ttft_p90_ms=max((x for x in (b.ttft_p90_ms, m.ttft_p90_ms) if x is not None), default=None),
+        )
+    return out
+
+
+def loaded_on(snap: Snapshot, seen: Mapping[str, AdapterSeen], adapter: str) -> list[str]:
+    """Replicas that serve and whose fresh report lists ``adapter`` loaded."""
+    return [r.id for r in snap.replicas if serving(snap, r) and adapter in seen.get(r.id, _NONE).loaded]
+
+
+_NONE = AdapterSeen(node="", at=0.0)
+
+
+def adapter_errors(snap: Snapshot, seen: Mapping[str, AdapterSeen], a: AdapterProfile) -> dict[str, str]:
+    """Replica id -> why its last load of ``a`` failed, for the base's replicas that report one."""
+    return {
+        r.id: err
+        for r in snap.replicas
+        if r.model == a.base and (err := seen.get(r.id, _NONE).errors.get(a.name)) is not None
+    }
+
+
+def adapter_wake_answer(
+    snap: Snapshot,
+    a: AdapterProfile,
+    seen: Mapping[str, AdapterSeen],
+    base_reply: Callable[[], WakeReply],
+) -> WakeReply:
+    """What to tell a router holding a request for adapter ``a`` (pure but for ``base_reply``, the base's
+    own wake, asked only when no replica of the base serves)."""
+    if loaded_on(snap, seen, a.name):
+        return WakeReply(model=a.name, state=WakeState.SERVING)
+    base = snap.catalog.get(a.base)
+    if base is None:  # a catalog refuses this; a hand-built one may not
+        return WakeReply(
+            model=a.name, state=WakeState.REFUSED, reason=f"its base {a.base} is not in the catalog"
+        )
+    mine = [r for r in snap.replicas if r.model == a.base and not r.draining]
+    errors = adapter_errors(snap, seen, a)
+    if mine and all(r.id in errors for r in mine):
+        first = sorted(errors.items())[0]
+        return WakeReply(
+            model=a.name,
+            state=WakeState.REFUSED,
+            reason=f"adapter {a.name} could not be loaded on base {a.base}: {first[1]} (replica {first[0]})",
+        )
+    if not any(serving(snap, r) for r in mine):
+        b = base_reply()
+        if b.state is WakeState.REFUSED:
+            return WakeReply(
+                model=a.name, state=WakeState.REFUSED, reason=f"its base {a.base} cannot come: {b.reason}"
+            )
+        return WakeReply(model=a.name, state=WakeState.WAKING, reason=f"its base {a.base} is waking")
+    return WakeReply(model=a.name, state=WakeState.WAKING, reason=f"loading on a replica of {a.base}")
+
+
+class AdapterBook:
+    """Adapters across passes: reports, wakes, the memo and the last decision."""
+
+    def __init__(self, reports: AdapterReports | None = None, policy: AdapterPolicy | None = None) -> None:
+        self.reports = reports if reports is not None else AdapterReports()
+        self.policy = policy or AdapterPolicy()
+        # adapter -> the latest wake for it
+        self.wants: dict[str, float] = {}
+        self.memo: AdapterMemo | None = None
+        self.last: AdapterDecision | None = None
+
+    def new_tenure(self) -> None:
+        """Leading (again): the memo is rebuilt from the stored assignments on the first pass."""
+        self.wants.clear()
+        self.memo = None
+        self.last = None
+
+    def ask(self, adapter: str, now: float) -> None:
+        self.wants[adapter] = max(now, self.wants.get(adapter, now))
+
+    def wanted(self, now: float) -> frozenset[str]:
+        for a in [a for a, t in self.wants.items() if now - t >= WANT_S]:
+            del self.wants[a]
+        return frozenset(self.wants)
+
+    def decide(
+        self,
+        snap: Snapshot,
+        demand: Mapping[str, Merged],
+        written: Callable[[], Mapping[str, tuple[str, ...]]],
+    ) -> AdapterDecision:
+        """One pass's decision; ``written``: replica -> adapters of the stored assignments (a new
+        tenure's starting point, read only then)."""
+        memo = self.memo if self.memo is not None else AdapterMemo.from_assignments(written(), snap.now)
+        inputs = AdapterInputs(
+            seen=self.reports.seen(snap.now),
+            demand=MappingProxyType(adapter_demand(demand, snap.catalog)),
+            wanted=self.wanted(snap.now),
+        )
+        d = decide_adapters(snap, memo, inputs, self.policy)
+        self.memo, self.last = d.memo, d
+        # A wake served by a load: the adapter stays wanted while requests for it are reported.
+        for a in list(self.wants):
+            if loaded_on(snap, inputs.seen, a):
+                del self.wants[a]
+        return d
+
+    def loads_for(self, catalog: Catalog) -> dict[str, tuple[AdapterLoad, ...]]:
+        """Replica id -> what its shard 0 assignment carries."""
+        if self.last is None:
+            return {}
+        by_name = {a.name: a for a in catalog.adapters}
+        return {rid: adapter_loads(by_name, names) for rid, names in self.last.assigned.items()}
+
+    def answer(self, snap: Snapshot, a: AdapterProfile, base_reply: Callable[[], WakeReply]) -> WakeReply:
+        reply = adapter_wake_answer(snap, a, self.reports.seen(snap.now), base_reply)
+        if reply.state is WakeState.WAKING:
+            self.ask(a.name, snap.now)
+        return reply
