@@ -210,4 +210,3 @@ class ReplicaStore:
             del self.written[rid]
             n += 1
         return n
-

@@ -31,7 +31,7 @@ from llmgw_runtime import bus
 from llmgw_runtime.bus import DropLog
 
 if TYPE_CHECKING:
-    from llmgw_controlplane.apply import RoutingPublisher
+    from llmgw_controlplane.routing_publisher import RoutingPublisher
     from llmgw_controlplane.state import ClusterState
 
 log = logging.getLogger("llmgw.controlplane.desired")

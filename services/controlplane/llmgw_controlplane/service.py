@@ -34,7 +34,6 @@ from llmgw_controlplane.admin import AdminBindError, AdminServer, CtlApiSource, 
 from llmgw_controlplane.admin.usage_history import add_usage_history_route, ledger_readers
 from llmgw_controlplane.api import CtlApi
 from llmgw_controlplane.apply import AssignmentWriter, ReplicaStore
-from llmgw_controlplane.routing_publisher import RoutingPublisher
 from llmgw_controlplane.console.usage import UsageBook
 from llmgw_controlplane.desired import DesiredState, DesiredStore
 from llmgw_controlplane.events import EventPublisher
@@ -46,6 +45,7 @@ from llmgw_controlplane.metrics import ControlPlaneMetrics, add_metrics_route
 from llmgw_controlplane.pass_requests import PassReason, PassRequests
 from llmgw_controlplane.pass_verdicts import Verdicts
 from llmgw_controlplane.reconcile_loop import MAX_FAILED_PASSES, ReconcileLoop
+from llmgw_controlplane.routing_publisher import RoutingPublisher
 from llmgw_controlplane.scheduler.adapter_book import AdapterBook
 from llmgw_controlplane.scheduler.adapter_reports import AdapterReports
 from llmgw_controlplane.scheduler.autoscale import Autoscaler, idle_lookup

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llmgw_controlplane.apply import AssignmentWriter, ReplicaStore, RoutingPublisher
+from llmgw_controlplane.apply import AssignmentWriter, ReplicaStore
 from llmgw_controlplane.pass_requests import PassRequests
+from llmgw_controlplane.routing_publisher import RoutingPublisher
 from llmgw_controlplane.settling import Settling
 from llmgw_controlplane.state import ClusterState
 
