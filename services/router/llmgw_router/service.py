@@ -50,6 +50,10 @@ from llmgw_runtime.runtime import PassGuard, cancel_and_wait, until_stopped
 from llmgw_runtime.usage_ledger import read_hours
 
 log = logging.getLogger("llmgw.router")
+# How often the followers of the routing table and the keys ask their bucket's stream how far it is: one
+# small answer, whatever the bucket holds; a change the watch lost is read within this (plus a moment),
+# so a revoked key is refused within 1 s even then (issue 35).
+FOLLOW_CHECK_S = 0.5
 _ADMIN_LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
@@ -211,8 +215,8 @@ class Router:
         await bus.subscribe(nc, self.subjects.all_nodes("load"), LoadReport, self._on_load, self.drops)
         # Peers' usage reports: their use of limited keys, from which each router's share is computed.
         await bus.subscribe(nc, self.subjects.all_usage(), UsageReport, self._on_usage, self.drops)
-        routing = KvFollower(routing_kv, self._on_routing, name="router-routing", resync_s=max(s.tick_s, 2.0))
-        keyf = KvFollower(keys_kv, self._on_key, name="router-keys", resync_s=max(s.tick_s, 2.0))
+        routing = KvFollower(routing_kv, self._on_routing, name="router-routing", resync_s=FOLLOW_CHECK_S)
+        keyf = KvFollower(keys_kv, self._on_key, name="router-keys", resync_s=FOLLOW_CHECK_S)
         self._followers = [routing, keyf]
         await routing.start()
         await keyf.start()
