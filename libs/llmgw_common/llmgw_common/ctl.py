@@ -170,6 +170,10 @@ class ReplicaInfo(Message):
     failed_at: float | None = None
     # Started with an older profile of its model: it is being replaced, one replica at a time.
     outdated: bool = False
+    # LoRA adapters (issue 33), as its node last reported them: loaded, and adapter -> why its last
+    # load failed (shown by `ctl replicas --failed`).
+    adapters: tuple[str, ...] = ()
+    adapter_errors: dict[str, str] = {}
 
 
 class LoadScaleInfo(Message):
@@ -225,6 +229,29 @@ class ModelInfo(Message):
     cache: ModelCacheInfo | None = None
 
 
+class AdapterInfo(Message):
+    """A LoRA adapter (issue 33): where it is loaded, and how often it was loaded and let go."""
+
+    name: str
+    base: str
+    weights: str = ""
+    rank: int | None = None
+    # loaded (on a replica that serves), loading (asked, not reported loaded yet), waiting (wanted,
+    # asked of no replica: ``reason``), failed (its load failed on every replica: ``reason``), idle.
+    state: str = "idle"
+    reason: str | None = None
+    # Replicas whose node reports it loaded, and replicas whose assignment asks for it.
+    loaded_on: tuple[str, ...] = ()
+    assigned_to: tuple[str, ...] = ()
+    # Loads and unloads asked since this control plane leads.
+    loads: int = 0
+    unloads: int = 0
+    # Requests the routers hold, queue or have in flight for it.
+    requests: int = 0
+    # Replica id -> why its load failed there.
+    errors: dict[str, str] = {}
+
+
 class NodesReply(Message):
     nodes: tuple[NodeInfo, ...] = ()
 
@@ -237,6 +264,7 @@ class ReplicasReply(Message):
 
 class ModelsReply(Message):
     models: tuple[ModelInfo, ...] = ()
+    adapters: tuple[AdapterInfo, ...] = ()
 
 
 class ClassCapacity(Message):

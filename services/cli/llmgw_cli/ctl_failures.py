@@ -23,10 +23,22 @@ def render_failure(info: ReplicaInfo, now: float) -> str:
     return "\n".join(lines)
 
 
+def adapter_failures(reply: ReplicasReply) -> str:
+    """LoRA adapters whose last load failed on a running replica (issue 33); empty when none."""
+    lines = [
+        f"  {r.id} ({r.model}) adapter {a}: {e}"
+        for r in reply.replicas
+        for a, e in sorted(r.adapter_errors.items())
+    ]
+    return "adapter loads failed:\n" + "\n".join(lines) if lines else ""
+
+
 def render_failed(reply: ReplicasReply, now: float) -> str:
+    adapters = adapter_failures(reply)
     if not reply.failed:
-        return "no failed replica kept (failures are kept for a while after the replica is stopped)"
-    return "\n\n".join(render_failure(f, now) for f in reply.failed)
+        kept = "no failed replica kept (failures are kept for a while after the replica is stopped)"
+        return f"{kept}\n\n{adapters}" if adapters else kept
+    return "\n\n".join([*(render_failure(f, now) for f in reply.failed), *([adapters] if adapters else [])])
 
 
 def failed_note(reply: ReplicasReply, now: float) -> str:

@@ -117,6 +117,8 @@ def render_replicas(reply: ReplicasReply) -> str:
             if s.error or s.log_tail:
                 problems.append(f"{r.id} shard {s.shard} on {s.node}: {s.error or s.state}")
                 problems.extend(f"    | {line}" for line in s.log_tail)
+    for r in reply.replicas:
+        problems.extend(f"{r.id} adapter {a}: {e}" for a, e in sorted(r.adapter_errors.items()))
     if problems:
         out += "\nerrors:\n" + "\n".join(problems)
     return out
@@ -174,7 +176,20 @@ def render_models(reply: ModelsReply) -> str:
         if f is not None:
             # Issue 21: the count a load-following model asks for, and why (or what holds it).
             out += f"\n{m.name} follows load (target {f.target}): wants {f.wants}; {f.why}"
+    if reply.adapters:
+        out += "\n\n" + render_adapters(reply)
     return out
+
+
+def render_adapters(reply: ModelsReply) -> str:
+    """LoRA adapters (issue 33): their base, where loaded (or asked), loads and unloads, and why not."""
+    rows = []
+    for a in reply.adapters:
+        where = ",".join(a.loaded_on) or (f"asked of {','.join(a.assigned_to)}" if a.assigned_to else "-")
+        rows.append(
+            [a.name, a.base, a.state, where, str(a.requests), f"{a.loads}/{a.unloads}", a.reason or "-"]
+        )
+    return table(["ADAPTER", "BASE", "STATE", "LOADED ON", "REQUESTS", "LOADS/UNLOADS", "REASON"], rows)
 
 
 @shown

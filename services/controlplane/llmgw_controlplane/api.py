@@ -44,7 +44,9 @@ from llmgw_common.ctl import (
 from llmgw_common.messages import Marks, Message
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane import desired, views
+from llmgw_controlplane.adapter_views import adapter_explain, adapters_info, with_adapters
 from llmgw_controlplane.desired import DesiredConflict
+from llmgw_controlplane.scheduler.adapter_book import adapter_demand
 from llmgw_controlplane.scheduler.autoscale import Autoscaler, idle_lookup
 from llmgw_controlplane.scheduler.placement import explain
 from llmgw_controlplane.settings import ControlPlaneSettings
@@ -151,8 +153,9 @@ class CtlApi:
     async def replicas(self, req: ReplicasRequest) -> ReplicasReply:
         r = self.reads
         snap = r.snapshot()
+        rows = views.replicas_info(r.state, snap, r.idle, req.model)
         return ReplicasReply(
-            replicas=views.replicas_info(r.state, snap, r.idle, req.model),
+            replicas=with_adapters(rows, snap, r.autoscale.adapters),
             failed=r.failures.replicas(snap.now, req.model),
         )
 
@@ -169,7 +172,11 @@ class CtlApi:
             else m
             for m in models
         )
-        return ModelsReply(models=r.failures.on_models(models, snap.now))
+        requests = adapter_demand(r.autoscale.demand.merged(snap.now), snap.catalog)
+        return ModelsReply(
+            models=r.failures.on_models(models, snap.now),
+            adapters=adapters_info(snap, r.autoscale.adapters, requests),
+        )
 
     async def status(self, _: Message) -> StatusReply:
         r = self.reads
@@ -195,9 +202,12 @@ class CtlApi:
     async def explain(self, req: ModelRequest) -> ExplainReply:
         r = self.reads
         profile = r.state.catalog.get(req.model)
+        adapter = r.state.catalog.adapter(req.model)
+        if adapter is not None:
+            return adapter_explain(r.snapshot(), r.autoscale.adapters, adapter)
         if profile is None:
-            known = ", ".join(r.state.catalog.names) or "none"
-            raise _err(404, f"model {req.model!r} is not in the catalog (models: {known})")
+            known = ", ".join(r.state.catalog.names + r.state.catalog.adapter_names) or "none"
+            raise _err(404, f"model {req.model!r} is not in the catalog (models and adapters: {known})")
         snap = r.snapshot()
         reply = views.explain_info(explain(profile, snap))
         reply = reply.model_copy(update={"scaling": r.autoscale.explain_scaling(req.model)})

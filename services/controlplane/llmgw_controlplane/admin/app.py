@@ -172,7 +172,8 @@ def build_admin_app(
 
     @app.get("/models", response_class=HTMLResponse)
     async def models(refresh: int | None = Refresh) -> HTMLResponse:
-        return await render("models", refresh, models=(await source.models()).models)
+        reply = await source.models()
+        return await render("models", refresh, models=reply.models, adapters=reply.adapters)
 
     @app.get("/replicas", response_class=HTMLResponse)
     async def replicas(refresh: int | None = Refresh) -> HTMLResponse:
