@@ -109,3 +109,18 @@ async def test_the_console_models_page_lists_adapters() -> None:
     empty = FixedSource(models_reply=ModelsReply())
     async with client(empty) as c:
         assert 'id="adapters"' not in await get(c, "/models")
+
+
+def test_a_catalog_diff_lists_adapters_added_removed_and_changed() -> None:
+    from llmgw_controlplane.views import catalog_diff
+
+    old = Catalog(models=(BASE,), adapters=ADAPTERS[:2])
+    new = Catalog(
+        models=(BASE,), adapters=(ADAPTERS[0], ADAPTERS[1].model_copy(update={"rank": 16}), ADAPTERS[3])
+    )
+    d = catalog_diff(old, new)
+    assert (d.added, d.removed) == (("adapter cold",), ())
+    assert [(c.name, [(f.field, f.old, f.new) for f in c.changes]) for c in d.changed] == [
+        ("adapter chat", [("rank", "8", "16")])
+    ]
+    assert catalog_diff(new, old).removed == ("adapter cold",)

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 
+from pydantic import BaseModel
+
 from llmgw_common.catalog import Catalog
 from llmgw_common.ctl import (
     CatalogDiff,
@@ -337,8 +339,11 @@ def explain_info(ex: Explanation) -> ExplainReply:
 
 
 def catalog_diff(old: Catalog, new: Catalog) -> CatalogDiff:
-    before = {m.name: m for m in old.models}
-    after = {m.name: m for m in new.models}
+    # LoRA adapters (issue 33) are listed beside the models, named as such: adding one restarts nothing.
+    before: dict[str, BaseModel] = {m.name: m for m in old.models}
+    before.update({f"adapter {a.name}": a for a in old.adapters})
+    after: dict[str, BaseModel] = {m.name: m for m in new.models}
+    after.update({f"adapter {a.name}": a for a in new.adapters})
     changed = []
     for name in sorted(set(before) & set(after)):
         a = before[name].model_dump(mode="json")
