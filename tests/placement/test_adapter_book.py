@@ -12,7 +12,6 @@ from llmgw_controlplane.scheduler.adapter_book import (
     WANT_S,
     AdapterBook,
     adapter_wake_answer,
-    fold_adapter_demand,
 )
 from llmgw_controlplane.scheduler.adapter_reports import AdapterReports
 from llmgw_controlplane.scheduler.demand import Merged
@@ -128,16 +127,6 @@ def _merged(in_flight: int, queued: int = 0, held: int = 0) -> Merged:
         ttft_samples=0,
         window_s=30.0,
     )
-
-
-def test_a_bases_demand_counts_its_adapters_requests() -> None:
-    cat = _snap([]).catalog
-    folded = fold_adapter_demand({"base": _merged(2), "a1": _merged(3, queued=1, held=2)}, cat)
-    b = folded["base"]
-    assert (b.in_flight, b.queued, b.held, b.running) == (5, 1, 2, 2.0)
-    assert folded["a1"].in_flight == 3  # the adapter's own entry stays for its placement
-    only = fold_adapter_demand({"a1": _merged(4)}, cat)
-    assert only["base"].in_flight == 4
 
 
 def test_the_book_decides_from_the_stored_assignments_on_a_new_tenure() -> None:

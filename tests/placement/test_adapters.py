@@ -143,6 +143,24 @@ def test_a_failed_load_is_withdrawn_and_tried_on_another_replica() -> None:
     assert d.unloads[0].replica_id == "r1" and "its load failed" in d.unloads[0].why
 
 
+def test_a_failed_load_with_nowhere_else_to_go_stays_asked_and_is_not_asked_again_elsewhere_soon() -> None:
+    s = _cat_snap([_r("r1", "n1"), _r("r2", "n2")], now=2000.0)
+    memo = _memo({"r1": ("a1",)}, at=1990.0)
+    err = "no adapter weights at w-a1"
+    seen = {"r1": _seen("n1", errors={"a1": err}), "r2": _seen("n2", errors={"a1": err})}
+    d = _decide(s, memo, demand={"a1": 1}, seen=seen)
+    # Both failed: it stays where it was asked (its error reported, its requests refused saying why).
+    assert dict(d.assigned) == {"r1": ("a1",)} and d.unloads == ()
+    # The agent stops reporting r2's error once nothing asks r2 for it: r2 is still not asked for
+    # retry_failed_s, then it is.
+    later = replace(s, now=2100.0)
+    d2 = _decide(later, d.memo, demand={"a1": 1}, seen={"r1": _seen("n1", errors={"a1": err})})
+    assert dict(d2.assigned) == {"r1": ("a1",)}
+    much_later = replace(s, now=2000.0 + POLICY.retry_failed_s)
+    d3 = _decide(much_later, d2.memo, demand={"a1": 1}, seen={"r1": _seen("n1", errors={"a1": err})})
+    assert dict(d3.assigned) == {"r2": ("a1",)}
+
+
 def test_an_adapter_that_failed_everywhere_waits_with_its_error() -> None:
     s = _cat_snap([_r("r1", "n1")], now=2000.0)
     seen = {"r1": _seen("n1", errors={"a1": "rank 64 exceeds max_lora_rank 16"})}

@@ -11,7 +11,6 @@ base cannot come or its load failed on every replica that could load it, else ``
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from types import MappingProxyType
 
 from llmgw_common.catalog import AdapterProfile, Catalog
@@ -37,32 +36,6 @@ WANT_S = 60.0
 def adapter_demand(demand: Mapping[str, Merged], catalog: Catalog) -> dict[str, int]:
     """Adapter -> requests the routers hold, queue or have in flight for it."""
     return {a: m.in_flight + m.pending for a in catalog.adapter_names if (m := demand.get(a)) is not None}
-
-
-def fold_adapter_demand(demand: Mapping[str, Merged], catalog: Catalog) -> dict[str, Merged]:
-    """The routers' demand with each adapter's requests added to its base's (the base's replicas serve
-    them, so its count follows them). The engines' figures are the base's replicas' already; a base no
-    router reports by its own name takes its adapters' (the same replicas)."""
-    out = dict(demand)
-    for a in catalog.adapters:
-        m = demand.get(a.name)
-        if m is None:
-            continue
-        b = out.get(a.base)
-        if b is None:
-            out[a.base] = m
-            continue
-        out[a.base] = replace(
-            b,
-            in_flight=b.in_flight + m.in_flight,
-            queued=b.queued + m.queued,
-            held=b.held + m.held,
-            arrived=b.arrived + m.arrived,
-            completed=b.completed + m.completed,
-            ttft_samples=b.ttft_samples + m.ttft_samples,
-            ttft_p90_ms=max((x for x in (b.ttft_p90_ms, m.ttft_p90_ms) if x is not None), default=None),
-        )
-    return out
 
 
 def loaded_on(snap: Snapshot, seen: Mapping[str, AdapterSeen], adapter: str) -> list[str]:

@@ -52,6 +52,9 @@ class AdapterPolicy:
     # Requests per replica holding a hot adapter above which one more replica loads it; a base whose
     # target is ``in_flight_per_replica`` uses that instead.
     spread_per_replica: float = 8.0
+    # A replica whose load of an adapter failed is not asked for it again for this long (the agent may
+    # stop reporting the error once the assignment no longer asks it).
+    retry_failed_s: float = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,8 @@ class AdapterMemo:
     used: Mapping[str, float] = field(default_factory=_frozen)
     loads: Mapping[str, int] = field(default_factory=_frozen)
     unloads: Mapping[str, int] = field(default_factory=_frozen)
+    # (replica id, adapter) -> (why its load failed there, when that was last reported)
+    failed: Mapping[tuple[str, str], tuple[str, float]] = field(default_factory=_frozen)
 
     @classmethod
     def from_assignments(cls, assigned: Mapping[str, tuple[str, ...]], now: float) -> AdapterMemo:
@@ -167,6 +172,12 @@ class _Base:
         for r in self.draining:
             self.cur[r.id] = [a for a in memo.assigned.get(r.id, ()) if a in self.adapters]
         self.since = memo.since
+        self.failed = dict(memo.failed)
+        for r in mine:
+            seen = inputs.seen.get(r.id)
+            for a, err in seen.errors.items() if seen is not None else ():
+                if a in self.adapters:
+                    self.failed[(r.id, a)] = (err, self.now)
         self.loads: list[AdapterMove] = []
         self.unloads: list[AdapterMove] = []
         self.new_since: dict[tuple[str, str], float] = {}
@@ -184,8 +195,15 @@ class _Base:
         return self.inputs.demand.get(a, 0) > 0 or a in self.inputs.wanted
 
     def failed_on(self, rid: str, a: str) -> str | None:
+        """Why the last load of ``a`` on this replica failed: as its report says, or as remembered for
+        ``retry_failed_s``."""
         s = self.seen(rid)
-        return None if s is None else s.errors.get(a)
+        if s is not None and a in s.errors:
+            return s.errors[a]
+        kept = self.failed.get((rid, a))
+        if kept is not None and self.now - kept[1] < self.policy.retry_failed_s:
+            return kept[0]
+        return None
 
     def asked_at(self, rid: str, a: str) -> float:
         return self.new_since.get((rid, a), self.since.get((rid, a), self.now))
@@ -296,6 +314,7 @@ def decide_adapters(
     unloads: list[AdapterMove] = []
     waiting: dict[str, str] = {}
     kept: dict[str, list[str]] = {}
+    failed: dict[tuple[str, str], tuple[str, float]] = {}
     for base in snap.catalog.models:
         adapters = snap.catalog.adapters_of(base.name)
         b = _Base(snap, base, memo, inputs, policy, used)
@@ -307,6 +326,7 @@ def decide_adapters(
                 for a in names_:
                     since[(rid, a)] = b.asked_at(rid, a)
         kept.update(b.cur)
+        failed.update({k: v for k, v in b.failed.items() if now - v[1] < policy.retry_failed_s})
         loads += b.loads
         unloads += b.unloads
     # Replicas no longer running lost their adapters with them (failed, stopped, gone).
@@ -331,17 +351,21 @@ def decide_adapters(
             used=MappingProxyType(used),
             loads=MappingProxyType({a: n for a, n in load_count.items() if a in keep}),
             unloads=MappingProxyType({a: n for a, n in unload_count.items() if a in keep}),
+            failed=MappingProxyType(failed),
         ),
     )
 
 
 def _decide_base(b: _Base, memo: AdapterMemo, waiting: dict[str, str]) -> None:
     now, policy = b.now, b.policy
-    # A load that failed on a replica is withdrawn from it (its error stays in the report: not asked again).
-    for rid in list(b.cur):
+    # A load that failed on a replica moves to another that may load it; with none, it stays asked there
+    # (its error stays reported: requests for it are refused saying why, and ctl shows it).
+    live = {r.id for r in b.live}
+    for rid in [r for r in b.cur if r in live]:
         for a in list(b.cur[rid]):
-            if rid in {r.id for r in b.live} and b.failed_on(rid, a) is not None:
-                b.unload(rid, a, f"its load failed: {b.failed_on(rid, a)}")
+            err = b.failed_on(rid, a)
+            if err is not None and b.give(a, f"its load failed on {rid}", evict=True, exclude={rid}) == "":
+                b.unload(rid, a, f"its load failed: {err}")
     # Over the slots (a spec with fewer): the least recently used go first.
     for r in b.live:
         slots = slots_of(r, b.base)

@@ -27,7 +27,7 @@ from llmgw_common.event_details import (
 )
 from llmgw_common.messages import Event
 from llmgw_common.router_messages import WakeReply, WakeRequest, WakeState
-from llmgw_controlplane.scheduler.adapter_book import AdapterBook, fold_adapter_demand
+from llmgw_controlplane.scheduler.adapter_book import AdapterBook
 from llmgw_controlplane.scheduler.demand import DemandBook
 from llmgw_controlplane.scheduler.eviction import plan_eviction
 from llmgw_controlplane.scheduler.idle import IdleMerger
@@ -102,8 +102,9 @@ class Autoscaler:
             idle=idle,
             wakes=self.book.windows(snap.catalog, snap.now),
             waking=frozenset(self.book.pending),
-            # A base's count follows its adapters' requests too (its replicas serve them).
-            demand=fold_adapter_demand(self.demand.merged(snap.now), snap.catalog),
+            # A base's entry counts its adapters' requests already (the router reports the base's total
+            # and each adapter's share beside it), so its count follows them (issue 33).
+            demand=self.demand.merged(snap.now),
         )
 
     def record(self, s: Schedule, snap: Snapshot) -> None:
