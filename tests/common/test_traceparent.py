@@ -21,19 +21,19 @@ SPAN = "00f067aa0ba902b7"
 GOOD = f"00-{TRACE}-{SPAN}-01"
 
 
-def test_a_valid_traceparent_is_read():
+def test_a_valid_traceparent_is_read() -> None:
     p = parse_traceparent(GOOD)
     assert p == TraceParent(int(TRACE, 16), int(SPAN, 16), 1)
     assert p is not None and p.sampled
     assert format_traceparent(*p) == GOOD
 
 
-def test_an_unsampled_one_keeps_its_flag():
+def test_an_unsampled_one_keeps_its_flag() -> None:
     p = parse_traceparent(f"00-{TRACE}-{SPAN}-00")
     assert p is not None and not p.sampled
 
 
-def test_surrounding_blanks_are_optional_whitespace():
+def test_surrounding_blanks_are_optional_whitespace() -> None:
     assert parse_traceparent(f" \t{GOOD} ") == parse_traceparent(GOOD)
 
 
@@ -61,15 +61,15 @@ def test_surrounding_blanks_are_optional_whitespace():
         f"00-{TRACE}-{SPAN}-01\r\nx-injected: 1",
     ],
 )
-def test_a_malformed_traceparent_is_none(value: str):
+def test_a_malformed_traceparent_is_none(value: str) -> None:
     assert parse_traceparent(value) is None
 
 
-def test_none_is_none():
+def test_none_is_none() -> None:
     assert parse_traceparent(None) is None
 
 
-def test_an_oversized_traceparent_is_not_read():
+def test_an_oversized_traceparent_is_not_read() -> None:
     # A later version may add fields after a '-': valid up to our bound, not beyond it.
     longer = f"01-{TRACE}-{SPAN}-01-" + "a" * 20
     assert parse_traceparent(longer) == TraceParent(int(TRACE, 16), int(SPAN, 16), 1)
@@ -78,14 +78,14 @@ def test_an_oversized_traceparent_is_not_read():
     assert parse_traceparent(huge) is None
 
 
-def test_a_later_version_passes_on_only_the_flags_version_00_knows():
+def test_a_later_version_passes_on_only_the_flags_version_00_knows() -> None:
     p = parse_traceparent(f"7f-{TRACE}-{SPAN}-ff")
     assert p is not None and p.flags == 0x03
     assert format_traceparent(*p).startswith("00-")
 
 
 @given(st.text(max_size=80))
-def test_anything_read_is_forwarded_as_version_00_in_lower_case(value: str):
+def test_anything_read_is_forwarded_as_version_00_in_lower_case(value: str) -> None:
     p = parse_traceparent(value)
     if p is not None:
         out = format_traceparent(*p)
@@ -93,7 +93,7 @@ def test_anything_read_is_forwarded_as_version_00_in_lower_case(value: str):
         assert parse_traceparent(out) == p
 
 
-def test_tracestate_is_kept_when_it_is_a_list_of_members():
+def test_tracestate_is_kept_when_it_is_a_list_of_members() -> None:
     assert (
         clean_tracestate("congo=t61rcWkgMzE, rojo=00f067aa0ba902b7")
         == "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"
@@ -115,11 +115,11 @@ def test_tracestate_is_kept_when_it_is_a_list_of_members():
         "a=caf\u00e9",
     ],
 )
-def test_tracestate_is_dropped_otherwise(value: str | None):
+def test_tracestate_is_dropped_otherwise(value: str | None) -> None:
     assert clean_tracestate(value) is None
 
 
-def test_header_lines_carry_both():
+def test_header_lines_carry_both() -> None:
     p = TraceParent(int(TRACE, 16), int(SPAN, 16), 1)
     assert header_lines(p, None) == f"traceparent: {GOOD}\r\n".encode()
     assert header_lines(p, "a=1") == f"traceparent: {GOOD}\r\ntracestate: a=1\r\n".encode()
