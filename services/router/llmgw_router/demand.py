@@ -13,6 +13,12 @@ is what clients feel, so it has two halves:
 
 One small report per tick, one entry per model that follows load: the control plane keeps no
 per-replica state for it, whatever the fleet's size.
+
+LoRA adapters (issue 33) run on their base's replicas: the base's entry is the whole load on them, its
+adapters' requests included (in flight, queued, held, first bytes, arrivals), as the engines' own
+figures are; each adapter of a base that follows load has an entry of its own too, its share of that
+(the engines' figures are the base's: None there), so the control plane can spread a hot adapter.
+Adding adapters' entries to their base's would count them twice.
 """
 
 from __future__ import annotations
@@ -60,14 +66,26 @@ class DemandMeter:
 
     def report(self, router: str, now: float) -> DemandReport:
         ctx = self.ctx
-        cumulative = ctx.metrics.ttft_counts()
-        follows = {n: p for n, p in ctx.pool.profiles.items() if p.follows_load}
-        finished = {m: n for m, n in ctx.metrics.finished_counts().items() if m in follows}
+        pool, metrics, holding = ctx.pool, ctx.metrics, ctx.holding
+        follows = {n: p for n, p in pool.profiles.items() if p.follows_load}
+        adapters = {n: a.base for n, a in pool.adapters.items() if a.base in follows}
+        cumulative = _hists_with_adapters(metrics.ttft_counts(), adapters)
+        finished = {
+            m: n
+            for m, n in _with_adapters(metrics.finished_counts(), adapters).items()
+            if m in follows or m in adapters
+        }
         here: dict[str, tuple[int, int, int]] = {}
+        holds = {name: holding.held(name) for name in (*follows, *adapters)}
+        for name, of in adapters.items():
+            holds[of] += holds[name]
+            in_flight = metrics.adapter_in_flight.get(name, 0)
+            here[name] = (in_flight, metrics.adapter_queued.get(name, 0), holds[name])
         for name in follows:
             gate = ctx.gates.by_model.get(name)
-            in_flight = sum(e.in_flight for e in ctx.pool.by_model.get(name, []))
-            here[name] = (in_flight, gate.queued if gate is not None else 0, ctx.holding.held(name))
+            # The base's endpoints' in-flight count and its gate include its adapters' requests.
+            in_flight = sum(e.in_flight for e in pool.by_model.get(name, []))
+            here[name] = (in_flight, gate.queued if gate is not None else 0, holds[name])
         outstanding = {m: sum(v) for m, v in here.items()}
         self._marks.append(_Mark(now, cumulative, finished, outstanding))
         while len(self._marks) > 1 and self._marks[1].at <= now - self.window_s:
@@ -78,9 +96,22 @@ class DemandMeter:
             base = _Mark(ctx.started, {}, {}, {})
         stale = ctx.limits.load_stale_s
         models: dict[str, ModelDemand] = {}
-        for name, profile in follows.items():
-            eps = ctx.pool.by_model.get(name, [])
+        for name in (*follows, *adapters):
+            parent = adapters.get(name)
+            profile = follows[parent if parent is not None else name]
+            eps = pool.by_model.get(profile.name, [])
+            if parent is not None:
+                eps = [e for e in eps if name in e.adapters]
             fresh = [e for e in eps if e.load_at is not None and now - e.load_at <= stale]
+            if parent is not None:
+                # The engines' figures are the base replicas', not the adapter's own: not told twice.
+                fresh_running: list[float | None] = []
+                fresh_waiting: list[float | None] = []
+                fresh_kv: list[float | None] = []
+            else:
+                fresh_running = [e.running for e in fresh]
+                fresh_waiting = [e.waiting for e in fresh]
+                fresh_kv = [e.kv_use for e in fresh]
             delta = [
                 c - b for c, b in zip(cumulative.get(name, []), base.ttft.get(name, [0] * 64), strict=False)
             ]
@@ -94,9 +125,9 @@ class DemandMeter:
                 queued=queued,
                 held=held,
                 replicas_reporting=len(fresh),
-                running=_sum([e.running for e in fresh]),
-                waiting=_sum([e.waiting for e in fresh]),
-                kv_use=_max([e.kv_use for e in fresh]),
+                running=_sum(fresh_running),
+                waiting=_sum(fresh_waiting),
+                kv_use=_max(fresh_kv),
                 ttft_p90_ms=p90_ms(delta),
                 ttft_samples=sum(delta),
                 window_s=round(min(self.window_s, max(0.0, now - base.at)), 3),
@@ -128,6 +159,26 @@ class _Mark:
     ttft: dict[str, list[int]]
     finished: dict[str, int]
     outstanding: dict[str, int]
+
+
+def _with_adapters(counts: dict[str, int], adapters: dict[str, str]) -> dict[str, int]:
+    """Per-name counts with each adapter's added to its base's too: the base's figures are the whole load
+    on its replicas."""
+    out = dict(counts)
+    for name, base in adapters.items():
+        out[base] = out.get(base, 0) + counts.get(name, 0)
+    return out
+
+
+def _hists_with_adapters(hists: dict[str, list[int]], adapters: dict[str, str]) -> dict[str, list[int]]:
+    """Per-name histograms (bucket counts) with each adapter's added to its base's too."""
+    out = dict(hists)
+    for name, base in adapters.items():
+        mine = hists.get(name)
+        if mine is not None:
+            theirs = out.get(base)
+            out[base] = mine if theirs is None else [x + y for x, y in zip(theirs, mine, strict=True)]
+    return out
 
 
 def _sum(values: list[float | None]) -> float | None:

@@ -18,6 +18,13 @@ of holding, then an SSE comment (``: waking model X``) every ``comment_every_s``
 in between do not time out. Once the stream has begun a later failure (refused, timed out, every attempt
 failed) can no longer be a status code: the stream ends with one ``data: {"error": ...}`` event in
 OpenAI's error shape, which OpenAI's clients raise as an error.
+
+LoRA adapters (issue 33): a request for an adapter that no replica of its base holds loaded is held as a
+cold model's is, and the router asks for it with ``WakeRequest(model=<adapter>)`` (the control plane
+loads it on a replica, waking the base if it is at zero). It goes on when a load report lists it loaded
+(:meth:`Holding.update`, called by the load report that changed an endpoint's adapters too), and is
+refused with the adapter's own error when a replica of its base reports that its load failed, however
+the wake stands; at once when its base has nothing ready or coming.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -38,6 +46,7 @@ from llmgw_router.http.response import Response, StreamResponse
 from llmgw_router.metrics import RouterMetrics
 from llmgw_router.routing.endpoints import Pool
 from llmgw_router.tenancy.admission import Gate
+from llmgw_router.tracing import RequestTrace
 from llmgw_runtime.runtime import cancel_and_wait
 
 log = logging.getLogger("llmgw.router.holding")
@@ -45,8 +54,9 @@ log = logging.getLogger("llmgw.router.holding")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 # Asks the control plane to wake a model: its reply, or None when none came (no responder, timeout,
-# NATS away). Given the request and how long to wait for the answer.
-WakeAsker = Callable[[WakeRequest, float], Awaitable[WakeReply | None]]
+# NATS away). Given the request, how long to wait for the answer, and the trace context to send with it
+# (NATS headers; None when the request is not traced).
+WakeAsker = Callable[[WakeRequest, float, dict[str, str] | None], Awaitable[WakeReply | None]]
 
 
 class Prospect(enum.Enum):
@@ -60,6 +70,13 @@ def prospect(pool: Pool, model: str) -> Prospect:
     """What a request for ``model`` can expect, from the routing endpoints the router holds."""
     if model in pool.ready:
         return Prospect.READY
+    adapter = pool.adapters.get(model)
+    if adapter is not None:
+        # Loaded nowhere: asked for (a replica of its base loads it), unless its load failed or its base
+        # has nothing ready or on its way.
+        if pool.adapter_error(model) is not None or prospect(pool, adapter.base) is Prospect.NOTHING:
+            return Prospect.NOTHING
+        return Prospect.COLD
     if model in pool.cold:
         return Prospect.COLD
     if model in pool.coming or not pool.table_read:
@@ -81,13 +98,15 @@ class Held:
 class _ModelHolds:
     """The requests held for one model and its wake, if one is being asked for."""
 
-    __slots__ = ("reply", "waiters", "wake")
+    __slots__ = ("replied_at", "reply", "waiters", "wake")
 
     def __init__(self) -> None:
         # Each waiter's result: None, an endpoint is ready; a string, the 503 reason.
         self.waiters: set[asyncio.Future[str | None]] = set()
         self.wake: asyncio.Task[None] | None = None
         self.reply: WakeReply | None = None
+        # When the reply came (wall clock): a traced request's "wake answered" event is stamped with it.
+        self.replied_at = 0.0
 
     @property
     def waking(self) -> bool:
@@ -123,30 +142,48 @@ class Holding:
     # ------------------------------------------------------------ the request path
 
     async def hold(
-        self, request: Request, profile: ModelProfile, gate: Gate, stream: bool, dialect: Dialect = OPENAI
+        self,
+        request: Request,
+        profile: ModelProfile,
+        gate: Gate,
+        stream: bool,
+        dialect: Dialect = OPENAI,
+        model: str | None = None,
+        trace: RequestTrace | None = None,
     ) -> Held:
         """Hold a request for a model without a ready endpoint until one appears, or refuse it (a begun
-        stream's refusal in its dialect's shape, :meth:`finish`)."""
-        model = profile.name
+        stream's refusal in its dialect's shape, :meth:`finish`). ``model``: the name asked for when it
+        is not ``profile``'s (a LoRA adapter of it). ``trace``: the request's span, told why it was held,
+        the wake and how the hold ended."""
+        model = model or profile.name
         now = prospect(self.pool, model)
         if now is Prospect.READY:
             return Held()
         state = self._models.get(model)
-        if now is Prospect.NOTHING and (state is None or not state.waking):
+        failed = self._adapter_failed(model)
+        if failed or (now is Prospect.NOTHING and (state is None or not state.waking)):
             return self._refused(model, 503, self.pool.why_unavailable(model, self.clock()), 5)
         if gate.queued + gate.held >= gate.max_queue:
             return self._refused(
                 model,
                 429,
-                f"model {model!r} has no ready replica yet and its queue of {gate.max_queue} is full",
+                f"{self._what(model)} has no ready replica yet and its queue of {gate.max_queue} is full",
                 1,
             )
         if state is None:
             state = self._models[model] = _ModelHolds()
-        if now is Prospect.COLD and state.wake is None and self.ask is not None:
-            state.wake = asyncio.create_task(self._wake(model, state), name=f"router-wake-{model}")
+        asked = now is Prospect.COLD and state.wake is None and self.ask is not None
+        if asked:
+            state.wake = asyncio.create_task(self._wake(model, state, trace), name=f"router-wake-{model}")
         waking = now is Prospect.COLD or state.waking
         limit = profile.wake_timeout if waking else profile.queue_timeout_s
+        if trace is not None:
+            why = "no routing table yet" if not self.pool.table_read else now.value
+            what = self.pool.coming.get(model) or ""
+            trace.event("llmgw.held", {"llmgw.reason": why, "llmgw.coming": what, "llmgw.limit_s": limit})
+            if waking:
+                # Asked by this request, or joined to the wake another one asked for.
+                trace.event("llmgw.wake.asked", {"llmgw.model": model, "llmgw.wake.joined": not asked})
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[str | None] = loop.create_future()
         state.waiters.add(fut)
@@ -175,6 +212,8 @@ class Holding:
             self.metrics.hold(model, loop.time() - t0)
             self._forget_if_done(model, state)
         problem = fut.result()
+        if trace is not None:
+            self._trace_end(trace, state, waking, problem, loop.time() - t0)
         if problem is None:
             return Held(started=started)
         if started is None:
@@ -231,7 +270,8 @@ class Holding:
             now = prospect(self.pool, model)
             if now is Prospect.READY:
                 state.settle(None)
-            elif now is Prospect.NOTHING and not state.waking:
+            elif now is Prospect.NOTHING and (not state.waking or self._adapter_failed(model)):
+                # An adapter whose load failed is refused whatever its wake says: no load is coming.
                 state.settle(self.pool.why_unavailable(model, self.clock()))
 
     async def close(self) -> None:
@@ -240,6 +280,27 @@ class Holding:
         await cancel_and_wait([s.wake for s in self._models.values() if s.wake is not None])
 
     # ------------------------------------------------------------ internals
+
+    @staticmethod
+    def _trace_end(
+        trace: RequestTrace, state: _ModelHolds, waking: bool, problem: str | None, seconds: float
+    ) -> None:
+        reply = state.reply
+        if reply is not None:
+            attrs = {"llmgw.wake.state": reply.state.value, "llmgw.reason": reply.reason}
+            trace.event("llmgw.wake.answered", attrs, at=state.replied_at)
+        if waking and problem is None:
+            trace.event("llmgw.wake.served", {"llmgw.held_s": seconds})
+        outcome = "ready" if problem is None else problem
+        trace.event("llmgw.hold.ended", {"llmgw.held_s": seconds, "llmgw.outcome": outcome})
+
+    def _adapter_failed(self, model: str) -> bool:
+        return model in self.pool.adapters and self.pool.adapter_error(model) is not None
+
+    def _what(self, model: str) -> str:
+        """The name asked for, in the user's terms."""
+        a = self.pool.adapters.get(model)
+        return f"adapter {model!r} (of model {a.base!r})" if a is not None else f"model {model!r}"
 
     def _refused(
         self, model: str, status: int, message: str, retry_after: int, seconds: float | None = None
@@ -252,7 +313,10 @@ class Holding:
     ) -> tuple[StreamResponse | None, bool]:
         """Wait for ``fut``; past ``stream_after_s`` begin the answer and send SSE comments. Returns the
         begun answer (None if it was not begun) and whether the client has gone."""
-        comment = f": {'waking' if waking else 'waiting for'} model {model}\n\n".encode()
+        if model in self.pool.adapters:
+            comment = f": loading adapter {model}\n\n".encode()
+        else:
+            comment = f": {'waking' if waking else 'waiting for'} model {model}\n\n".encode()
         started: StreamResponse | None = None
         delay = self.stream_after_s
         while True:
@@ -274,7 +338,19 @@ class Holding:
         if fut.done():
             return
         what = self.pool.coming.get(model)
-        if not self.pool.table_read:
+        adapter = self.pool.adapters.get(model)
+        if adapter is not None and self.pool.table_read:
+            base = self.pool.coming.get(adapter.base)
+            if state.reply is None:
+                problem = (
+                    f"{self._what(model)} is not loaded and the control plane did not answer the request "
+                    f"to load it within {limit:g}s"
+                )
+            else:
+                problem = f"{self._what(model)} was not loaded within {limit:g}s" + (
+                    f" ({base})" if base else ""
+                )
+        elif not self.pool.table_read:
             problem = f"model {model!r} has no ready replica: no control plane published a routing table within {limit:g}s"
         elif waking:
             if state.reply is None:
@@ -288,22 +364,35 @@ class Holding:
             problem = f"model {model!r} has no ready replica: {what or 'a replica'} did not become ready within {limit:g}s"
         fut.set_result(problem)
 
-    async def _wake(self, model: str, state: _ModelHolds) -> None:
-        """Ask for a wake, one request in flight, again every ``wake_every_s`` while requests are held."""
+    async def _wake(self, model: str, state: _ModelHolds, trace: RequestTrace | None) -> None:
+        """Ask for a wake, one request in flight, again every ``wake_every_s`` while requests are held.
+        ``trace``: the request that asked first; each ask is a span of its trace, its context in the
+        NATS headers (the control plane's own span of the wake goes under it)."""
         assert self.ask is not None
-        log.info("asking the control plane to wake model %s (%d requests held)", model, len(state.waiters))
+        log.info(
+            "asking the control plane to wake %s (%d requests held)", self._what(model), len(state.waiters)
+        )
         try:
             while state.waiters:
                 req = WakeRequest(model=model, router=self.router_id, sent_at=self.clock())
-                reply = await self.ask(req, self.ask_timeout_s)
+                if trace is None:
+                    reply = await self.ask(req, self.ask_timeout_s, None)
+                else:
+                    span, reply = trace.wake(model), None
+                    try:
+                        reply = await self.ask(req, self.ask_timeout_s, span.headers)
+                    finally:
+                        span.end(None if reply is None else reply.state.value)
                 if reply is None:
                     log.debug("no answer to the wake request for %s; asking again", model)
                 else:
-                    state.reply = reply
+                    state.reply, state.replied_at = reply, time.time()
                     if reply.state is WakeState.REFUSED:
-                        state.settle(
-                            f"model {model!r} cannot be woken: {reply.reason or 'the control plane refused'}"
-                        )
+                        why = reply.reason or "the control plane refused"
+                        if model in self.pool.adapters:
+                            state.settle(f"{self._what(model)} cannot be loaded: {why}")
+                        else:
+                            state.settle(f"model {model!r} cannot be woken: {why}")
                         return
                 await asyncio.sleep(self.wake_every_s)
         finally:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from llmgw_router import landing
 from llmgw_router.context import RouterContext
@@ -11,6 +12,7 @@ from llmgw_router.errors import Answer, error_response
 from llmgw_router.http.request import Request
 from llmgw_router.http.response import Response
 from llmgw_router.refusals import not_found_message
+from llmgw_router.routing.endpoints import Pool
 from llmgw_router.tenancy.keycheck import Handler, request_record
 from llmgw_router.tenancy.keys import allows_model
 
@@ -27,15 +29,34 @@ async def landing_page(request: Request) -> Response:
     )
 
 
+def _card(pool: Pool, name: str, created: int) -> dict[str, Any] | None:
+    """A model's entry in ``/v1/models``; a LoRA adapter's as vLLM lists one (``root`` its weights,
+    ``parent`` its base), whether or not a replica holds it now: it is loaded when asked for. None for
+    a name the catalog has not (or an adapter whose base it has not)."""
+    if name in pool.profiles:
+        return {"id": name, "object": "model", "created": created, "owned_by": "llmgw"}
+    a = pool.adapters.get(name)
+    if a is None or a.base not in pool.profiles:
+        return None
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "llmgw",
+        "root": a.weights,
+        "parent": a.base,
+    }
+
+
 def make_models_handler(ctx: RouterContext) -> Handler:
     async def models(request: Request) -> Response:
         rec = request_record(request)
         created = int(ctx.started)
-        data = [
-            {"id": name, "object": "model", "created": created, "owned_by": "llmgw"}
-            for name in ctx.pool.profiles
-            if allows_model(rec, name)
-        ]
+        pool = ctx.pool
+        cards = (
+            _card(pool, name, created) for name in (*pool.profiles, *pool.adapters) if allows_model(rec, name)
+        )
+        data = [c for c in cards if c is not None]
         return Response(text=json.dumps({"object": "list", "data": data}), content_type="application/json")
 
     return models
@@ -44,9 +65,9 @@ def make_models_handler(ctx: RouterContext) -> Handler:
 def make_model_handler(ctx: RouterContext) -> Handler:
     async def model(request: Request) -> Answer:
         name = request.match_info["model"]
-        if name not in ctx.pool.profiles or not allows_model(request_record(request), name):
+        card = _card(ctx.pool, name, int(ctx.started))
+        if card is None or not allows_model(request_record(request), name):
             return error_response(404, not_found_message(name), param="model")
-        body = {"id": name, "object": "model", "created": int(ctx.started), "owned_by": "llmgw"}
-        return Response(text=json.dumps(body), content_type="application/json")
+        return Response(text=json.dumps(card), content_type="application/json")
 
     return model

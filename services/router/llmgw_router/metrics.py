@@ -182,6 +182,10 @@ class RouterMetrics:
         self.registry.register(_Recorded(self))
         # Requests being proxied now (an attempt at a first answer under way).
         self.in_flight = 0
+        # The same, and those waiting in their base's admission queue, per LoRA adapter (demand.py: an
+        # adapter shares its base's endpoints and gate, so neither counts it apart).
+        self.adapter_in_flight: dict[str, int] = {}
+        self.adapter_queued: dict[str, int] = {}
         self.registry.register(_Live(pool, gates, lambda: self.in_flight))
 
     def request(self, model: str, status: int, seconds: float | None = None) -> None:

@@ -47,6 +47,7 @@ from llmgw_router.tenancy.keys import allows_model
 from llmgw_router.tenancy.quota import Ticket
 from llmgw_router.tenancy.salt import salt_for
 from llmgw_router.tenancy.usage import TAIL_BYTES, find_usage
+from llmgw_router.tracing import AttemptSpan, RequestTrace, forwarded
 from llmgw_router.upstream.client import UpstreamResponse
 from llmgw_router.upstream.connection import ConnectFailed, ReadTimeout, UpstreamError
 
@@ -101,6 +102,14 @@ class Admitted(NamedTuple):
     # A limited key's hold on its meters (quota.py): its x-ratelimit-* lines, its streamed tokens.
     ticket: Ticket | None
     t0: float
+    # A LoRA adapter asked for by its name (``model``), served by its base's endpoints that hold it.
+    adapter: str | None = None
+    # The model whose endpoints answer: an adapter's base, else ``model`` itself.
+    base: str = ""
+    # Its spans (tracing on: tracing.py), or None.
+    trace: RequestTrace | None = None
+    # Tracing off: the client's trace context as header lines for the engine (b"": none that parses).
+    forward: bytes = b""
 
 
 class _Failed(NamedTuple):
@@ -111,6 +120,8 @@ class _Failed(NamedTuple):
     status: int | None = None
     # No engine listening: the connection was refused (or timed out) before a byte was sent.
     refused: bool = False
+    # The engine does not have the adapter asked for (404: unloaded since its report, or restarted).
+    missing: bool = False
 
 
 class _Broken(NamedTuple):
@@ -129,31 +140,55 @@ def make_proxy_handler(ctx: RouterContext, route: Route) -> Handler:
     """The handler of every proxied route (``routes.py``)."""
     dialect = route.dialect
     keycheck = ctx.keycheck
+    tracing = ctx.tracing
 
     async def handle(request: Request) -> Answer:
         t0 = time.perf_counter()
+        # One SERVER span per request when tracing is on; off, nothing but the client's context passed on.
+        tr = (
+            None if tracing is None else tracing.begin(request, "POST", route.path, route.api, time.time_ns())
+        )
         # The record kept here, not on the request: nothing else reads it from a proxied request.
         rec = keycheck.record(request)
         if isinstance(rec, RouterError):
+            if tr is not None:
+                _traced_end(tr, rec)
             return dialect.refusal(rec)
         body = whole_body(ctx, request)
         if body is None:
             body = await read_body(ctx, request)
-        admitted = body if isinstance(body, RouterError) else admit(ctx, route, request, rec, body, t0)
+        admitted = body if isinstance(body, RouterError) else admit(ctx, route, request, rec, body, t0, tr)
         if isinstance(admitted, RouterError):
+            if tr is not None:
+                _traced_end(tr, admitted)
             return dialect.refusal(admitted)
         ticket = admitted.ticket
         try:
             resp = await serve(ctx, request, admitted)
+        except BaseException:
+            if tr is not None:
+                tr.finish(None)  # the client went away (its handler cancelled)
+            raise
         finally:
             if ticket is not None:
                 ticket.release()
+        if tr is not None:
+            _traced_end(tr, resp)
         return dialect.refusal(resp) if isinstance(resp, RouterError) else resp
 
     return handle
 
 
 # ------------------------------------------------------------ admission
+
+
+def _traced_end(tr: RequestTrace, answer: Answer) -> None:
+    """The request's SERVER span ended with its answer; a refusal's reason is an event on it."""
+    if isinstance(answer, RouterError):
+        tr.event(
+            "llmgw.refused", {"http.response.status_code": answer.status, "llmgw.reason": answer.message}
+        )
+    tr.finish(answer.status)
 
 
 def admit(
@@ -163,8 +198,10 @@ def admit(
     rec: ApiKeyRecord | None,
     body: bytes,
     t0: float,
+    tr: RequestTrace | None = None,
 ) -> Admitted | RouterError:
-    """One parse, the catalog, the pin, the quota: the admitted request, or the refusal (counted here)."""
+    """One parse, the catalog, the pin, the quota: the admitted request, or the refusal (counted here).
+    ``tr``: the request's span (tracing on), told the model and a quota's refusal."""
     metrics = ctx.metrics
     dialect = route.dialect
     parsed = dialect.parse(body, request)
@@ -172,7 +209,16 @@ def admit(
         metrics.request(UNKNOWN_MODEL, 400)
         return parsed
     model, stream, req, content_type = parsed
-    profile = ctx.pool.profiles.get(model)
+    if tr is not None:
+        tr.admitted(model, rec.id if rec is not None else ANONYMOUS, stream)
+    pool = ctx.pool
+    profile = pool.profiles.get(model)
+    adapter = None
+    if profile is None and model in pool.adapters:
+        # A LoRA adapter is a model to its clients: its own name in keys, limits and usage; its base's
+        # profile for what it serves and how (issue 33).
+        adapter = model
+        profile = pool.profiles.get(pool.adapters[model].base)
     if profile is None or not allows_model(rec, model):
         metrics.request(UNKNOWN_MODEL, 404)
         return error_response(404, not_found_message(model), param="model")
@@ -185,7 +231,7 @@ def admit(
             param="model",
             code="unsupported_endpoint",
         )
-    pin = dialect.pin(ctx.pool, model, req)
+    pin = dialect.pin(pool, profile.name, req)
     rewrite = pin is not None  # the body names the stored response as its engine made it
     if isinstance(pin, RouterError):
         metrics.request(model, pin.status)
@@ -199,7 +245,8 @@ def admit(
             return salt
         rewrite = rewrite or salt != before
         if dialect.prompted and ctx.cache is not None and pin is None:
-            prefix = ctx.cache.prefix(model, req, request_salt(None, salt))
+            # An adapter's blocks are its own (vLLM salts their hashes with its name), on its base's index.
+            prefix = ctx.cache.prefix(profile.name, req, request_salt(adapter, salt))
     if rewrite:
         body = json.dumps(req).encode()
     ticket = None
@@ -209,6 +256,8 @@ def admit(
         admitted = ctx.quota.admit(rec, model, ctx.clock())
         if isinstance(admitted, RouterError):
             metrics.request(model, 429)
+            if tr is not None:
+                tr.event("llmgw.quota.refused", {"llmgw.key_id": rec.id, "llmgw.reason": admitted.message})
             return admitted
         ticket = admitted
     return Admitted(
@@ -229,6 +278,10 @@ def admit(
         pin,
         ticket,
         t0,
+        adapter,
+        profile.name,
+        tr,
+        forwarded(request) if tr is None else b"",
     )
 
 
@@ -278,11 +331,17 @@ async def serve(ctx: RouterContext, request: Request, a: Admitted) -> Answer:
     started = None
     if model not in ctx.pool.ready and a.pin is None:
         # No ready replica: held while one is coming or waking (holding.py), else 503 and why.
-        held = await holding.hold(request, a.profile, gate, a.stream, a.dialect)
+        held = await holding.hold(request, a.profile, gate, a.stream, a.dialect, model, a.trace)
         if held.answer is not None:
             return held.answer
         started = held.started
     if not gate.try_enter():
+        waited = time.perf_counter()
+        ahead = gate.queued
+        # An adapter shares its base's gate (the base's engines run it): its own count of the queue.
+        queued = metrics.adapter_queued if a.adapter is not None else None
+        if queued is not None:
+            queued[model] = queued.get(model, 0) + 1
         try:
             # Served across keys by weight, not first come (admission.py).
             rec = a.record
@@ -291,6 +350,11 @@ async def serve(ctx: RouterContext, request: Request, a: Admitted) -> Answer:
             metrics.request(model, 429)
             refused = error_response(429, e.reason, retry_after=e.retry_after)
             return refused if started is None else await holding.finish(started, refused, a.dialect)
+        finally:
+            if queued is not None:
+                queued[model] -= 1
+            if a.trace is not None:
+                _trace_gate(a.trace, a.record, gate, ahead, time.perf_counter() - waited)
     status: int | None = CLIENT_GONE
     try:
         if a.ticket is not None:
@@ -303,6 +367,19 @@ async def serve(ctx: RouterContext, request: Request, a: Admitted) -> Answer:
             metrics.request(model, status, time.perf_counter() - a.t0)
 
 
+def _trace_gate(tr: RequestTrace, rec: ApiKeyRecord | None, gate: Gate, ahead: int, seconds: float) -> None:
+    """The wait at the model's gate: in its queue fair across keys by weight (a keyed request), or in
+    plain admission (no key: auth off)."""
+    attrs: dict[str, str | int | float] = {"llmgw.waited_s": seconds, "llmgw.queued_ahead": ahead}
+    if gate.limit is not None:
+        attrs["llmgw.concurrency_limit"] = gate.limit
+    if rec is None:
+        tr.event("llmgw.admission.wait", attrs)
+    else:
+        attrs["llmgw.key_id"], attrs["llmgw.weight"] = rec.id, rec.weight
+        tr.event("llmgw.fair_queue.wait", attrs)
+
+
 async def answer(
     ctx: RouterContext,
     request: Request,
@@ -313,6 +390,8 @@ async def answer(
     """The one loop: an endpoint picked for each go, every endpoint tried kept in one list. The answer,
     and the status to record (None: counted already)."""
     limits, model = ctx.limits, a.model
+    # The endpoints' model (an adapter's base), and the adapter they must hold.
+    route, adapter = a.base or model, a.adapter
     tried: list[EndpointState] = []
     failed: list[_Failed] = []
     # The stream's failover (None when it is not continued: not a stream, or its dialect's is not).
@@ -320,6 +399,9 @@ async def answer(
     broken: _Broken | None = None
     # Every replica refused the connection: the table is likely stale; waited for once.
     stale_wait = limits.refused_wait_s if a.pin is None and started is None else 0.0
+    # Every replica said to hold the adapter answered that it has not (unloaded since, or restarted):
+    # held again, once, as a request for an adapter loaded nowhere is.
+    rehold = adapter is not None and a.pin is None
     moves = 0
     step: Continue | Close | Refuse | None = None
     while True:
@@ -342,12 +424,20 @@ async def answer(
             ep = (
                 None
                 if moves == limits.max_migrations
-                else pick(ctx.pool, ctx.choosing, model, tried, ctx.clock(), prefix=_prefix_of(ctx, a, step))
+                else pick(
+                    ctx.pool,
+                    ctx.choosing,
+                    route,
+                    tried,
+                    ctx.clock(),
+                    prefix=_prefix_of(ctx, a, step),
+                    adapter=adapter,
+                )
             )
         elif len(tried) > limits.retries:
             ep = None
         else:
-            ep = pick(ctx.pool, ctx.choosing, model, tried, ctx.clock(), a.affinity, a.pin, a.prefix)
+            ep = pick(ctx.pool, ctx.choosing, route, tried, ctx.clock(), a.affinity, a.pin, a.prefix, adapter)
         if ep is None:
             if broken is None and stale_wait and tried and all(f.refused for f in failed):
                 # Every replica the table names refused the connection: the table is likely stale (a
@@ -356,21 +446,38 @@ async def answer(
                 # (issue 25: a warm `compose up` answered 502 three times before its first 200),
                 # keeping its place in the gate.
                 wait, stale_wait = stale_wait, 0.0
+                if a.trace is not None:
+                    a.trace.event(
+                        "llmgw.stale_table.wait", {"llmgw.refused": len(tried), "llmgw.limit_s": wait}
+                    )
                 if await ctx.holding.next_endpoints(ctx.pool.endpoints_version, wait):
                     tried, failed = [], []
                     if model not in ctx.pool.ready and gate is not None and a.profile is not None:
                         # A model on its way in the new table is held like any other (without a
                         # stream's comments: its answer has not begun, and goes on not begun).
-                        held = await ctx.holding.hold(request, a.profile, gate, False, a.dialect)
+                        held = await ctx.holding.hold(
+                            request, a.profile, gate, False, a.dialect, model, a.trace
+                        )
                         if held.answer is not None:
                             return held.answer, None  # counted by the hold
+                    continue
+            if broken is None and rehold and failed and all(f.missing for f in failed):
+                rehold = False
+                if gate is not None and a.profile is not None:
+                    held = await ctx.holding.hold(request, a.profile, gate, False, a.dialect, model)
+                    if held.answer is not None:
+                        return held.answer, None  # counted by the hold; a begun stream ended by serve()
+                    tried, failed = [], []
                     continue
             break
         tried.append(ep)
         if broken is None:
             if len(tried) > 1:
                 ctx.metrics.retry(model)
-            got = await attempt(ctx, request, a, ep, started, mig)
+            if a.trace is None:
+                got = await attempt(ctx, request, a, ep, started, mig)
+            else:
+                got = await _traced_attempt(ctx, request, a, a.trace, ep, started, mig, failed)
             if isinstance(got, _Failed):
                 failed.append(got)
                 log.debug("attempt %d on %s failed before the first byte: %s", len(tried), ep.url, got.why)
@@ -398,7 +505,12 @@ async def answer(
             ep.replica_id,
             moves,
         )
-        done = await continue_on(ctx.upstream, ep, a.path, step.body, mig, broken.resp, ctx.clock)
+        if a.trace is None:
+            done = await continue_on(
+                ctx.upstream, ep, a.path, step.body, mig, broken.resp, ctx.clock, a.forward
+            )
+        else:
+            done = await _traced_continuation(ctx, a, a.trace, ep, step, mig, broken, moves)
         if done is True:
             return _continued(ctx, a, mig, broken), 200
         if done is False:
@@ -411,6 +523,79 @@ async def answer(
     return _unanswered(ctx, a, tried, failed)
 
 
+async def _traced_attempt(
+    ctx: RouterContext,
+    request: Request,
+    a: Admitted,
+    tr: RequestTrace,
+    ep: EndpointState,
+    started: StreamResponse | None,
+    mig: Migration | None,
+    failed: list[_Failed],
+) -> tuple[Answer, int] | _Failed | _Broken:
+    """:func:`attempt` in a CLIENT span (tracing on); a retry is an event on the request's span."""
+    if tr.attempts:
+        why = failed[-1].why if failed else ""
+        tr.event(
+            "llmgw.retry",
+            {"llmgw.attempt": tr.attempts + 1, "llmgw.replica": ep.replica_id, "llmgw.reason": why},
+        )
+    span = tr.attempt(ep, a.model)
+    try:
+        got = await attempt(ctx, request, a, ep, started, mig, span)
+    except BaseException:
+        span.end(None, "cancelled")
+        raise
+    if isinstance(got, _Failed):
+        span.end(got.status, None if got.status else ("connection_refused" if got.refused else "no_answer"))
+    elif isinstance(got, _Broken):
+        tr.event("llmgw.stream.broken", {"llmgw.replica": ep.replica_id, "llmgw.reason": got.why})
+        span.end(200, "stream_broken")
+    else:
+        span.end(got[1], "client_gone" if got[1] == CLIENT_GONE else None)
+    return got
+
+
+async def _traced_continuation(
+    ctx: RouterContext,
+    a: Admitted,
+    tr: RequestTrace,
+    ep: EndpointState,
+    step: Continue,
+    mig: Migration,
+    broken: _Broken,
+    move: int,
+) -> bool | str:
+    """:func:`continue_on` in a CLIENT span, after a migration event: where the stream was broken (what
+    the client had: characters and events of text), which replica continues it."""
+    sent = mig.relay.sent
+    tr.event(
+        "llmgw.migration",
+        {
+            "llmgw.migration": move,
+            "llmgw.offset_chars": sent.chars,
+            "llmgw.offset_tokens": sent.tokens,
+            "llmgw.replica": ep.replica_id,
+            "llmgw.reason": broken.why,
+        },
+    )
+    span = tr.attempt(ep, a.model, continuation=True)
+    assert ctx.upstream is not None
+    try:
+        done = await continue_on(
+            ctx.upstream, ep, a.path, step.body, mig, broken.resp, ctx.clock, span.headers
+        )
+    except BaseException:
+        span.end(None, "cancelled")
+        raise
+    if done is True:
+        span.used(mig.relay.sent.usage)
+        span.end(200)
+    else:
+        span.end(None, "client_gone" if done is False else "continuation_failed")
+    return done
+
+
 def _prefix_of(ctx: RouterContext, a: Admitted, step: Continue) -> Prefix | None:
     """The continuation's prompt (the request with the text delivered so far) as cached blocks, where
     the request had a prefix (a rare path: one more parse of a body the router made)."""
@@ -418,7 +603,9 @@ def _prefix_of(ctx: RouterContext, a: Admitted, step: Continue) -> Prefix | None
         return None
     req = json.loads(step.body)
     salt = req.get("cache_salt")
-    return ctx.cache.prefix(a.model, req, request_salt(None, salt if isinstance(salt, str) else None))
+    return ctx.cache.prefix(
+        a.base or a.model, req, request_salt(a.adapter, salt if isinstance(salt, str) else None)
+    )
 
 
 def _continued(ctx: RouterContext, a: Admitted, mig: Migration, broken: _Broken) -> StreamResponse:
@@ -445,8 +632,9 @@ def _unanswered(
     n = len(tried)
     problem = failed[-1].why if failed else ""
     msg = f"model {model!r}: {n} attempt{'s' if n > 1 else ''} failed before an answer: {problem}"
-    if failed and all(f.status == 503 for f in failed):
-        # Every replica said it cannot serve now (loading, overloaded): unavailable, not broken.
+    if failed and all(f.status == 503 or f.missing for f in failed):
+        # Every replica said it cannot serve now (loading, overloaded, the adapter not loaded):
+        # unavailable, not broken.
         return error_response(503, msg, retry_after=1), 503
     return error_response(502, msg), 502
 
@@ -461,19 +649,32 @@ async def attempt(
     ep: EndpointState,
     started: StreamResponse | None,
     mig: Migration | None,
+    span: AttemptSpan | None = None,
 ) -> tuple[Answer, int] | _Failed | _Broken:
     """Ask ``ep``: the answer and the status to record, why it failed before anything reached the
     client, or the stream it broke after its first byte. The endpoint's in-flight count and breaker
-    are kept here, whatever the outcome."""
+    are kept here, whatever the outcome. ``span``: this attempt's (tracing on), told the model that
+    answered and the usage."""
     assert ctx.upstream is not None
     metrics = ctx.metrics
     ctx.idle.stamp(ep.replica_id, ctx.clock())
     ep.in_flight += 1
     metrics.in_flight += 1
+    adapter = a.adapter
+    if adapter is not None:
+        metrics.adapter_in_flight[adapter] = metrics.adapter_in_flight.get(adapter, 0) + 1
     verdict: bool | None = None  # breaker outcome: True success, False failure, None unknown
     up = None
     try:
-        up = await ctx.upstream.post(ep.url, a.path, a.body, a.content_type, held=ep.answers, method=a.method)
+        up = await ctx.upstream.post(
+            ep.url,
+            a.path,
+            a.body,
+            a.content_type,
+            held=ep.answers,
+            method=a.method,
+            extra=a.forward if span is None else span.headers,
+        )
         # Withdrawing the endpoint aborts the answer (migration.abort_withdrawn): retried or continued
         # elsewhere.
         ep.answers.add(up)
@@ -485,6 +686,18 @@ async def attempt(
                 detail = ""
             verdict = False
             return _Failed(f"{ep.replica_id} answered {status}: {detail}", status)
+        if status == 404 and adapter is not None and a.pin is None:
+            # Its report said it holds the adapter; its engine says it has no such model: unloaded since,
+            # or restarted. Not a holder until a report says so again; the engine itself is well.
+            try:
+                detail = (await up.readany())[:300].decode("utf-8", "replace")
+            except UpstreamError:
+                detail = ""
+            ctx.pool.forget_adapter(ep, adapter)
+            verdict = True
+            return _Failed(
+                f"{ep.replica_id} has not adapter {adapter!r} loaded: {detail}", status, missing=True
+            )
         # The header lines to relay, and the answer's Content-Type and Content-Length, in one pass.
         lines, ctype, clen = relay_lines(up.headers, _DROP_RAW)
         ticket = a.ticket
@@ -500,9 +713,12 @@ async def attempt(
             if status < 300:
                 # Counted before the client has the answer; written behind it (tenancy/ledger.py).
                 ctx.usage.add(a.key_id, a.model, find_usage(data))
+                if span is not None:
+                    span.answered(data)
+                    span.used(find_usage(data))
                 data = a.dialect.rewrite(data, ep.tag)
             return RelayedResponse(status, data, lines, ctype is not None), status
-        got = await _stream(ctx, request, up, ep, a, status < 500, started, mig, lines)
+        got = await _stream(ctx, request, up, ep, a, status < 500, started, mig, lines, span)
         if isinstance(got, (_Failed, _Broken)):
             # A broken stream's failure is said now, not when its continuation ends: others should not
             # be sent to it meanwhile.
@@ -521,6 +737,8 @@ async def attempt(
     finally:
         ep.in_flight -= 1
         metrics.in_flight -= 1
+        if adapter is not None:
+            metrics.adapter_in_flight[adapter] -= 1
         if up is not None:
             ep.answers.discard(up)
             up.close()  # no-op after a full read; drops the connection after a partial one
@@ -542,6 +760,7 @@ async def _stream(
     started: StreamResponse | None,
     mig: Migration | None,
     lines: bytes,
+    span: AttemptSpan | None = None,
 ) -> tuple[Answer, int, bool | None] | _Failed | _Broken:
     """A streamed answer relayed as it comes; ``lines``: the engine's header lines to relay."""
     status = up.status
@@ -553,6 +772,8 @@ async def _stream(
     except UpstreamError as e:
         return _Failed(f"{ep.replica_id}: stream ended before its first byte: {e}")
     ctx.metrics.first_byte(model, time.perf_counter() - a.t0)
+    if span is not None:
+        span.answered(first)
     if verdict:
         # The engine answers: say so now, not when the stream ends. A half-open breaker lets one probe
         # through at a time, so a long stream as the probe would keep the endpoint shut for its length.
@@ -610,6 +831,8 @@ async def _stream(
                         # Counted before the client has the stream's end; written behind it (ledger.py).
                         ctx.usage.add(key_id, model, find_usage(tail) if want_usage else None, streamed)
                         added = True
+                        if span is not None and want_usage:
+                            span.used(find_usage(tail))
                     # Nothing more will come: the last bytes and the end of the stream in one write.
                     await resp.write_eof(sent)
                     break

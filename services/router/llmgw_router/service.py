@@ -21,9 +21,10 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from llmgw_common.codec import DecodeError, decode, encode
-from llmgw_common.messages import LoadReport, RoutingCatalog, RoutingEndpoints
+from llmgw_common.messages import LoadReport, RoutingCatalog
 from llmgw_common.router_messages import ModelCache, UsageReport, WakeReply, WakeRequest
-from llmgw_common.subjects import ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
+from llmgw_common.routing_table import RowFold
+from llmgw_common.subjects import ROUTING_CATALOG, Subjects
 from llmgw_common.tenancy import month_bounds
 from llmgw_router.admin import build_admin_app
 from llmgw_router.app import build_app
@@ -43,10 +44,12 @@ from llmgw_router.tenancy.auth import Exemptions
 from llmgw_router.tenancy.keymetrics import KeyUsageMetrics
 from llmgw_router.tenancy.keys import KeyTable
 from llmgw_router.tenancy.ledger import Ledger
+from llmgw_router.tracing import RouterTracing
 from llmgw_router.upstream.client import UpstreamClient
 from llmgw_runtime import bus
 from llmgw_runtime.kv_follower import KvFollower
 from llmgw_runtime.runtime import PassGuard, cancel_and_wait, until_stopped
+from llmgw_runtime.tracing import start_tracing
 from llmgw_runtime.usage_ledger import read_hours
 
 log = logging.getLogger("llmgw.router")
@@ -112,6 +115,10 @@ class Router:
         self._tasks: list[asyncio.Task[None]] = []
         self._followers: list[KvFollower] = []
         self.synced = asyncio.Event()
+        # The routing table's rows (and the legacy whole value) as followed; applied to the pool once
+        # per burst of rows (a start's replay brings thousands), not once per row.
+        self.table = RowFold()
+        self._table_due = False
         self.connections = ConnectionGuard(
             fit_to_fd_limit(settings.max_connections), settings.header_timeout_s, settings.write_timeout_s
         )
@@ -124,6 +131,16 @@ class Router:
         # On stop, requests in flight (streams included) get this long to finish.
         self.shutdown_grace_s = 10.0
         self.ctx.holding.ask = self._ask_wake
+        if settings.otlp_traces_endpoint:
+            # The SDK is imported here only (llmgw_runtime.tracing): a router with tracing off never loads it.
+            self.ctx.tracing = RouterTracing(
+                start_tracing(
+                    "llmgw-router",
+                    settings.router_id,
+                    settings.otlp_traces_endpoint,
+                    settings.trace_sample_ratio,
+                )
+            )
         self.demand = DemandMeter(self.ctx)
         # Usage kept durably (KV <prefix>_usage), once the bus is reached.
         self.ledger: Ledger | None = None
@@ -201,6 +218,9 @@ class Router:
         if self.ctx.upstream is not None:
             await self.ctx.upstream.close()
             self.ctx.upstream = None
+        if self.ctx.tracing is not None:
+            # The last spans exported (the SDK's thread, bounded by its exporter's timeout).
+            await asyncio.to_thread(self.ctx.tracing.shutdown)
 
     # ------------------------------------------------------------ bus
 
@@ -219,6 +239,7 @@ class Router:
         keyf = KvFollower(keys_kv, self._on_key, name="router-keys", resync_s=FOLLOW_CHECK_S)
         self._followers = [routing, keyf]
         await routing.start()
+        self._apply_table()
         await keyf.start()
         # Routing by cached prefix: after the routing table's first read, so the nodes whose snapshots
         # make the index whole at start are known.
@@ -314,24 +335,26 @@ class Router:
         self.ctx.quota.on_report(report, self.ctx.clock())
 
     def _on_load(self, report: LoadReport, _: Msg) -> None:
-        self.ctx.pool.apply_load(report, self.ctx.clock())
+        if self.ctx.pool.apply_load(report, self.ctx.clock()):
+            # An adapter loaded (or its load failed): requests held for it go on (or are refused).
+            self.ctx.holding.update()
 
     def _on_routing(self, key: str, value: bytes | None, revision: int) -> None:
         where = f"{self.subjects.bucket_routing}/{key}"
-        if value is None:
-            # A deleted key is not an empty catalog: keep serving from what we hold.
-            log.warning("%s was deleted; keeping the last known value", where)
-            return
         try:
-            if key == ROUTING_CATALOG:
-                cat = decode(value, RoutingCatalog)
-                self.ctx.pool.set_catalog(cat.catalog, cat.version)
-                self.ctx.gates.configure(self.ctx.pool.profiles)
-            elif key == ROUTING_ENDPOINTS:
-                abort_withdrawn(
-                    self.ctx.pool.set_endpoints(decode(value, RoutingEndpoints)),
-                    self.ctx.limits.withdrawn_silence_s,
-                )
+            if key != ROUTING_CATALOG:
+                # The table's rows, its head, or the legacy whole value (llmgw_common.routing_table).
+                if self.table.on_kv(key, value) and not self._table_due:
+                    self._table_due = True
+                    asyncio.get_running_loop().call_soon(self._apply_table)
+                return
+            if value is None:
+                # A deleted key is not an empty catalog: keep serving from what we hold.
+                log.warning("%s was deleted; keeping the last known value", where)
+                return
+            cat = decode(value, RoutingCatalog)
+            self.ctx.pool.set_catalog(cat.catalog, cat.version)
+            self.ctx.gates.configure(self.ctx.pool.profiles)
         except DecodeError as e:
             self.drops.drop(where, str(e))
             return
@@ -339,14 +362,26 @@ class Router:
         # Held requests go on the update that brings their endpoint (or learn nothing is coming).
         self.ctx.holding.update()
 
-    async def _ask_wake(self, req: WakeRequest, timeout: float) -> WakeReply | None:
-        """Ask the control plane to wake a cold model; None when no answer came."""
+    def _apply_table(self) -> None:
+        """The rows changed since the last call, applied to the pool at once."""
+        if not self._table_due:
+            return
+        self._table_due = False
+        abort_withdrawn(self.ctx.pool.set_endpoints(self.table.table()), self.ctx.limits.withdrawn_silence_s)
+        self._routing_changed()
+        self.ctx.holding.update()
+
+    async def _ask_wake(
+        self, req: WakeRequest, timeout: float, headers: dict[str, str] | None = None
+    ) -> WakeReply | None:
+        """Ask the control plane to wake a cold model; None when no answer came. ``headers``: the trace
+        context of the request that asked (NATS headers)."""
         nc = self.nc
         if nc is None or not nc.is_connected:
             return None
         subject = self.subjects.wake(self.settings.router_id)
         try:
-            msg = await nc.request(subject, encode(req), timeout=timeout)
+            msg = await nc.request(subject, encode(req), timeout=timeout, headers=headers)
             return decode(msg.data, WakeReply)
         except (nats.errors.Error, TimeoutError) as e:  # no responder, no answer in time, NATS away
             log.debug("wake request for %s: %s", req.model, e or type(e).__name__)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 
+from llmgw_common.messages import ApiKeyRecord
 from llmgw_router.context import RouterContext
 from llmgw_router.dialects.dialect import RESPONSES
 from llmgw_router.dialects.routes import CANCEL_SUFFIX, STORED_PREFIX
@@ -16,6 +17,15 @@ from llmgw_router.proxy import Admitted, answer
 from llmgw_router.refusals import gone
 from llmgw_router.tenancy.keycheck import ANONYMOUS, request_record
 from llmgw_router.tenancy.keys import allows_model
+
+
+def _allows_replica(ctx: RouterContext, rec: ApiKeyRecord | None, model: str) -> bool:
+    """Whether the key may read a response stored by a replica of ``model``: allowed the model, or one
+    of its LoRA adapters (a response made for an adapter is stored by a replica of its base; its id names
+    the replica only)."""
+    if allows_model(rec, model):
+        return True
+    return any(a.base == model and allows_model(rec, a.name) for a in ctx.pool.adapters.values())
 
 
 def make_stored_handler(ctx: RouterContext) -> Callable[[Request, bool], Awaitable[Answer]]:
@@ -38,7 +48,7 @@ def make_stored_handler(ctx: RouterContext) -> Callable[[Request, bool], Awaitab
                 code="response_not_found",
             )
         ep = ctx.pool.by_tag.get(found[0])
-        if ep is None or not allows_model(rec, ep.model):
+        if ep is None or not _allows_replica(ctx, rec, ep.model):
             return gone(response_id)
         path = STORED_PREFIX + found[1] + (CANCEL_SUFFIX if cancel else "")
         if request.query_string:

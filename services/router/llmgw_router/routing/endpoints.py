@@ -7,13 +7,18 @@ endpoint that leaves the set is dropped from the routing lists and returned by :
 the control plane withdraws an endpoint whose node was lost or whose replica failed or was stopped, so
 the caller aborts the answers still in flight to it (they continue elsewhere, mid-stream failover). A
 ``draining`` endpoint stays in the set: it takes no new requests and finishes what it holds.
+
+LoRA adapters (issue 33) have no endpoints of their own: an adapter is served by the endpoints of its
+base whose latest load report lists it loaded (``EndpointState.adapters``), and is in :attr:`Pool.ready`
+while one of them takes new requests. An engine that answers 404 to an adapter it was said to hold
+(unloaded since, or restarted) loses it here until its next report lists it again (:meth:`Pool.forget_adapter`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from llmgw_common.catalog import Catalog, ModelProfile
+from llmgw_common.catalog import AdapterProfile, Catalog, ModelProfile
 from llmgw_common.messages import Endpoint, LoadReport, RoutingEndpoints
 from llmgw_router.routing.breaker import Breaker, BreakerState
 from llmgw_router.routing.scheduling import stable_id
@@ -33,6 +38,8 @@ class EndpointState:
     """One endpoint and what this router knows about it right now."""
 
     __slots__ = (
+        "adapter_errors",
+        "adapters",
         "affinity_id",
         "answers",
         "breaker",
@@ -76,6 +83,9 @@ class EndpointState:
         # The engine's own prefix-cache counters (tokens since it started), for operators.
         self.prefix_queries: float | None = None
         self.prefix_hits: float | None = None
+        # LoRA adapters, from the latest load report: loaded and serving; why a load failed, by adapter.
+        self.adapters: frozenset[str] = frozenset()
+        self.adapter_errors: dict[str, str] = {}
 
     @property
     def key(self) -> tuple[str, str]:
@@ -101,14 +111,18 @@ class Pool:
         self.catalog_version = -1
         self.endpoints_version = -1
         self.profiles: dict[str, ModelProfile] = {}
+        # The catalog's LoRA adapters by name: requested as models, served by their base's endpoints.
+        self.adapters: dict[str, AdapterProfile] = {}
         self.by_model: dict[str, list[EndpointState]] = {}
         self.by_key: dict[tuple[str, str], EndpointState] = {}
         self.by_replica: dict[str, list[EndpointState]] = {}
         # tag_of(replica) -> its endpoint: where a tagged response id is answered.
         self.by_tag: dict[str, EndpointState] = {}
         self.unavailable: dict[str, str] = {}
-        # Models with an endpoint that takes new requests (not draining): the request path's one check.
+        # Models with an endpoint that takes new requests (not draining), and adapters loaded on one: the
+        # request path's one check.
         self.ready: set[str] = set()
+        self._ready_models: set[str] = set()
         # From the control plane: what is on its way per model, and the models scaled to zero.
         self.coming: dict[str, str] = {}
         self.cold: frozenset[str] = frozenset()
@@ -124,6 +138,8 @@ class Pool:
         self.catalog = catalog
         self.catalog_version = version
         self.profiles = {m.name: m for m in catalog.models}
+        self.adapters = {a.name: a for a in catalog.adapters}
+        self._ready_adapters()
 
     def set_endpoints(self, routing: RoutingEndpoints) -> list[EndpointState]:
         """Replace the endpoints; return those withdrawn (in the old set, not the new)."""
@@ -153,17 +169,42 @@ class Pool:
                 by_replica.setdefault(ep.replica_id, []).append(st)
         self.by_key, self.by_model, self.by_replica = by_key, by_model, by_replica
         self.by_tag = {st.tag: st for st in by_key.values()}
-        self.ready = {m for m, eps in by_model.items() if any(not e.draining for e in eps)}
+        self._ready_models = {m for m, eps in by_model.items() if any(not e.draining for e in eps)}
         self.unavailable = dict(unavailable)
+        self._ready_adapters()
 
-    def apply_load(self, report: LoadReport, now: float) -> None:
-        """Record an agent's load report; shards other than 0 (followers) carry no routing load."""
+    def apply_load(self, report: LoadReport, now: float) -> bool:
+        """Record an agent's load report; shards other than 0 (followers) carry no routing load. Whether
+        an endpoint's adapters or adapter errors changed (held requests for an adapter may go on)."""
+        changed = False
         for r in report.replicas:
             if r.shard != 0:
                 continue
             for st in self.by_replica.get(r.replica_id, ()):
                 st.running, st.waiting, st.kv_use, st.load_at = r.running, r.waiting, r.kv_use, now
                 st.prefix_queries, st.prefix_hits = r.prefix_queries, r.prefix_hits
+                if ((r.adapters or st.adapters) and st.adapters != frozenset(r.adapters)) or (
+                    st.adapter_errors != r.adapter_errors
+                ):
+                    st.adapters, st.adapter_errors = frozenset(r.adapters), dict(r.adapter_errors)
+                    changed = True
+        if changed:
+            self._ready_adapters()
+        return changed
+
+    def forget_adapter(self, st: EndpointState, adapter: str) -> None:
+        """``st``'s engine does not have ``adapter`` (it answered 404 for it): not a holder until its next
+        load report lists it again."""
+        if adapter in st.adapters:
+            st.adapters = st.adapters - {adapter}
+            self._ready_adapters()
+
+    def _ready_adapters(self) -> None:
+        ready = set(self._ready_models)
+        for name, a in self.adapters.items():
+            if any(name in e.adapters and not e.draining for e in self.by_model.get(a.base, ())):
+                ready.add(name)
+        self.ready = ready
 
     # ------------------------------------------------------------ reads
 
@@ -180,6 +221,28 @@ class Pool:
     def known(self, model: str) -> bool:
         return model in self.profiles
 
+    def holders(self, adapter: str) -> list[EndpointState]:
+        """The endpoints of an adapter's base whose latest report lists it loaded."""
+        a = self.adapters.get(adapter)
+        if a is None:
+            return []
+        return [e for e in self.by_model.get(a.base, ()) if adapter in e.adapters]
+
+    def adapter_error(self, adapter: str) -> str | None:
+        """Why the adapter could not be loaded, as a replica of its base last reported it; None when none
+        did, or while one holds it (a replica that loaded it serves it: another's failure is not its)."""
+        a = self.adapters.get(adapter)
+        if a is None:
+            return None
+        errors = []
+        for e in self.by_model.get(a.base, ()):
+            if adapter in e.adapters:
+                return None
+            why = e.adapter_errors.get(adapter)
+            if why:
+                errors.append(why)
+        return min(errors) if errors else None
+
     def routable(self, model: str, now: float) -> list[EndpointState]:
         """Endpoints that may take a new request now: not draining, breaker permitting."""
         eps = self.by_model.get(model)
@@ -188,6 +251,9 @@ class Pool:
         return [e for e in eps if not e.draining and e.breaker.allows(now)]
 
     def why_unavailable(self, model: str, now: float) -> str:
+        a = self.adapters.get(model)
+        if a is not None:
+            return self._why_adapter(a, now)
         eps = self.by_model.get(model)
         if eps:
             if all(e.draining for e in eps):
@@ -197,6 +263,19 @@ class Pool:
         if reason:
             return f"model {model!r} has no ready replica: {reason}"
         return f"model {model!r} has no ready replica"
+
+    def _why_adapter(self, a: AdapterProfile, now: float) -> str:
+        error = self.adapter_error(a.name)
+        if error is not None:
+            return f"adapter {a.name!r} (of model {a.base!r}) could not be loaded: {error}"
+        held = self.holders(a.name)
+        if held:
+            if all(e.draining for e in held):
+                return f"every replica of model {a.base!r} holding adapter {a.name!r} is draining"
+            return f"every replica of model {a.base!r} holding adapter {a.name!r} is failing (circuit open); retrying shortly"
+        if self.by_model.get(a.base):
+            return f"adapter {a.name!r} is not loaded on any ready replica of model {a.base!r}"
+        return f"adapter {a.name!r}: " + self.why_unavailable(a.base, now)
 
     def breakers_not_closed(self) -> dict[str, str]:
         """replica id -> breaker state, for replicas whose breaker is open or half-open."""

@@ -2,7 +2,8 @@
 
 Pure over the pool's live state and the clock passed in (the breaker's ``acquire`` is the one write:
 a half-open breaker lets one probe through). The one place an endpoint is chosen, for a first attempt,
-a retry and a stream's continuation alike; the KV cache's scoring joins the choice here.
+a retry and a stream's continuation alike; the KV cache's scoring joins the choice here. A LoRA adapter
+(issue 33) is chosen for among its base's endpoints that hold it loaded, by the same choice.
 """
 
 from __future__ import annotations
@@ -55,13 +56,18 @@ def pick(
     affinity: int | None = None,
     pin: EndpointState | None = None,
     prefix: Any = None,
+    adapter: str | None = None,
 ) -> EndpointState | None:
-    """The endpoint for the next attempt, its breaker acquired; None when none may be tried."""
+    """The endpoint for the next attempt, its breaker acquired; None when none may be tried. ``model``
+    names the endpoints (an adapter's base); ``adapter``: only those whose report lists it loaded (an
+    engine without it answers 404), within the same bound and load choice as any request."""
     if pin is not None:
         # Only this replica holds what the request names: it is asked even while draining (it finishes
         # what it holds), and retried only on itself (a stale keep-alive connection).
         return pin if len(tried) < 2 and pin.breaker.acquire(now) else None
     eps = pool.by_model.get(model)
+    if eps and adapter is not None:
+        eps = [e for e in eps if adapter in e.adapters]
     if not eps:
         return None
     cands = [e for e in eps if not e.draining and e not in tried and e.breaker.allows(now)]
