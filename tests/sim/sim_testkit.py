@@ -11,7 +11,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmgw_sim import answers
+
 _SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
+
+
+def said(prompt: str, n: int, salt: str = "") -> str:
+    """The simulator's first ``n`` words of answer to a prompt of these words (system, user and
+    earlier turns' words in order), as a new message's text."""
+    return " ".join(answers.answer_words(prompt.split(), salt, 0, n))
+
+
+def prompt_answered_with(start: str) -> str:
+    """A one-word prompt whose answer is the sentence of the answers' text that begins with ``start``."""
+    words = answers.TEXT.split()
+    n = len(start.split())
+    at = next(i for i in range(len(words)) if " ".join(words[i : i + n]) == start)
+    return next(p for p in (f"w{i}" for i in range(10_000)) if answers.start_of([p], 1) == at)
 
 
 def parse_metrics(text: str) -> dict[str, tuple[str, float]]:

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai.types.chat import ChatCompletionMessageParam
 
+from llmgw_sim import answers
 from llmgw_sim import openai_api as oai
 from llmgw_sim.serving import Listening
 
@@ -30,19 +31,15 @@ def _text(req: oai.GenRequest) -> str:
     return "".join(oai.completion_tokens(req))
 
 
-@pytest.mark.parametrize(
-    ("prompt", "answer"),
-    [
-        ("alpha beta gamma delta", "alpha beta gamma delta alpha beta"),
-        ("x y", "x y x y x y"),
-        ("x", "x x x x x x"),
-        # Not all distinct: the answer continues the prompt's shortest repeating pattern.
-        ("a b a", "b a b a b a"),
-    ],
-    ids=["distinct", "pair", "one-word", "pattern"],
-)
-def test_answer_continues_the_prompt(prompt: str, answer: str) -> None:
-    assert _text(_chat([{"role": "user", "content": prompt}], max_tokens=6)) == answer
+def test_the_answer_reads_as_text_and_does_not_repeat_the_prompt() -> None:
+    # Pinned: the hash that picks the sentence is the same in every process and every version.
+    text = _text(_chat([{"role": "user", "content": "Say hi"}], max_tokens=12))
+    assert text == "Logs of every service are in the data directory, one file each."
+    for prompt in ("alpha beta gamma delta", "x y", "x", "a b a"):
+        words = _text(_chat([{"role": "user", "content": prompt}], max_tokens=6)).split()
+        assert words == answers.answer_words(prompt.split(), "", 0, 6)
+        # A sentence's start, not the prompt again.
+        assert words[0][0].isupper() and not " ".join(words).startswith(prompt)
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 5], ids=lambda k: f"after-{k}")
@@ -72,8 +69,11 @@ def test_uncapped_continuation_stops_where_the_answer_would() -> None:
 
 
 def test_final_assistant_message_without_the_flag_is_a_new_turn() -> None:
-    req = _chat([*USER, {"role": "assistant", "content": "alpha"}], max_tokens=2)
-    assert _text(req) == "beta gamma"  # no leading space: a new message starts
+    first = _text(_chat(USER, max_tokens=2))
+    req = _chat([*USER, {"role": "assistant", "content": first}], max_tokens=2)
+    # The answer to the whole conversation, from its start: no leading space, a new message starts.
+    want = answers.answer_words(["alpha", "beta", "gamma", "delta", *first.split()], "", 0, 2)
+    assert _text(req) == " ".join(want)
 
 
 @pytest.mark.parametrize(
@@ -105,13 +105,19 @@ def test_completion_continuation_from_prompt_plus_text(k: int) -> None:
     full = oai.completion_tokens(
         oai.read_completion({"model": MODEL, "prompt": "once upon a", "max_tokens": 6}, 16)
     )
-    assert "".join(full) == " once upon a once upon a"  # a completion continues the prompt's text
+    # A completion continues the prompt's text: its first word comes after a space.
+    assert full == [" " + w for w in answers.answer_words(["once", "upon", "a"], "", 0, 6)]
     prompt = "once upon a" + "".join(full[:k])
     cont = oai.read_completion({"model": MODEL, "prompt": prompt, "max_tokens": 6 - k}, 16)
     assert oai.completion_tokens(cont) == full[k:]
 
 
-words = st.lists(st.sampled_from(["a", "b", "c", "dd", "é", '"q"']), min_size=1, max_size=80)
+# With words of the answers' own text, so that a prompt's tail often reads as the start of an answer.
+words = st.lists(
+    st.sampled_from(["a", "b", "c", "dd", "é", '"q"', "The", "the", "Hello!", "This", "answer", "model."]),
+    min_size=1,
+    max_size=80,
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -142,17 +148,18 @@ async def test_continue_final_message_over_http(engine: Callable[..., Awaitable[
     async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0) as client:
         full = await client.chat.completions.create(model=MODEL, messages=user, max_tokens=6)
         text = full.choices[0].message.content
-        assert text == "alpha beta gamma delta alpha beta"
+        assert text == " ".join(answers.answer_words(["alpha", "beta", "gamma", "delta"], "", 0, 6))
+        partial = " ".join(text.split()[:2])
         stream = await client.chat.completions.create(
             model=MODEL,
-            messages=[*user, {"role": "assistant", "content": "alpha beta"}],
+            messages=[*user, {"role": "assistant", "content": partial}],
             max_tokens=4,
             stream=True,
             stream_options={"include_usage": True},
             extra_body={"continue_final_message": True, "add_generation_prompt": False},
         )
         chunks = [c async for c in stream]
-        assert "alpha beta" + "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+        assert partial + "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
         usage = chunks[-1].usage
         assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (6, 4)
         with pytest.raises(openai.BadRequestError):

@@ -9,7 +9,7 @@ import anthropic
 import pytest
 
 from llmgw_sim.serving import Listening
-from tests.sim.sim_testkit import parse_sse
+from tests.sim.sim_testkit import parse_sse, said
 
 MODEL = "sim-msg"
 Engine = Callable[..., Awaitable[Listening]]
@@ -40,7 +40,7 @@ async def test_plain_message_shape_text_and_usage(client: anthropic.AsyncAnthrop
     assert [b.type for b in m.content] == ["text"]
     block = m.content[0]
     assert isinstance(block, anthropic.types.TextBlock)
-    assert block.text == "be kind hello there be"
+    assert block.text == said("be kind hello there", 5)
     assert (m.usage.input_tokens, m.usage.output_tokens) == (4, 5)
 
 
@@ -73,7 +73,7 @@ async def test_stream_events_in_anthropics_order(srv: Listening, http: aiohttp.C
     data = [e.json() for e in events]
     assert [d["type"] for d in data] == names
     assert data[0]["message"]["usage"] == {"input_tokens": 2, "output_tokens": 0}
-    assert "".join(d["delta"]["text"] for d in data[2:5]) == "x y x"
+    assert "".join(d["delta"]["text"] for d in data[2:5]) == said("x y", 3)
     assert data[6]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
     assert data[6]["usage"] == {"input_tokens": 2, "output_tokens": 3}
     assert all(e.data != "[DONE]" for e in events)
@@ -85,7 +85,7 @@ async def test_stream_through_the_sdk(client: anthropic.AsyncAnthropic) -> None:
     ) as stream:
         text = "".join([t async for t in stream.text_stream])
         final = await stream.get_final_message()
-    assert text == "p q p q p"
+    assert text == said("p q", 5)
     assert final.stop_reason == "end_turn" and final.usage.output_tokens == 5
 
 

@@ -13,6 +13,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from llmgw_sim.serving import Listening
+from tests.sim.sim_testkit import prompt_answered_with, said
 
 MODEL = "sim-test"
 
@@ -49,8 +50,8 @@ async def test_chat_completion_shape_text_and_usage(client: openai.AsyncOpenAI) 
     assert r.model == MODEL
     assert r.created > 1_600_000_000
     assert r.choices[0].message.role == "assistant"
-    # The prompt's words, cycled, five tokens.
-    assert r.choices[0].message.content == "be brief alpha beta gamma"
+    # Five tokens of the answer to the messages' words (readable text, not the prompt again).
+    assert r.choices[0].message.content == said("be brief alpha beta gamma", 5)
     assert r.choices[0].finish_reason == "length"
     assert r.usage is not None
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 5, 10)
@@ -60,7 +61,7 @@ async def test_chat_without_max_tokens_uses_default_and_stops(client: openai.Asy
     r = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x y"}])
     assert r.usage is not None and r.usage.completion_tokens == 16
     assert r.choices[0].finish_reason == "stop"
-    assert r.choices[0].message.content == " ".join(["x", "y"] * 8)
+    assert r.choices[0].message.content == said("x y", 16)
 
 
 async def test_same_prompt_same_answer_and_ids_differ(client: openai.AsyncOpenAI) -> None:
@@ -81,7 +82,7 @@ async def test_chat_stream_with_include_usage(client: openai.AsyncOpenAI) -> Non
     assert len({c.id for c in chunks}) == 1
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == "red green blue red"
+    assert text == said("red green blue", 4)
     finishing = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishing == ["length"]
     last = chunks[-1]
@@ -110,7 +111,7 @@ async def test_completions_plain_and_streamed(client: openai.AsyncOpenAI) -> Non
     assert r.object == "text_completion"
     assert r.id.startswith("cmpl-")
     # A completion continues the prompt's text: its first word comes after a space.
-    assert r.choices[0].text == " the quick fox the"
+    assert r.choices[0].text == " " + said("the quick fox", 4)
     assert r.choices[0].finish_reason == "length"
     assert r.usage is not None and (r.usage.prompt_tokens, r.usage.completion_tokens) == (3, 4)
 
@@ -118,7 +119,7 @@ async def test_completions_plain_and_streamed(client: openai.AsyncOpenAI) -> Non
         model=MODEL, prompt="the quick fox", max_tokens=4, stream=True, stream_options={"include_usage": True}
     )
     chunks = [c async for c in stream]
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == " the quick fox the"
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == " " + said("the quick fox", 4)
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.total_tokens == 7
 
@@ -276,11 +277,14 @@ async def test_unknown_path_and_method_are_starlettes_bare_answers(
 
 
 async def test_stream_events_survive_quotes_and_unicode(client: openai.AsyncOpenAI) -> None:
-    words = 'say "hi" \\back ünïcode 😀'
+    # The prompt whose answer is the sentence with quotes, backslashes, accents and an emoji.
+    prompt = prompt_answered_with("A note on")
+    words = said(prompt, 17)
+    assert '"back' in words and "\\" in words and "é" in words and "😀" in words
     stream = await client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": words}], max_tokens=5, stream=True
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=17, stream=True
     )
     text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     assert text == words
-    comp = await client.completions.create(model=MODEL, prompt=words, max_tokens=5, stream=True)
+    comp = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=17, stream=True)
     assert "".join([c.choices[0].text async for c in comp if c.choices]) == " " + words

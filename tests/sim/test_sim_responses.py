@@ -13,7 +13,7 @@ import pytest
 from llmgw_sim.responses_api import ResponseStore, Stored
 from llmgw_sim.serving import Listening
 from tests.kit.poll import eventually
-from tests.sim.sim_testkit import parse_sse
+from tests.sim.sim_testkit import parse_sse, said
 
 MODEL = "sim-resp"
 Engine = Callable[..., Awaitable[Listening]]
@@ -39,8 +39,8 @@ async def test_plain_response_shape_text_and_usage(client: openai.AsyncOpenAI) -
     assert r.instructions == "be brief"
     (msg,) = r.output
     assert msg.type == "message" and msg.id.startswith("msg_") and msg.status == "completed"
-    # The prompt is the instructions and the input; the answer continues its words.
-    assert r.output_text == "be brief alpha beta gamma be"
+    # The prompt is the instructions and the input.
+    assert r.output_text == said("be brief alpha beta gamma", 6)
     assert r.usage is not None
     assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (5, 6, 11)
     assert r.incomplete_details is None
@@ -50,7 +50,7 @@ async def test_max_output_tokens_makes_it_incomplete(client: openai.AsyncOpenAI)
     r = await client.responses.create(model=MODEL, input="one two", max_output_tokens=3)
     assert r.status == "incomplete"
     assert r.incomplete_details is not None and r.incomplete_details.reason == "max_output_tokens"
-    assert r.output_text == "one two one" and r.max_output_tokens == 3
+    assert r.output_text == said("one two", 3) and r.max_output_tokens == 3
 
 
 async def test_input_items_and_stored_lookup(client: openai.AsyncOpenAI) -> None:
@@ -64,14 +64,14 @@ async def test_input_items_and_stored_lookup(client: openai.AsyncOpenAI) -> None
 
 async def test_previous_response_id_continues_the_conversation(client: openai.AsyncOpenAI) -> None:
     first = await client.responses.create(model=MODEL, input="sun moon", max_output_tokens=2)
-    assert first.output_text == "sun moon"
+    assert first.output_text == said("sun moon", 2)
     second = await client.responses.create(
         model=MODEL, input="star", previous_response_id=first.id, max_output_tokens=5
     )
     # The prompt is the whole conversation: the first input, its answer, then the new input.
     assert second.usage is not None and second.usage.input_tokens == 5
     assert second.previous_response_id == first.id
-    assert second.output_text == "sun moon sun moon star"
+    assert second.output_text == said(f"sun moon {first.output_text} star", 5)
 
 
 async def test_unknown_ids_are_vllms_404(srv: Listening, client: openai.AsyncOpenAI) -> None:
@@ -138,10 +138,10 @@ async def test_stream_events_names_order_and_numbers(srv: Listening, http: aioht
     data = [e.json() for e in events]
     assert [d["type"] for d in data] == names
     assert [d["sequence_number"] for d in data] == list(range(len(data)))
-    assert "".join(d["delta"] for d in data[4:8]) == "x y z x"
+    assert "".join(d["delta"] for d in data[4:8]) == said("x y z", 4)
     final = data[-1]["response"]
     assert final["status"] == "incomplete" and final["usage"]["output_tokens"] == 4
-    assert final["output"][0]["content"][0]["text"] == "x y z x"
+    assert final["output"][0]["content"][0]["text"] == said("x y z", 4)
     assert all(e.data != "[DONE]" for e in events)
 
 
@@ -150,7 +150,7 @@ async def test_stream_through_the_sdk_and_stored_after(client: openai.AsyncOpenA
     events = [e async for e in stream]
     assert events[0].type == "response.created" and events[-1].type == "response.completed"
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    assert text == "p q p q p q"
+    assert text == said("p q", 6)
     rid = events[-1].response.id
     assert (await client.responses.retrieve(rid)).output_text == text
 
@@ -165,7 +165,7 @@ async def test_background_response_runs_then_completes(engine: Engine) -> None:
             return (await c.responses.retrieve(r.id)).status == "completed"
 
         await eventually(completed, timeout=10, what="the background response to complete")
-        assert (await c.responses.retrieve(r.id)).output_text == "slow words slow words slow"
+        assert (await c.responses.retrieve(r.id)).output_text == said("slow words", 5)
         # A finished response cannot be cancelled: vLLM's 400.
         with pytest.raises(openai.BadRequestError) as ei:
             await c.responses.cancel(r.id)

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from llmgw_sim.serving import Listening
-from tests.sim.sim_testkit import parse_sse
+from tests.sim.sim_testkit import parse_sse, said
 
 MODEL = "sim-misc"
 Engine = Callable[..., Awaitable[Listening]]
@@ -79,11 +79,11 @@ async def client(srv: Listening) -> AsyncIterator[openai.AsyncOpenAI]:
 
 async def test_transcription_and_translation_through_the_sdk(client: openai.AsyncOpenAI) -> None:
     t = await client.audio.transcriptions.create(model=MODEL, file=("a.wav", wav(1.2)))
-    # 1.2 s at 2.5 words a second: three words; usage is the seconds rounded up.
-    assert t.text == "lorem ipsum dolor"
+    # 1.2 s at 2.5 words a second: three words (the answer to no prompt); usage is the seconds rounded up.
+    assert t.text == said("", 3)
     assert t.usage is not None and t.usage.type == "duration" and t.usage.seconds == 2  # type: ignore[union-attr]
     tr = await client.audio.translations.create(model=MODEL, file=("a.wav", wav(10)))
-    assert tr.text == "lorem ipsum dolor sit"  # capped by default_max_tokens
+    assert tr.text == said("", 4)  # capped by default_max_tokens
 
 
 async def test_transcription_stream_and_errors(srv: Listening, http: aiohttp.ClientSession) -> None:
@@ -97,7 +97,7 @@ async def test_transcription_stream_and_errors(srv: Listening, http: aiohttp.Cli
     assert events[-1].data == "[DONE]"
     chunks = [e.json() for e in events[:-1]]
     assert all(c["object"] == "transcription.chunk" and c["id"].startswith("trsc-") for c in chunks)
-    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == "lorem ipsum"
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == said("", 2)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert "finish_reason" not in chunks[0]["choices"][0]
     no_file = aiohttp.FormData()
@@ -124,7 +124,7 @@ async def test_audio_is_served_by_a_transcription_model_only(
     form = aiohttp.FormData()
     form.add_field("file", wav(0.4), filename="a.wav")
     async with http.post(whisper.url + "/v1/audio/transcriptions", data=form) as r:
-        assert r.status == 200 and (await r.json())["text"] == "lorem"
+        assert r.status == 200 and (await r.json())["text"] == said("", 1)
 
 
 async def test_chat_batch_one_choice_per_conversation(srv: Listening, http: aiohttp.ClientSession) -> None:
@@ -135,7 +135,10 @@ async def test_chat_batch_one_choice_per_conversation(srv: Listening, http: aioh
     }
     status, got = await post(http, srv, "/v1/chat/completions/batch", body)
     assert status == 200 and got["object"] == "chat.completion" and got["id"].startswith("chatcmpl-")
-    assert [(c["index"], c["message"]["content"]) for c in got["choices"]] == [(0, "a b a"), (1, "c c c")]
+    assert [(c["index"], c["message"]["content"]) for c in got["choices"]] == [
+        (0, said("a b", 3)),
+        (1, said("c", 3)),
+    ]
     assert got["usage"]["prompt_tokens"] == 3 and got["usage"]["completion_tokens"] == 6
     for bad, param in (
         ({"model": MODEL}, "body.messages"),
@@ -171,7 +174,7 @@ async def test_chat_shapes_are_vllms(srv: Listening, http: aiohttp.ClientSession
     # vLLM: the role chunk, a chunk per token (the last with the finish reason), then usage alone.
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert [c["choices"][0]["finish_reason"] for c in chunks[1:3]] == [None, "length"]
-    assert chunks[2]["choices"][0]["delta"] == {"content": " y"}
+    assert chunks[2]["choices"][0]["delta"] == {"content": " " + said("x y", 2).split()[1]}
     assert "usage" not in chunks[1] and chunks[3]["choices"] == []
     assert chunks[3]["usage"] == {"prompt_tokens": 2, "total_tokens": 4, "completion_tokens": 2}
     # vLLM's fingerprint rides on the last message only: the usage chunk, else the finishing one.

@@ -3,11 +3,10 @@ text it gets (the bodies the text is sent in: :mod:`llmgw_sim.openai_bodies`).
 
 Everything here is pure and cheap: the simulator must never be the bottleneck of a router benchmark.
 A token is a whitespace-separated word (:mod:`llmgw_common.simtokens`, which a router shares); the
-completion continues the prompt's words (its last ``MAX_SOURCE_WORDS``, cycled by their shortest
-repeating pattern). The answer is a function of the text so far, so an answer continued from any
-point (a final assistant message with vLLM's ``continue_final_message``, or a completion's prompt plus
-the text already generated) is exactly the rest of the uninterrupted answer: what a router's
-mid-stream failover is checked against.
+answer is readable text, a function of the prompt and a salt (:mod:`llmgw_sim.answers`), so an answer
+continued from any point (a final assistant message with vLLM's ``continue_final_message``, or a
+completion's prompt plus the text already generated) is exactly the rest of the uninterrupted answer:
+what a router's mid-stream failover is checked against.
 """
 
 from __future__ import annotations
@@ -16,11 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmgw_common import simtokens
+from llmgw_sim import answers
 from llmgw_sim.errors import BadRequest, invalid, missing
 
+# The words a prompt of token ids reads as (and /detokenize's words for unknown ids).
 FILLER = ("lorem", "ipsum", "dolor", "sit", "amet")
-# Words of the prompt that the completion cycles through: enough for variety, bounded for cost.
-MAX_SOURCE_WORDS = 64
 
 
 __all__ = ["BadRequest", "GenRequest", "read_chat", "read_completion"]
@@ -38,10 +37,13 @@ class GenRequest:
     stream: bool
     include_usage: bool
     # Words of the answer already given (a final assistant message being continued): an uncapped
-    # answer ends where the uninterrupted one would.
-    answered: int = 0
+    # answer ends where the uninterrupted one would. None: read from the text (a completion's prompt
+    # may be an earlier prompt plus the text of its answer, :func:`llmgw_sim.answers.answered`).
+    answered: int | None = 0
     # The first token needs a space: the text it continues ends in a word.
     space_first: bool = False
+    # Enters the choice of the answer: another salt, another answer to the same prompt.
+    salt: str = ""
 
     @property
     def prompt_tokens(self) -> int:
@@ -187,39 +189,24 @@ def read_completion(body: dict[str, Any], default_max_tokens: int) -> GenRequest
     stream, include_usage = _stream(body)
     # A text prompt that ends in a word is continued after a space, as a real model's next token is.
     space_first = isinstance(prompt, str) and bool(prompt) and not prompt[-1].isspace()
-    return GenRequest(model, tuple(words), max_tokens, capped, stream, include_usage, space_first=space_first)
-
-
-def shortest_period(words: tuple[str, ...]) -> int:
-    """The smallest p such that ``words[i] == words[i + p]`` throughout (``len(words)`` if none shorter)."""
-    n = len(words)
-    if len(set(words)) == n:  # the common case, at C speed
-        return n
-    # Knuth-Morris-Pratt's prefix function: the period is n minus the longest proper border.
-    border = [0] * n
-    k = 0
-    for i in range(1, n):
-        while k and words[i] != words[k]:
-            k = border[k - 1]
-        if words[i] == words[k]:
-            k += 1
-        border[i] = k
-    return n - border[-1]
+    # The prompt may be an earlier one plus text of its answer (a router continuing a stream).
+    return GenRequest(
+        model, tuple(words), max_tokens, capped, stream, include_usage, answered=None, space_first=space_first
+    )
 
 
 def completion_tokens(req: GenRequest) -> list[str]:
     """The answer's tokens, each after a space but the first of a new message.
 
-    The text's last ``MAX_SOURCE_WORDS`` words are continued by their shortest repeating pattern (for
-    distinct words: the words cycled). Appending the answer keeps that pattern, so a request for the
-    text so far plus part of the answer gets the rest of the answer.
+    The words the text already holds of the answer (``answered``) are skipped: a request for the text
+    so far plus part of the answer gets the rest of the answer.
     """
-    source = req.prompt_words[-MAX_SOURCE_WORDS:] or FILLER
-    p = shortest_period(source)
-    cycle = source[len(source) - p :]
-    count = req.max_tokens if req.capped else max(req.max_tokens - req.answered, 0)
+    words = req.prompt_words
+    done = answers.answered(words, req.salt) if req.answered is None else min(req.answered, len(words))
+    count = req.max_tokens if req.capped else max(req.max_tokens - done, 0)
     first = " " if req.space_first else ""
-    return [(first if i == 0 else " ") + cycle[i % p] for i in range(count)]
+    new = answers.answer_words(words[: len(words) - done], req.salt, done, count)
+    return [(first if i == 0 else " ") + w for i, w in enumerate(new)]
 
 
 def finish_reason(req: GenRequest) -> str:

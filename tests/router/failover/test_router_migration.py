@@ -53,6 +53,14 @@ def _render(kind: Kind, req: dict[str, Any], rid: str, created: int) -> bytes:
     return (w.first() + "".join(map(w.token, tokens)) + w.end(len(tokens))).encode()
 
 
+def _inside_token(stream: bytes, i: int) -> int:
+    """A point inside the event of the stream's ``i``-th token (from 0): a break there loses that token."""
+    at = -1
+    for _ in range(i + 1):
+        at = stream.index(b'"index": 0, "delta": {"content": ', at + 1)
+    return at + 10
+
+
 def _events(data: bytes) -> list[dict[str, Any] | str]:
     out: list[dict[str, Any] | str] = []
     for e in data.split(b"\n\n"):
@@ -99,16 +107,18 @@ def test_continuation_request_carries_the_text_sent(kind: Kind) -> None:
     r = Relay()
     r.relay(whole[:cut])
     sent = r.fold()
-    assert "".join(sent.text) == ("be brief" if kind == "chat" else " alpha beta")
+    read = oai.read_chat if kind == "chat" else oai.read_completion
+    two = "".join(oai.completion_tokens(read(req, 16))[:2])
+    assert "".join(sent.text) == two
     step = plan(kind, req, sent)
     assert isinstance(step, Continue)
     body = json.loads(step.body)
     assert body["max_tokens"] == 8
     if kind == "chat":
-        assert body["messages"][-1] == {"role": "assistant", "content": "be brief"}
+        assert body["messages"][-1] == {"role": "assistant", "content": two}
         assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
     else:
-        assert body["prompt"] == "alpha beta gamma alpha beta"
+        assert body["prompt"] == "alpha beta gamma" + two
     # The client's request is not changed by planning.
     assert req["max_tokens"] == 10 and "continue_final_message" not in req
 
@@ -160,16 +170,13 @@ def test_usage_adds_up_across_two_migrations() -> None:
     req = _request("chat", "one two three", 12, usage=True)
     whole = _render("chat", req, "id-1", 1)
     r = Relay()
-    out = r.relay(whole[: whole.index(b'" three"')])
-    for cut_word in (b'" one"', b'" two"'):  # second break: two more words into the continuation
+    out = r.relay(whole[: _inside_token(whole, 4)])
+    for breaks_again in (True, False):  # second break: two more words into the continuation
         step = plan("chat", req, r.fold())
         assert isinstance(step, Continue)
         r.splice()
         cont = _render("chat", json.loads(step.body), "x", 5)
-        if cut_word == b'" one"':
-            out += r.relay(cont[: cont.index(b'"delta": {"content": " one"}')])
-        else:
-            out += r.relay(cont)
+        out += r.relay(cont[: _inside_token(cont, 2)] if breaks_again else cont)
     assert out == whole
     assert r.sent.usage == (5, 12)  # system + user words; all twelve tokens
 
