@@ -77,6 +77,20 @@ class SimOptions:
     # Bind a ZMQ PUB socket here (ipc://path, tcp://host:port) and publish vLLM's KV-cache events.
     kv_events_endpoint: str | None = None
     kv_events_topic: str = "kv-events"
+    # LoRA adapters as vLLM serves them at run time (issue 33; llmgw_sim.lora). max_loras set: the
+    # runtime API (/v1/load_lora_adapter, /v1/unload_lora_adapter) is served, and at most this many
+    # adapters have requests in one batch (a request for another waits). None: no LoRA (those routes are
+    # vLLM's bare 404). max_lora_rank: a larger adapter fails to load (read only with lora_check_files).
+    # max_cpu_loras: adapters held in memory (vLLM's default: max_loras); more may be loaded, and one
+    # not held is read again by its next request, which pays lora_load_s, as its first load did.
+    max_loras: int | None = None
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_load_s: float = 0.0
+    # Read an adapter's directory as vLLM does (adapter_config.json with its rank, and weights): a path
+    # without them fails its load with vLLM's error. Off: any path loads (simulated weights, as the
+    # simulated model's are).
+    lora_check_files: bool = False
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -136,7 +150,31 @@ class SimOptions:
                 f"kv_events_endpoint {self.kv_events_endpoint!r} is not a ZMQ endpoint "
                 f"({', '.join(s + '...' for s in _ZMQ_SCHEMES)})"
             )
+        if self.max_loras is not None and self.max_loras < 1:
+            out.append(f"max_loras is {self.max_loras}, must be >= 1 (or unset: no LoRA)")
+        if self.max_lora_rank < 1:
+            out.append(f"max_lora_rank is {self.max_lora_rank}, must be >= 1")
+        if self.max_cpu_loras is not None:
+            if self.max_loras is None:
+                out.append("max_cpu_loras needs max_loras (LoRA is off without it)")
+            elif self.max_cpu_loras < self.max_loras:
+                # vLLM's LoRAConfig refuses it likewise.
+                out.append(f"max_cpu_loras {self.max_cpu_loras} is less than max_loras {self.max_loras}")
+        if self.lora_load_s < 0:
+            out.append(f"lora_load_s is {self.lora_load_s}, must be >= 0")
         return out
+
+    @property
+    def serves_lora(self) -> bool:
+        """Serves LoRA adapters (vLLM's --enable-lora with runtime updating)."""
+        return self.max_loras is not None
+
+    @property
+    def lora_capacity(self) -> int:
+        """Adapters held in memory at once: max_cpu_loras, else max_loras (0 without LoRA)."""
+        if self.max_loras is None:
+            return 0
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     @property
     def caches_prefixes(self) -> bool:
@@ -230,6 +268,8 @@ _ONLY_WHEN_SET = frozenset(
         "max_model_len",
         "block_size",
         "kv_events_topic",
+        "max_lora_rank",
+        "lora_load_s",
     }
 )
 

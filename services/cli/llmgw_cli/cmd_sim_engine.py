@@ -63,6 +63,17 @@ def sim_engine(
         None, help="Bind a ZMQ PUB socket here and publish vLLM's KV events (implies --prefix-caching)"
     ),
     kv_events_topic: str = typer.Option(_D.kv_events_topic, help="Topic of the KV-event messages"),
+    max_loras: int | None = typer.Option(
+        None, help="Serve LoRA adapters loaded at run time, at most this many in one batch (unset: no LoRA)"
+    ),
+    max_lora_rank: int = typer.Option(
+        _D.max_lora_rank, help="Largest adapter rank (with --lora-check-files)"
+    ),
+    max_cpu_loras: int | None = typer.Option(None, help="Adapters held in memory (unset: max-loras)"),
+    lora_load_s: float = typer.Option(_D.lora_load_s, help="Seconds one adapter load takes"),
+    lora_check_files: bool = typer.Option(
+        False, "--lora-check-files", help="Read adapter directories as vLLM does (else any path loads)"
+    ),
     log_level: str = typer.Option("INFO", help="Python log level"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved options as JSON and exit"),
 ) -> None:
@@ -98,6 +109,11 @@ def sim_engine(
             prefill_tokens_per_s=prefill_tokens_per_s,
             kv_events_endpoint=kv_events_endpoint,
             kv_events_topic=kv_events_topic,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras,
+            lora_load_s=lora_load_s,
+            lora_check_files=lora_check_files,
         )
     except ValueError as e:
         typer.echo(f"llmgw sim-engine: {e}", err=True)

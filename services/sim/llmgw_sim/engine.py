@@ -29,6 +29,7 @@ from llmgw_sim import errors
 from llmgw_sim import openai_bodies as bodies
 from llmgw_sim.cluster import Membership, follow
 from llmgw_sim.kv_publisher import KvEventPublisher
+from llmgw_sim.lora import Adapters
 from llmgw_sim.metrics import LoadSnapshot, sim_registry
 from llmgw_sim.options import SimOptions
 from llmgw_sim.prefix_cache import PrefixCache, Run, prefill_seconds
@@ -99,6 +100,18 @@ class Engine:
         self.cache = PrefixCache(opts.block_size, opts.cache_blocks) if opts.caches_prefixes else None
         # Bound at startup (lifecycle), when the options ask for events.
         self.kv_events: KvEventPublisher | None = None
+        # LoRA adapters loaded at run time (lora.py), where the options ask for them.
+        self.lora: Adapters | None = None
+        if opts.max_loras is not None:
+            self.lora = Adapters(
+                opts.model,
+                opts.max_loras,
+                opts.lora_capacity,
+                max_rank=opts.max_lora_rank,
+                load_s=opts.lora_load_s,
+                check_files=opts.lora_check_files,
+                wall=wall,
+            )
         self.registry = sim_registry(opts.metrics_style, opts.model, self.snapshot, created=wall())
 
     # ------------------------------------------------------------ readiness
@@ -119,9 +132,11 @@ class Engine:
         return None
 
     def snapshot(self) -> LoadSnapshot:
+        lora = self.lora
         return LoadSnapshot(
             running=self.slots.running,
-            waiting=self.slots.waiting,
+            # vLLM counts a request held back for its adapter (max_loras) as waiting ("deferred").
+            waiting=self.slots.waiting + (lora.waiting if lora is not None else 0),
             slots=self.slots.capacity,
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._gen_tokens,
@@ -132,6 +147,8 @@ class Engine:
             kv_tokens=self.opts.kv_tokens,
             prefix_cache_queries=self.cache.queries if self.cache is not None else 0,
             prefix_cache_hits=self.cache.hits if self.cache is not None else 0,
+            max_loras=self.opts.max_loras,
+            lora_info=tuple(lora.info_series()) if lora is not None else (),
         )
 
     def _done(self, prompt: int, completion: int, ttft_s: float | None = None) -> None:
@@ -172,7 +189,10 @@ class Engine:
         )
 
     async def models(self, request: web.Request) -> web.Response:
-        body = bodies.model_list(self.opts.model, self.opts.max_model_len, self.instance, self.now())
+        adapters = tuple(self.lora.loaded.values()) if self.lora is not None else ()
+        body = bodies.model_list(
+            self.opts.model, self.opts.max_model_len, self.instance, self.now(), adapters
+        )
         return web.Response(body=json.dumps(body).encode(), content_type=_JSON)
 
     async def join(self, request: web.Request) -> web.Response:
@@ -193,17 +213,29 @@ class Engine:
         return errors.json_object(await request.read())
 
     def refusal(self, model: str, param: str | None = "model") -> web.Response | None:
-        """Why this engine will not serve ``model`` now ("" is its own model, as in vLLM), or None.
+        """Why this engine will not serve ``model`` now ("" is its own model, as in vLLM; a loaded
+        LoRA adapter is served too), or None.
 
-        ``param`` of an unknown model's 404: vLLM's pooling endpoints leave it null.
+        ``param`` of an unknown model's 404: vLLM's pooling endpoints leave it null. vLLM's message
+        lists the base's name only, not its adapters'.
         """
         reason = self.not_ready_reason()
         if reason is not None:
             return _error(503, reason, "ServiceUnavailableError")
-        if model and model != self.opts.model:
+        if model and model != self.opts.model and self.adapter_of(model) is None:
             status, message, type_, _ = errors.model_not_found(model, self.opts.model)
             return _error(status, message, type_, param)
         return None
+
+    def adapter_of(self, model: str) -> str | None:
+        """``model`` when it names a loaded LoRA adapter, else None (the base, or not served)."""
+        if self.lora is None or self.lora.lookup(model) is None:
+            return None
+        return model
+
+    def served_name(self, model: str) -> str:
+        """The name an answer carries: the adapter's when the request named one, else the base's."""
+        return self.adapter_of(model) or self.opts.model
 
     # ------------------------------------------------------------ the work of one request
 
@@ -247,22 +279,35 @@ class Engine:
 
     @contextlib.asynccontextmanager
     async def generation(
-        self, kv_tokens: int, prompt_tokens: int, body: dict[str, Any]
+        self, kv_tokens: int, prompt_tokens: int, body: dict[str, Any], lora: str | None = None
     ) -> AsyncIterator[Generation]:
         """Hold a slot for one generation request and time it: its prefill by the prefix cache's hit
-        (when on) and the prefill speed. The body's tokens are read only when a cache is kept."""
-        async with self.slot(kv_tokens):
-            run: Run | None = None
-            if self.cache is not None:
-                ids = simtokens.prompt_token_ids(body)
-                if ids is not None:
-                    run = self.cache.begin(ids, cache_salt(body))
-            uncached = run.uncached_tokens if run is not None else prompt_tokens
-            gen = Generation(self, run, prefill_seconds(self._ttft_s, uncached, self._prefill_rate))
-            try:
-                yield gen
-            finally:
-                gen.end()
+        (when on) and the prefill speed. The body's tokens are read only when a cache is kept.
+        ``lora``: the adapter it is for, which waits while ``max_loras`` others fill the batch."""
+        async with self._adapter(lora) as reload_s:
+            async with self.slot(kv_tokens):
+                run: Run | None = None
+                if self.cache is not None:
+                    ids = simtokens.prompt_token_ids(body)
+                    if ids is not None:
+                        run = self.cache.begin(ids, cache_salt(body), lora)
+                uncached = run.uncached_tokens if run is not None else prompt_tokens
+                ttft = prefill_seconds(self._ttft_s, uncached, self._prefill_rate)
+                gen = Generation(self, run, ttft + (0.0 if self.opts.zero else reload_s))
+                try:
+                    yield gen
+                finally:
+                    gen.end()
+
+    @contextlib.asynccontextmanager
+    async def _adapter(self, lora: str | None) -> AsyncIterator[float]:
+        """A request's place among the adapters (none for the base): the seconds its adapter takes to
+        be read again when it was no longer held in memory."""
+        if lora is None or self.lora is None:
+            yield 0.0
+            return
+        async with self.lora.request(lora) as reload_s:
+            yield reload_s
 
     @property
     def tpot_s(self) -> float:

@@ -40,6 +40,9 @@ class LoadSnapshot:
     # The prefix cache, in tokens: those of the prompts looked up, and of their cached prefixes.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # LoRA (None: not served): vllm:lora_requests_info's series, (adapters with requests, time set).
+    max_loras: int | None = None
+    lora_info: tuple[tuple[str, float], ...] = ()
 
     @property
     def kv_usage(self) -> float:
@@ -91,6 +94,17 @@ def vllm_families(s: LoadSnapshot, model: str, created: float) -> Iterator[Metri
     )
     ok.add_metric(["0", "length", model], s.requests_total, created=created)
     yield ok
+    if s.max_loras is not None:
+        # vLLM's gauge set to the time of each scheduler step; both lists name every adapter with a
+        # request running or waiting (vLLM 0.32), and an old label set keeps its old time.
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        for adapters, at in s.lora_info:
+            info.add_metric([str(s.max_loras), adapters, adapters], at)
+        yield info
 
 
 def llamacpp_families(s: LoadSnapshot) -> Iterator[Metric]:

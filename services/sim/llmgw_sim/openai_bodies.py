@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from typing import Any
 
+from llmgw_sim.lora import Adapter
 from llmgw_sim.openai_api import GenRequest, finish_reason
 
 
@@ -193,8 +195,11 @@ class ChunkWriter:
         return out + "data: [DONE]\n\n"
 
 
-def model_list(model: str, max_model_len: int, instance: str, now: int) -> dict[str, Any]:
-    """``/v1/models`` as vLLM lists its model: a card with one permission entry."""
+def model_list(
+    model: str, max_model_len: int, instance: str, now: int, adapters: Sequence[Adapter] = ()
+) -> dict[str, Any]:
+    """``/v1/models`` as vLLM lists its model: a card with one permission entry; then a card per LoRA
+    adapter loaded, its ``root`` the path it was loaded from, its ``parent`` the base."""
     permission = {
         "id": f"modelperm-{instance}",
         "object": "model_permission",
@@ -219,4 +224,16 @@ def model_list(model: str, max_model_len: int, instance: str, now: int) -> dict[
         "max_model_len": max_model_len,
         "permission": [permission],
     }
-    return {"object": "list", "data": [card]}
+    cards = [card]
+    for i, adapter in enumerate(adapters, 1):
+        cards.append(
+            {
+                **card,
+                "id": adapter.name,
+                "root": adapter.path,
+                "parent": model,
+                "max_model_len": None,
+                "permission": [{**permission, "id": f"modelperm-{instance}-{i}"}],
+            }
+        )
+    return {"object": "list", "data": cards}

@@ -1,8 +1,9 @@
 """The simulated engine's prefix cache: vLLM's block LRU, with the KV events vLLM reports of it (pure).
 
 A request's tokens (:mod:`llmgw_common.simtokens`) are cut into blocks of ``block_size``; a full
-block is named by a hash over its parent's hash, its tokens and, for the first block, the request's
-``cache_salt`` (vLLM's extra keys). The hashes are the simulator's own, as an engine's are (64 bits
+block is named by a hash over its parent's hash, its tokens, the request's LoRA adapter (every block,
+and ``lora_name`` in its events) and, for the first block, the request's ``cache_salt`` (vLLM's extra
+keys). The hashes are the simulator's own, as an engine's are (64 bits
 of BLAKE2b, not llmgw's ``chain_key``): a consumer must read the token ids the events carry.
 
 What vLLM does, and so this (``vllm/v1/core/block_pool.py``, ``kv_cache_manager.py``):
@@ -45,10 +46,16 @@ _ROOT = b"\x00" * 8
 
 
 def hash_blocks(
-    tokens: Sequence[int], block_size: int, salt: str | None, known: Sequence[int] = ()
+    tokens: Sequence[int],
+    block_size: int,
+    salt: str | None,
+    known: Sequence[int] = (),
+    lora: str | None = None,
 ) -> list[int]:
     """The hashes of every full block of ``tokens``; the first ``len(known)`` are ``known`` (the blocks
     of a prefix already hashed), the rest are computed after them."""
+    # vLLM puts the LoRA adapter's name in every block's extra keys: an adapter's blocks are its own.
+    lora_key = b"\x02" + lora.encode("utf-8", "surrogatepass") + b"\x00" if lora else b""
     out = list(known)
     width = 4 * block_size
     packed = array("I", tokens[len(out) * block_size :]).tobytes()
@@ -56,6 +63,8 @@ def hash_blocks(
     for end in range(width, len(packed) + 1, width):
         h = _HASHER.copy()
         h.update(parent)
+        if lora_key:
+            h.update(lora_key)
         if not out and salt:
             # vLLM puts the cache_salt in the first block's extra keys only.
             h.update(b"\x01" + salt.encode("utf-8", "surrogatepass") + b"\x00")
@@ -87,6 +96,8 @@ class Run:
     held: list[int] = field(default_factory=list)
     # The cache's epoch at admission: a reset in between leaves the request nothing to store or free.
     epoch: int = 0
+    # The request's LoRA adapter (None: the base model).
+    lora: str | None = None
 
     @property
     def hit_tokens(self) -> int:
@@ -124,17 +135,17 @@ class PrefixCache:
         """Blocks that running requests hold (never evicted)."""
         return len(self._refs) - len(self._free)
 
-    def begin(self, tokens: list[int], salt: str | None = None) -> Run:
-        """Admit a request: its cache hit, whose blocks it now holds."""
+    def begin(self, tokens: list[int], salt: str | None = None, lora: str | None = None) -> Run:
+        """Admit a request (for ``lora``, an adapter, or the base): its cache hit, whose blocks it now holds."""
         bs = self.block_size
-        hashes = hash_blocks(tokens, bs, salt)
+        hashes = hash_blocks(tokens, bs, salt, lora=lora)
         limit = max(len(tokens) - 1, 0) // bs
         hit = 0
         for h in hashes[:limit]:
             if h not in self._refs:
                 break
             hit += 1
-        run = Run(tokens, salt, hashes, hit, bs, epoch=self._epoch)
+        run = Run(tokens, salt, hashes, hit, bs, epoch=self._epoch, lora=lora)
         for h in hashes[:hit]:
             self._hold(h)
             run.held.append(h)
@@ -152,7 +163,7 @@ class PrefixCache:
         events: list[KvEvent] = []
         if len(output) > 1 and run.epoch == self._epoch:
             seq = run.tokens + list(output[:-1])
-            events = self._store(run, hash_blocks(seq, self.block_size, run.salt, run.hashes), seq)
+            events = self._store(run, hash_blocks(seq, self.block_size, run.salt, run.hashes, run.lora), seq)
         self._release(run)
         return events
 
@@ -202,7 +213,9 @@ class PrefixCache:
 
     def _stored(self, run: Run, hashes: list[int], seq: list[int], a: int, b: int) -> BlockStored:
         bs = self.block_size
-        extra = tuple((run.salt,) if i == 0 and run.salt else None for i in range(a, b))
+        # vLLM's extra keys: the LoRA name first on every block, then the first block's cache_salt.
+        lora = (run.lora,) if run.lora else ()
+        extra = tuple((*lora, run.salt) if i == 0 and run.salt else (lora or None) for i in range(a, b))
         return BlockStored(
             block_hashes=tuple(hashes[a:b]),
             parent_block_hash=hashes[a - 1] if a else None,
@@ -212,6 +225,7 @@ class PrefixCache:
             group_idx=GROUP_IDX,
             kv_cache_spec_kind=SPEC_KIND,
             medium=MEDIUM,
+            lora_name=run.lora,
         )
 
     def _release(self, run: Run) -> None:

@@ -22,6 +22,7 @@ from llmgw_sim import (
     cache_api,
     chat_routes,
     errors,
+    lora_api,
     messages_api,
     pooling_api,
     responses_api,
@@ -50,7 +51,8 @@ def build_app(opts: SimOptions, clock: Callable[[], float] = time.monotonic) -> 
         return app
     app.router.add_get("/metrics", engine.metrics)
     app.router.add_get("/v1/models", engine.models)
-    for api in (chat_routes, responses_api, messages_api, pooling_api, tokens_api, audio_api, cache_api):
+    apis = (chat_routes, responses_api, messages_api, pooling_api, tokens_api, audio_api, cache_api, lora_api)
+    for api in apis:
         api.add(app, engine)
     if opts.world > 1:
         app.router.add_post(JOIN_PATH, engine.join)
