@@ -48,6 +48,7 @@ from llmgw_controlplane.reconcile_loop import MAX_FAILED_PASSES, ReconcileLoop
 from llmgw_controlplane.routing_publisher import RoutingPublisher
 from llmgw_controlplane.scheduler.adapter_book import AdapterBook
 from llmgw_controlplane.scheduler.adapter_reports import AdapterReports
+from llmgw_controlplane.scheduler.adapters import AdapterPolicy
 from llmgw_controlplane.scheduler.autoscale import Autoscaler, idle_lookup
 from llmgw_controlplane.scheduler.demand import DemandBook
 from llmgw_controlplane.scheduler.event_detection import EventDetector
@@ -106,7 +107,10 @@ class ControlPlane:
         # Scale to zero, wakes and evictions (issue 13); wakes are answered only while leading.
         # Load following (issue 21): routers' demand reports, forgotten like their idle reports.
         self.demand = DemandBook(stale_s=max(IDLE_STALE_TICKS * s.tick_s, 5.0), doubts=self.doubts)
-        self.adapters = AdapterBook(AdapterReports(stale_s=max(IDLE_STALE_TICKS * s.tick_s, 10.0)))
+        self.adapters = AdapterBook(
+            AdapterReports(stale_s=max(IDLE_STALE_TICKS * s.tick_s, 10.0)),
+            AdapterPolicy(idle_s=s.adapter_idle_s, min_residency_s=s.adapter_min_residency_s),
+        )
         self.autoscale = Autoscaler(s.eviction_min_residency_s, self.demand, self.adapters)
         self.wakes = WakeResponder(
             self.subjects.all_wake(),

@@ -37,6 +37,14 @@ class ControlPlaneSettings(BusSettings):
     )
     backoff_base_s: float = Field(default=5.0, gt=0, description="First crash-loop backoff")
     backoff_max_s: float = Field(default=300.0, gt=0, description="Crash-loop backoff cap")
+    adapter_idle_s: float = Field(
+        default=600.0, gt=0, description="A LoRA adapter unwanted this long is unloaded (docs/adapters.md)"
+    )
+    adapter_min_residency_s: float = Field(
+        default=15.0,
+        ge=0,
+        description="A LoRA adapter is not let go for another sooner than this after its load was asked",
+    )
     idle_threshold_s: float = Field(
         default=3600.0, gt=0, description="Unused for longer than this: shown as idle"
     )
