@@ -63,6 +63,7 @@ from llmgw_controlplane.wakes import WakeResponder
 from llmgw_runtime import bus
 from llmgw_runtime.clockcheck import Doubts
 from llmgw_runtime.runtime import PassGuard, cancel_and_wait, until_stopped
+from llmgw_runtime.tracing import start_tracing
 
 __all__ = ["MAX_FAILED_PASSES", "ControlPlane", "StartupError", "serve"]
 
@@ -112,12 +113,19 @@ class ControlPlane:
             AdapterPolicy(idle_s=s.adapter_idle_s, min_residency_s=s.adapter_min_residency_s),
         )
         self.autoscale = Autoscaler(s.eviction_min_residency_s, self.demand, self.adapters)
+        # Spans of the wakes traced requests ask for (docs/tracing.md); the SDK loaded only when configured.
+        self.tracer = (
+            start_tracing("llmgw-controlplane", self.holder, s.otlp_traces_endpoint, 1.0)
+            if s.otlp_traces_endpoint
+            else None
+        )
         self.wakes = WakeResponder(
             self.subjects.all_wake(),
             self._answer_wake,
             self.drops,
             # An adapter's answer changes with the agents' reports of it too (issue 33).
             version=lambda: self.state.version + self.adapters.reports.changes,
+            tracer=self.tracer,
         )
         # Routers' token counts, for the console's Usage page.
         self.usage = UsageBook(doubts=self.doubts)
@@ -232,6 +240,8 @@ class ControlPlane:
         self._tasks = []
         await self.api.stop()
         await self.wakes.stop()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)
         await self.leadership.release()
         for s in self._subs:
             with contextlib.suppress(nats.errors.Error):

@@ -48,6 +48,11 @@ class ControlPlaneSettings(BusSettings):
     idle_threshold_s: float = Field(
         default=3600.0, gt=0, description="Unused for longer than this: shown as idle"
     )
+    otlp_traces_endpoint: str | None = Field(
+        default=None,
+        description="OpenTelemetry: export a span for each wake a traced request asked for, over OTLP/HTTP to "
+        "this URL (e.g. http://collector:4318/v1/traces; docs/tracing.md); unset: its trace id is only logged",
+    )
     eviction_min_residency_s: float = Field(
         default=300.0,
         ge=0,

@@ -5,6 +5,10 @@ the wakes are decided in :mod:`wake_decisions` (pure); this is the I/O.
 :class:`WakeResponder`: subscribed only while this process leads (a standby never answers), it answers,
 records the wake and wakes the reconcile loop. One model's answer is reused for a second while the
 tables are unchanged: a flood of wakes costs one placement search per model, not one per message.
+
+A wake asked by a traced request carries its trace context in the NATS headers (``traceparent``,
+docs/tracing.md): the answer is logged with the trace id, and is a span of that trace when this
+control plane exports spans (``tracer``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from nats.aio.subscription import Subscription
 from llmgw_common.codec import encode
 from llmgw_common.names import check_model_name, clipped
 from llmgw_common.router_messages import WakeReply, WakeRequest, WakeState
+from llmgw_common.traceparent import TraceParent, parse_traceparent
 from llmgw_runtime import bus
+from llmgw_runtime.tracing import Tracer
 
 log = logging.getLogger("llmgw.controlplane.wakes")
 
@@ -50,6 +56,7 @@ class WakeResponder:
         version: Callable[[], int],
         clock: Callable[[], float] = time.monotonic,
         reuse_s: float = ANSWER_REUSE_S,
+        tracer: Tracer | None = None,
     ) -> None:
         self.subject = subject
         self.answer = answer
@@ -57,6 +64,7 @@ class WakeResponder:
         self.version = version
         self.clock = clock
         self.reuse_s = reuse_s
+        self.tracer = tracer
         self._sub: Subscription | None = None
         # model -> (tables' version, when computed, the answer)
         self._memo: dict[str, tuple[int, float, WakeReply]] = {}
@@ -98,6 +106,34 @@ class WakeResponder:
         self._memo[req.model] = (self.version(), now, reply)
         return reply
 
+    def _traced(self, req: WakeRequest, reply: WakeReply, parent: TraceParent, start_ns: int) -> None:
+        """A wake asked by a traced request: the answer logged with its trace id, and a span of the trace."""
+        log.info(
+            "wake of %s asked by router %s answered %s (trace %032x)",
+            req.model,
+            req.router,
+            reply.state.value,
+            parent.trace_id,
+        )
+        if self.tracer is None:
+            return
+        from opentelemetry.trace import SpanKind
+
+        span = self.tracer.start(
+            f"wake {clipped(req.model, 100)}", SpanKind.SERVER, parent, start_ns=start_ns
+        )
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    "messaging.system": "nats",
+                    "llmgw.model": clipped(req.model, 100),
+                    "llmgw.router": req.router,
+                    "llmgw.wake.state": reply.state.value,
+                    "llmgw.reason": reply.reason,
+                }
+            )
+        span.end()
+
     async def _on_wake(self, req: WakeRequest, msg: Msg) -> None:
         parts = msg.subject.split(".")
         if len(parts) < 2 or parts[-2] != req.router:
@@ -106,8 +142,12 @@ class WakeResponder:
             return
         if not msg.reply:
             return
+        parent = parse_traceparent(msg.headers.get("traceparent")) if msg.headers else None
+        start_ns = time.time_ns()
         reply = self._reply(req)
         self.answered += 1
+        if parent is not None:
+            self._traced(req, reply, parent, start_ns)
         try:
             await msg.respond(encode(reply))
         except nats.errors.Error as e:

@@ -20,6 +20,7 @@ from llmgw_router.tenancy.keycheck import KeyCheck
 from llmgw_router.tenancy.keys import KeyTable
 from llmgw_router.tenancy.quota import Quotas
 from llmgw_router.tenancy.usage import UsageTable
+from llmgw_router.tracing import RouterTracing
 from llmgw_router.upstream.client import UpstreamClient
 
 
@@ -66,6 +67,8 @@ class RouterContext:
     keycheck: KeyCheck = field(init=False)
     # Routing by cached prefix (cache/), once the bus is reached; None in static mode.
     cache: PrefixRouting | None = None
+    # OpenTelemetry spans (tracing.py); None, the default, when no OTLP endpoint is configured.
+    tracing: RouterTracing | None = None
 
     def __post_init__(self, auth: bool, exemptions: Exemptions, rng: random.Random | None) -> None:
         lim = self.limits

@@ -132,6 +132,18 @@ class RouterSettings(BusSettings):
         description="The durable usage ledger is written at most this often under load (answers never "
         "wait for it): a router killed outright loses at most this much usage plus one write",
     )
+    otlp_traces_endpoint: str | None = Field(
+        default=None,
+        description="OpenTelemetry: send spans (one per request, one per engine asked) over OTLP/HTTP to this "
+        "URL, e.g. http://collector:4318/v1/traces (docs/tracing.md); unset: tracing off, and a client's valid "
+        "traceparent is passed on to the engine as it is",
+    )
+    trace_sample_ratio: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="OpenTelemetry: the share of new traces recorded; a client's traceparent decides for its own",
+    )
     cache_tokens_per_load: float = Field(
         default=512.0,
         gt=0,

@@ -81,16 +81,18 @@ async def continue_on(
     mig: Migration,
     resp: StreamResponse,
     clock: Callable[[], float],
+    extra: bytes = b"",
 ) -> bool | str:
     """Ask ``ep`` for the rest of the broken stream and write it into ``resp``: True when the client's
-    stream ended whole, False when the client went away, else why this endpoint failed."""
+    stream ended whole, False when the client went away, else why this endpoint failed. ``extra``: header
+    lines for the engine (the trace context)."""
     ep.in_flight += 1
     verdict: bool | None = None
     told = False  # the breaker has heard the verdict already
     up = None
     relay = mig.relay
     try:
-        up = await upstream.post(ep.url, path, body, held=ep.answers)
+        up = await upstream.post(ep.url, path, body, held=ep.answers, extra=extra)
         ep.answers.add(up)
         if up.status != 200:
             verdict = up.status < 500

@@ -207,17 +207,22 @@ class UpstreamClient:
         content_type: bytes = b"application/json",
         held: Answers | None = None,
         method: bytes = b"POST",
+        extra: bytes = b"",
     ) -> UpstreamResponse:
         """POST ``body`` to ``base_url + path``; raises an :class:`UpstreamError` before any answer.
 
         ``held``: while the answer's head is awaited its connection is in this set, to be aborted.
         ``method``: another method (a stored response is read with GET; ``path`` may carry a query).
+        ``extra``: header lines of this request alone, each ending in CRLF (the trace context).
         """
         t = self._heads.get((base_url, path, content_type)) if method == b"POST" else None
         if t is None:
             t = self._head_of(base_url, path, content_type, method)
         key, head_start = t
-        head = b"%b%d\r\n\r\n" % (head_start, len(body))
+        if extra:
+            head = b"%b%d\r\n%b\r\n" % (head_start, len(body), extra)
+        else:
+            head = b"%b%d\r\n\r\n" % (head_start, len(body))
         conn, reused = self._take(key)
         if conn is None:
             conn = await self._connect(key)

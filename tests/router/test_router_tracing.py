@@ -1,0 +1,316 @@
+"""Traces through the router (issue 34): the trace context an engine is sent, and the spans the router
+records. Real routers and engines on sockets; the spans land in the OpenTelemetry SDK's own in-memory
+exporter (the receiver over OTLP is tests/router/test_router_tracing_phoenix.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from llmgw_common.traceparent import parse_traceparent
+from llmgw_router.service import Router
+from llmgw_router.settings import RouterSettings
+from llmgw_router.tracing import RouterTracing
+from llmgw_runtime.tracing import Tracer
+from tests.router.router_helpers import EngineFactory, RouterFactory, StaticFile
+
+pytest.importorskip("opentelemetry.sdk.trace")
+
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider  # noqa: E402
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
+from opentelemetry.trace import SpanKind  # noqa: E402
+
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+SPAN = "00f067aa0ba902b7"
+GOOD = f"00-{TRACE}-{SPAN}-01"
+CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+ANSWER = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion",
+    "created": 1,
+    "model": "m1-from-engine",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9},
+}
+
+
+class Engine:
+    """An engine that answers one chat completion and keeps the trace headers each request came with."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str | None, str | None]] = []
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> Engine:
+        async def chat(request: web.Request) -> web.Response:
+            await request.read()
+            self.seen.append((request.headers.get("traceparent"), request.headers.get("tracestate")))
+            return web.json_response(ANSWER)
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[Engine]:
+    e = await Engine().start()
+    yield e
+    await e.stop()
+
+
+@pytest.fixture
+def exporter() -> Iterator[InMemorySpanExporter]:
+    yield InMemorySpanExporter()
+
+
+@pytest.fixture
+async def traced(
+    exporter: InMemorySpanExporter, static_file: StaticFile, tmp_path: Any
+) -> AsyncIterator[Any]:
+    """Start a static router whose spans go to ``exporter`` (the SDK's processor, sampling all)."""
+    started: list[Router] = []
+
+    async def make(models: dict[str, list[str]], **kw: Any) -> Router:
+        import yaml
+
+        path = tmp_path / f"static-{len(started)}.yaml"
+        path.write_text(yaml.safe_dump(static_file(models, auth=False)))
+        r = Router(RouterSettings(port=0, static_file=str(path), router_id=f"tr{len(started)}", **kw))
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        r.ctx.tracing = RouterTracing(Tracer(provider, provider.get_tracer("test")))
+        await r.start()
+        started.append(r)
+        return r
+
+    yield make
+    for r in started:
+        await r.stop()
+
+
+async def _post(port: int, headers: dict[str, str], body: dict[str, Any] = CHAT) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, headers=headers) as r:
+            return r.status, await r.json(content_type=None)
+
+
+def _by_kind(spans: tuple[ReadableSpan, ...], kind: SpanKind) -> list[ReadableSpan]:
+    return [s for s in spans if s.kind is kind]
+
+
+# ---------------------------------------------------------------- tracing off
+
+
+async def test_off_a_valid_traceparent_reaches_the_engine_made_anew(
+    routers: RouterFactory, static_file: StaticFile, engine: Engine
+) -> None:
+    r = await routers(static_file({"m1": [engine.url]}, auth=False))
+    assert r.ctx.tracing is None
+    # Optional whitespace around it, a later version's longer form: the engine gets version 00.
+    longer = f"01-{TRACE}-{SPAN}-01-future"
+    for sent in (GOOD, f" {GOOD} ", longer):
+        status, _ = await _post(r.port, {"traceparent": sent, "tracestate": "a=1, b=2"})
+        assert status == 200
+    assert engine.seen == [(GOOD, "a=1,b=2")] * 3
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        GOOD.upper(),
+        f"ff-{TRACE}-{SPAN}-01",
+        f"00-{'0' * 32}-{SPAN}-01",
+        f"00-{TRACE}-{SPAN}-01-" + "x" * 300,
+        "not a traceparent",
+    ],
+)
+async def test_off_a_malformed_traceparent_is_never_forwarded_nor_refused(
+    routers: RouterFactory, static_file: StaticFile, engine: Engine, bad: str
+) -> None:
+    r = await routers(static_file({"m1": [engine.url]}, auth=False))
+    status, body = await _post(r.port, {"traceparent": bad, "tracestate": "a=1"})
+    assert status == 200, body
+    # Nothing at all: a tracestate without its traceparent means nothing either.
+    assert engine.seen == [(None, None)]
+
+
+async def test_off_no_traceparent_sends_none(
+    routers: RouterFactory, static_file: StaticFile, engine: Engine
+) -> None:
+    r = await routers(static_file({"m1": [engine.url]}, auth=False))
+    assert (await _post(r.port, {}))[0] == 200
+    assert engine.seen == [(None, None)]
+
+
+def test_off_the_sdk_is_never_imported() -> None:
+    """A router with tracing off never loads the OpenTelemetry SDK nor its exporter (a process of its
+    own: this one has them loaded by the tests)."""
+    code = (
+        "import sys\n"
+        "from llmgw_router.service import Router\n"
+        "from llmgw_router.settings import RouterSettings\n"
+        "r = Router(RouterSettings(port=0, router_id='x'), follow_bus=False)\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('opentelemetry.sdk', 'opentelemetry.exporter'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_on_without_the_sdk_is_a_clear_startup_error() -> None:
+    """otlp_traces_endpoint set where the tracing extra is missing: the router refuses to start, and
+    says what to install (the SDK hidden from a child process)."""
+    code = (
+        "import sys\n"
+        "sys.modules['opentelemetry.sdk'] = None\n"
+        "from llmgw_router.service import Router\n"
+        "from llmgw_router.settings import RouterSettings\n"
+        "from llmgw_runtime.tracing import TracingUnavailable\n"
+        "try:\n"
+        "    Router(RouterSettings(port=0, router_id='x', otlp_traces_endpoint='http://127.0.0.1:9/v1/traces'))\n"
+        "except TracingUnavailable as e:\n"
+        "    print('refused:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "refused:" in out.stdout and "llmgw[tracing]" in out.stdout, out.stdout + out.stderr
+
+
+# ---------------------------------------------------------------- tracing on
+
+
+async def test_on_one_server_span_and_one_client_span_under_the_clients_trace(
+    traced: Any, engine: Engine, exporter: InMemorySpanExporter
+) -> None:
+    r = await traced({"m1": [engine.url]})
+    status, _ = await _post(r.port, {"traceparent": GOOD, "tracestate": "vendor=x"})
+    assert status == 200
+    spans = exporter.get_finished_spans()
+    (server,) = _by_kind(spans, SpanKind.SERVER)
+    (client,) = _by_kind(spans, SpanKind.CLIENT)
+    # The client's trace, the client's span as the parent.
+    assert server.context is not None and client.context is not None and server.parent is not None
+    assert f"{server.context.trace_id:032x}" == TRACE
+    assert f"{server.parent.span_id:016x}" == SPAN
+    assert client.parent is not None and client.parent.span_id == server.context.span_id
+    # The engine was sent the CLIENT span as its parent, and the client's tracestate.
+    ((tp, ts),) = engine.seen
+    parent = parse_traceparent(tp)
+    assert parent is not None and parent.trace_id == server.context.trace_id
+    assert parent.span_id == client.context.span_id and parent.sampled
+    assert ts == "vendor=x"
+    # GenAI conventions.
+    assert server.name == "POST /v1/chat/completions" and client.name == "chat m1"
+    for s in (server, client):
+        a = s.attributes or {}
+        assert a["gen_ai.operation.name"] == "chat"
+        assert a["gen_ai.request.model"] == "m1"
+        assert a["gen_ai.response.model"] == "m1-from-engine"
+        assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) == (7, 2)
+        assert a["http.response.status_code"] == 200
+        assert "error.type" not in a
+    assert (client.attributes or {})["server.address"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("bad", [GOOD.upper(), f"ff-{TRACE}-{SPAN}-01", "x" * 1000])
+async def test_on_a_malformed_traceparent_starts_a_new_trace(
+    traced: Any, engine: Engine, exporter: InMemorySpanExporter, bad: str
+) -> None:
+    r = await traced({"m1": [engine.url]})
+    status, _ = await _post(r.port, {"traceparent": bad})
+    assert status == 200
+    (server,) = _by_kind(exporter.get_finished_spans(), SpanKind.SERVER)
+    assert server.parent is None and server.context is not None
+    assert f"{server.context.trace_id:032x}" != TRACE
+    assert (server.attributes or {})["llmgw.traceparent.rejected"] is True
+    ((tp, _),) = engine.seen
+    assert tp != bad and tp is not None
+    p = parse_traceparent(tp)
+    assert p is not None and p.trace_id == server.context.trace_id
+
+
+async def test_on_a_request_without_one_starts_a_trace(
+    traced: Any, engine: Engine, exporter: InMemorySpanExporter
+) -> None:
+    r = await traced({"m1": [engine.url]})
+    assert (await _post(r.port, {}))[0] == 200
+    (server,) = _by_kind(exporter.get_finished_spans(), SpanKind.SERVER)
+    assert server.parent is None
+    assert (server.attributes or {})["llmgw.traceparent.rejected"] is False
+    assert engine.seen[0][0] is not None
+
+
+async def test_on_a_retry_is_an_event_and_each_attempt_a_span(
+    traced: Any, engine: Engine, exporter: InMemorySpanExporter, port: Any
+) -> None:
+    dead = f"http://127.0.0.1:{port()}"  # nothing listens: the connection is refused
+    r = await traced({"m1": [dead, engine.url]})
+    ep_good = next(e for e in r.ctx.pool.by_key.values() if e.url == engine.url)
+    ep_good.in_flight += 100  # the dead endpoint is chosen first
+    try:
+        assert (await _post(r.port, {"traceparent": GOOD}))[0] == 200
+    finally:
+        ep_good.in_flight -= 100
+    spans = exporter.get_finished_spans()
+    (server,) = _by_kind(spans, SpanKind.SERVER)
+    first, second = sorted(_by_kind(spans, SpanKind.CLIENT), key=lambda s: s.start_time or 0)
+    assert (first.attributes or {})["error.type"] == "connection_refused"
+    assert (first.attributes or {})["llmgw.attempt"] == 1 and (second.attributes or {})["llmgw.attempt"] == 2
+    assert "error.type" not in (second.attributes or {})
+    retries = [e for e in server.events if e.name == "llmgw.retry"]
+    assert len(retries) == 1 and (retries[0].attributes or {})["llmgw.attempt"] == 2
+    # Only the attempt that reached the engine was seen there, with its own span as the parent.
+    ((tp, _),) = engine.seen
+    p = parse_traceparent(tp)
+    assert p is not None and second.context is not None and p.span_id == second.context.span_id
+
+
+async def test_on_a_refusal_is_an_event_and_the_status(
+    traced: Any, engine: Engine, exporter: InMemorySpanExporter
+) -> None:
+    r = await traced({"m1": [engine.url]})
+    status, _ = await _post(r.port, {"traceparent": GOOD}, {**CHAT, "model": "nope"})
+    assert status == 404
+    (server,) = _by_kind(exporter.get_finished_spans(), SpanKind.SERVER)
+    assert (server.attributes or {})["http.response.status_code"] == 404
+    (ev,) = [e for e in server.events if e.name == "llmgw.refused"]
+    assert "nope" in str((ev.attributes or {})["llmgw.reason"])
+    assert engine.seen == []
+
+
+async def test_on_a_streamed_answer_names_the_model_and_usage(
+    traced: Any, engines: EngineFactory, exporter: InMemorySpanExporter
+) -> None:
+    sim = await engines("m1")
+    r = await traced({"m1": [sim.url]})
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://127.0.0.1:{r.port}/v1/chat/completions", json=body) as resp:
+            raw = await resp.read()
+    assert resp.status == 200 and raw.endswith(b"data: [DONE]\n\n")
+    last = json.loads(raw.split(b"\n\n")[-3].removeprefix(b"data: "))
+    (client,) = _by_kind(exporter.get_finished_spans(), SpanKind.CLIENT)
+    a = client.attributes or {}
+    assert a["gen_ai.response.model"] == "m1"
+    assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) == (
+        last["usage"]["prompt_tokens"],
+        last["usage"]["completion_tokens"],
+    )
