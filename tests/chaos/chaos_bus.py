@@ -15,10 +15,12 @@ from nats.aio.msg import Msg
 from llmgw_common.codec import decode
 from llmgw_common.ctl import DebugStatsReply, LeaseRecord
 from llmgw_common.messages import ApiKeyRecord, Event, Heartbeat, ReplicaRecord, RoutingEndpoints, ShardState
-from llmgw_common.subjects import LEADER_KEY, ROUTING_ENDPOINTS, Subjects
+from llmgw_common.routing_table import ModelRouting, row_key
+from llmgw_common.subjects import LEADER_KEY, Subjects
 from llmgw_runtime import bus
 from llmgw_runtime.ctl_client import CtlClient, CtlError
 from llmgw_runtime.kv_follower import KvFollower
+from llmgw_runtime.routing_rows import read_routing
 from llmgw_runtime.settings import BusSettings
 from tests.kit.poll import eventually
 
@@ -80,7 +82,7 @@ class BusView:
 
     async def endpoints(self) -> RoutingEndpoints | None:
         kv = await self.nc.jetstream().key_value(self.subjects.bucket_routing)
-        value, _ = await bus.kv_get(kv, ROUTING_ENDPOINTS, RoutingEndpoints)
+        value = await read_routing(kv)
         return value
 
     async def endpoint_nodes(self, model: str) -> list[str]:
@@ -147,7 +149,7 @@ class BusView:
 
 
 class EndpointRevisions:
-    """The replicas listed for one model in every revision of the routing endpoints (a poll can miss a gap)."""
+    """The replicas listed for one model in every revision of its routing row (a poll can miss a gap)."""
 
     def __init__(self, model: str) -> None:
         self.model = model
@@ -158,15 +160,14 @@ class EndpointRevisions:
     async def follow(cls, view: BusView, model: str) -> EndpointRevisions:
         out = cls(model)
         kv = await view.nc.jetstream().key_value(view.subjects.bucket_routing)
-        out._follower = KvFollower(kv, out._on_change, key=ROUTING_ENDPOINTS, name="test-endpoints")
+        # The model's own row of the table (llmgw_common.routing_table): its every revision.
+        out._follower = KvFollower(kv, out._on_change, key=row_key(model), name="test-endpoints")
         await out._follower.start()
         return out
 
     def _on_change(self, _key: str, value: bytes | None, _rev: int) -> None:
-        eps = None if value is None else decode(value, RoutingEndpoints)
-        self.seen.append(
-            () if eps is None else tuple(e.replica_id for e in eps.endpoints.get(self.model, ()))
-        )
+        row = None if value is None else decode(value, ModelRouting)
+        self.seen.append(() if row is None else tuple(e.replica_id for e in row.endpoints))
 
     async def stop(self) -> None:
         if self._follower is not None:

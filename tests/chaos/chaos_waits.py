@@ -8,8 +8,9 @@ import socket
 from typing import TYPE_CHECKING
 
 from llmgw_common.messages import RoutingEndpoints
-from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
+from llmgw_common.subjects import Subjects
 from llmgw_runtime import bus
+from llmgw_runtime.routing_rows import read_routing
 from llmgw_runtime.settings import BusSettings
 from tests.chaos.chaos_bus import BUS_ERRORS
 from tests.kit.poll import eventually
@@ -71,7 +72,7 @@ async def routing_table(
             nonlocal last
             # The bucket may not exist yet before the control plane made it (a tolerated bus error).
             kv = await nc.jetstream().key_value(Subjects(cluster.prefix).bucket_routing)
-            last, _ = await bus.kv_get(kv, ROUTING_ENDPOINTS, RoutingEndpoints)
+            last = await read_routing(kv)
             return last if last is not None and len(last.endpoints.get(model, ())) == count else None
 
         try:

@@ -10,9 +10,10 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from llmgw_common.messages import Assignment, RoutingEndpoints, ShardState
-from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
+from llmgw_common.subjects import Subjects
 from llmgw_runtime import bus
 from llmgw_runtime.natsserver import NatsServer
+from llmgw_runtime.routing_rows import read_routing
 from tests.controlplane.cp_helpers import RunningCP, cp_settings, start_cp
 from tests.kit.agents import Beating, FakeAgent
 from tests.kit.poll import eventually
@@ -30,7 +31,7 @@ async def _assignments(nc: NATS, prefix: str) -> dict[str, Assignment]:
 
 async def _endpoints(nc: NATS, prefix: str) -> RoutingEndpoints | None:
     kv = await nc.jetstream().key_value(Subjects(prefix).bucket_routing)
-    ep, _ = await bus.kv_get(kv, ROUTING_ENDPOINTS, RoutingEndpoints)
+    ep = await read_routing(kv)
     return ep
 
 

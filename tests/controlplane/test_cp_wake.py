@@ -14,11 +14,12 @@ from nats.aio.msg import Msg
 from llmgw_common.codec import decode, encode
 from llmgw_common.messages import Event, RoutingEndpoints, ShardState
 from llmgw_common.router_messages import IdleReport, WakeReply, WakeRequest, WakeState
-from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
+from llmgw_common.subjects import Subjects
 from llmgw_controlplane.service import ControlPlane
 from llmgw_runtime import bus
 from llmgw_runtime.ctl_client import CtlClient
 from llmgw_runtime.natsserver import NatsServer
+from llmgw_runtime.routing_rows import read_routing
 from tests.controlplane.cp_helpers import RunningCP, cp_settings, start_cp
 from tests.kit.agents import Beating, FakeAgent
 from tests.kit.poll import eventually
@@ -40,7 +41,7 @@ async def wake(nc: NATS, prefix: str, model: str, router: str = "r1") -> WakeRep
 
 async def endpoints(nc: NATS, prefix: str) -> RoutingEndpoints | None:
     kv = await nc.jetstream().key_value(Subjects(prefix).bucket_routing)
-    ep, _ = await bus.kv_get(kv, ROUTING_ENDPOINTS, RoutingEndpoints)
+    ep = await read_routing(kv)
     return ep
 
 

@@ -16,13 +16,14 @@ from nats.aio.client import Client as NATS
 from llmgw_common.catalog import parse_catalog
 from llmgw_common.codec import encode
 from llmgw_common.messages import ReplicaRecord, RoutingEndpoints, ShardPlacement, ShardState
-from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
+from llmgw_common.subjects import Subjects
 from llmgw_controlplane.scheduler.phase import ReplicaPhase, replica_status, serving
 from llmgw_controlplane.scheduler.routing import FIRST_PLACEMENT, takeover_content
 from llmgw_controlplane.service import ControlPlane
 from llmgw_controlplane.state import ClusterState
 from llmgw_runtime import bus
 from llmgw_runtime.natsserver import NatsServer
+from llmgw_runtime.routing_rows import read_routing
 from tests.controlplane.cp_helpers import cp_settings
 from tests.kit.agents import Beating, FakeAgent
 from tests.kit.poll import eventually
@@ -41,7 +42,7 @@ class Clock:
 
 async def _stored(nc: NATS, prefix: str) -> RoutingEndpoints | None:
     kv = await nc.jetstream().key_value(Subjects(prefix).bucket_routing)
-    ep, _ = await bus.kv_get(kv, ROUTING_ENDPOINTS, RoutingEndpoints)
+    ep = await read_routing(kv)
     return ep
 
 

@@ -29,9 +29,9 @@ from nats.js.kv import KeyValue
 
 from llmgw_common.codec import decode
 from llmgw_common.messages import Heartbeat, LoadReport, ReplicaLoad, RoutingEndpoints
-from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
-from llmgw_runtime import bus
+from llmgw_common.subjects import Subjects
 from llmgw_runtime.natsserver import NatsServer
+from llmgw_runtime.routing_rows import read_routing
 from tests.e2e.e2e_cluster import shown_on_failure
 from tests.http_clients import async_client
 from tests.kit.poll import eventually
@@ -140,7 +140,7 @@ async def wait_endpoint(nc: NATS, prefix: str, services: list[Service], engine_l
             with contextlib.suppress(BucketNotFoundError):
                 kv = await nc.jetstream().key_value(Subjects(prefix).bucket_routing)
         if kv is not None:
-            last, _ = await bus.kv_get(kv, ROUTING_ENDPOINTS, RoutingEndpoints)
+            last = await read_routing(kv)
         if last is not None and last.endpoints.get(MODEL):
             return last.endpoints[MODEL][0].replica_id
         return ""

@@ -30,9 +30,9 @@ from nats.js.errors import BucketNotFoundError
 from llmgw_common.codec import decode, encode
 from llmgw_common.messages import Event, RoutingEndpoints
 from llmgw_common.router_messages import WakeReply, WakeRequest, WakeState
-from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
-from llmgw_runtime import bus
+from llmgw_common.subjects import Subjects
 from llmgw_runtime.natsserver import NatsServer
+from llmgw_runtime.routing_rows import read_routing
 from tests.e2e.e2e_cluster import shown_on_failure
 from tests.kit.poll import eventually
 from tests.llama.llama_kit import (
@@ -84,7 +84,7 @@ class Stack:
     async def endpoints(self) -> RoutingEndpoints | None:
         with contextlib.suppress(BucketNotFoundError):
             kv = await self.nc.jetstream().key_value(Subjects(self.prefix).bucket_routing)
-            ep, _ = await bus.kv_get(kv, ROUTING_ENDPOINTS, RoutingEndpoints)
+            ep = await read_routing(kv)
             return ep
         return None
 

@@ -26,8 +26,9 @@ from nats.js import JetStreamContext
 
 from llmgw_common.catalog import WatchSpec
 from llmgw_common.codec import DecodeError, decode, encode
-from llmgw_common.messages import Event, RoutingCatalog, RoutingEndpoints
-from llmgw_common.subjects import ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
+from llmgw_common.messages import Event, RoutingCatalog
+from llmgw_common.routing_table import RowFold
+from llmgw_common.subjects import ROUTING_CATALOG, Subjects
 from llmgw_notifier.outages import DOWN, OutageLedger
 from llmgw_notifier.probe_request import ProbeResult, probe_once
 from llmgw_notifier.probe_state import SOURCE, ProbeState, observe, probe_event
@@ -71,6 +72,7 @@ class Prober:
         self.unsent: dict[str, list[Event]] = {}
         self._warned_key: set[str] = set()
         self.ready_now: set[str] = set()  # models with a ready (not draining) endpoint, per the routing table
+        self.table = RowFold()
         # Models scaled to zero (routing table ``cold``): a probe would wake them and keep them in use.
         self.cold_now: set[str] = set()
 
@@ -90,19 +92,17 @@ class Prober:
             log.info("models declared down by probes before this start: %s", ", ".join(sorted(down)))
 
     async def on_endpoints(self, key: str, value: bytes | None, rev: int) -> None:
-        """Follow which models have a ready endpoint: a model that had one was up, so failures count."""
-        if key != ROUTING_ENDPOINTS:
-            return
-        if value is None:
-            self.ready_now = set()
-            return
+        """Follow which models have a ready endpoint: a model that had one was up, so failures count.
+        Fed every key of the routing bucket: the table's rows, its head, or the legacy whole value
+        (``llmgw_common.routing_table``); other keys change nothing."""
         try:
-            re = decode(value, RoutingEndpoints)
+            if not self.table.on_kv(key, value):
+                return
         except DecodeError as e:
             self.drops.drop(f"{self.subjects.bucket_routing}/{key}", str(e))
             return
-        self.ready_now = {m for m, eps in re.endpoints.items() if any(not e.draining for e in eps)}
-        self.cold_now = set(re.cold)
+        self.ready_now = self.table.ready_models()
+        self.cold_now = self.table.cold_models()
 
     async def on_catalog(self, key: str, value: bytes | None, rev: int) -> None:
         if key != ROUTING_CATALOG:

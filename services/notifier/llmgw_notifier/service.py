@@ -17,7 +17,7 @@ import logging
 import httpx
 import nats.errors
 
-from llmgw_common.subjects import DESIRED_SETTINGS, ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
+from llmgw_common.subjects import DESIRED_SETTINGS, ROUTING_CATALOG, Subjects
 from llmgw_notifier.metrics import MetricsServer, start_metrics
 from llmgw_notifier.outages import OutageLedger
 from llmgw_notifier.probes import Prober
@@ -76,7 +76,10 @@ async def serve(s: NotifierSettings, stop: asyncio.Event, stats: NotifierStats |
                 buckets[subjects.bucket_desired], targets.on_settings, key=DESIRED_SETTINGS, name="settings"
             ),
             KvFollower(
-                buckets[subjects.bucket_routing], prober.on_endpoints, key=ROUTING_ENDPOINTS, name="endpoints"
+                # Every key: the table is one row per model (llmgw_common.routing_table).
+                buckets[subjects.bucket_routing],
+                prober.on_endpoints,
+                name="endpoints",
             ),
             KvFollower(
                 buckets[subjects.bucket_routing], prober.on_catalog, key=ROUTING_CATALOG, name="catalog"
