@@ -315,11 +315,12 @@ def decide_adapters(
     waiting: dict[str, str] = {}
     kept: dict[str, list[str]] = {}
     failed: dict[tuple[str, str], tuple[str, float]] = {}
+    bases = {a.base for a in snap.catalog.adapters}
     for base in snap.catalog.models:
-        adapters = snap.catalog.adapters_of(base.name)
+        if base.name not in bases:
+            continue  # a catalog of hundreds of models, few with adapters: only those cost a pass anything
         b = _Base(snap, base, memo, inputs, policy, used)
-        if adapters:
-            _decide_base(b, memo, waiting)
+        _decide_base(b, memo, waiting)
         for rid, names_ in b.cur.items():
             if names_:
                 assigned[rid] = tuple(names_)
