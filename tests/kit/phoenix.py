@@ -61,7 +61,7 @@ class Phoenix:
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/healthz", timeout=2) as r:
-            return r.status == 200
+            return bool(r.status == 200)
     except (urllib.error.URLError, OSError):
         return False
 
