@@ -67,7 +67,7 @@ async def test_the_answer_through_llmgw_is_the_adapters_and_a_stale_holder_is_pa
     assert status == 200 and _text(base) != _text(own), "the engine's adapter answers as its base does"
     # e1 has not a1: its own 404, as vLLM's.
     status, err = await _direct(e1, "/v1/chat/completions", body)
-    assert status == 404
+    assert status == 404 and "a1" in err["error"]["message"]
 
     c = Cluster(nc, prefix)
     await c.catalog()
