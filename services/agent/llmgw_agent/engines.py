@@ -37,6 +37,15 @@ decoder and hybrid generative models); ``--enable-prefix-caching`` is not forced
 the engine to crash or produce incorrect outputs". A pooling runner (``--runner pooling``, ``--convert``
 to a pooling task) publishes nothing: it generates no prefix a later request could reuse. The
 simulator gets the same endpoint as ``kv_events_endpoint``.
+
+LoRA adapters (issue 33): a profile with ``max_loras`` (the assignment's ``max_loras``, ``max_lora_rank``,
+``max_cpu_loras``) starts vLLM with ``--enable-lora --max-loras N --max-lora-rank R [--max-cpu-loras C]``
+and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (unless the profile sets it), so that the agent loads and
+unloads the replica's adapters through ``/v1/load_lora_adapter`` without a restart
+(:mod:`llmgw_agent.adapter_sync`). vLLM takes only ranks 1, 8, 16, 32, 64, 128, 256, 320 and 512: a
+profile's maximum is rounded up to the next of them (a smaller adapter still loads). The simulator gets
+the same three as its options. llama.cpp's server takes adapters only when it starts (``--lora``), so
+it serves none that an assignment asks for at run time (``LaunchSpec.lora_url`` stays None).
 """
 
 from __future__ import annotations
@@ -114,6 +123,9 @@ class LaunchSpec:
     unset: tuple[str, ...] = ()
     # Where its KV-cache events come from; None: the shard publishes none.
     kv_events: KvSource | None = None
+    # The base URL of vLLM's runtime LoRA API (/v1/load_lora_adapter, /v1/models); None: the shard
+    # loads no adapters at run time (no max_loras, a headless follower, or llama.cpp).
+    lora_url: str | None = None
 
     @property
     def argv_hash(self) -> str:
@@ -281,6 +293,25 @@ def vllm_kv_events(a: ShardAssignment, s: AgentSettings) -> tuple[list[str], KvS
     )
 
 
+# vLLM's LoRAConfig.max_lora_rank (MaxLoRARanks in vllm/config/lora.py, 0.32).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def vllm_lora_flags(a: ShardAssignment) -> list[str] | Refusal:
+    """vLLM's LoRA flags for a profile with ``max_loras``; nothing for one without."""
+    if a.max_loras is None:
+        return []
+    want = a.max_lora_rank or 16
+    rank = next((r for r in VLLM_LORA_RANKS if r >= want), None)
+    if rank is None:
+        return Refusal(f"max_lora_rank {want} is above vLLM's largest, {VLLM_LORA_RANKS[-1]}")
+    flags = ["--enable-lora", "--max-loras", str(a.max_loras), "--max-lora-rank", str(rank)]
+    if a.max_cpu_loras is not None:
+        flags += ["--max-cpu-loras", str(a.max_cpu_loras)]
+    return flags
+
+
 def vllm_model_dir(a: ShardAssignment, s: AgentSettings) -> Path | None:
     """The model vLLM is given: ``options.model_path`` as written, else the weights found on this node
     (None: neither; vLLM is then given the name, e.g. a Hugging Face id)."""
@@ -382,8 +413,15 @@ def vllm_adapter(a: ShardAssignment, s: AgentSettings) -> LaunchSpec | Refusal:
         return kv
     kv_flags, kv_source = kv
     argv += kv_flags
+    lora = vllm_lora_flags(a)
+    if isinstance(lora, Refusal):
+        return lora
+    argv += lora
     argv += list(a.args)
     env = dict(c.env)
+    if lora:
+        # Without it vLLM serves no /v1/load_lora_adapter: adapters could only come with a restart.
+        env.setdefault(RUNTIME_LORA_ENV, "True")
     unset: tuple[str, ...] = ()
     if kv_source is not None:
         # vLLM seeds its block hashes from it: fixed, so that a restart names the same blocks alike.
@@ -401,6 +439,7 @@ def vllm_adapter(a: ShardAssignment, s: AgentSettings) -> LaunchSpec | Refusal:
         bind_host=c.host,
         unset=unset,
         kv_events=kv_source,
+        lora_url=c.url if lora and not headless else None,
     )
 
 
@@ -464,6 +503,11 @@ def sim_adapter(a: ShardAssignment, s: AgentSettings, style: str = "vllm") -> La
     if isinstance(c, Refusal):
         return c
     opts.update(port=a.port, host=c.host, model=a.model, rank=a.shard, world=a.shards, leader=a.leader)
+    if a.max_loras is not None:
+        # The profile's LoRA flags, as vLLM gets them; a sim profile's own options may add a load time.
+        opts.update(max_loras=a.max_loras, max_cpu_loras=a.max_cpu_loras)
+        if a.max_lora_rank is not None:
+            opts["max_lora_rank"] = a.max_lora_rank
     wants_events = cache_routing_of(a) is CacheRouting.EVENTS and a.shard == 0
     if wants_events and "kv_events_endpoint" in SIM_FIELDS and not opts.get("kv_events_endpoint"):
         opts["kv_events_endpoint"] = f"ipc://{kv_socket_path(s, a)}"
@@ -490,6 +534,7 @@ def sim_adapter(a: ShardAssignment, s: AgentSettings, style: str = "vllm") -> La
         bind_host=c.host,
         simulated=True,
         kv_events=kv_source,
+        lora_url=c.url if sim.max_loras is not None and a.shard == 0 else None,
     )
 
 

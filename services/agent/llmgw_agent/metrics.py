@@ -145,3 +145,57 @@ def extract_load(samples: Mapping[str, float], names: MetricNames) -> LoadSample
         prefix_queries=samples.get(PREFIX_QUERIES),
         prefix_hits=samples.get(PREFIX_HITS),
     )
+
+
+# vLLM's LoRA gauge (issue 33): its value is the time it was set, one series per label set ever seen.
+LORA_INFO = "vllm:lora_requests_info"
+_LORA_LABELS = ("running_lora_adapters", "waiting_lora_adapters")
+
+
+def lora_busy(text: str) -> tuple[str, ...] | None:
+    """The adapters with requests running or waiting, from the newest ``vllm:lora_requests_info``
+    series of a /metrics page (vLLM keeps every label set it has seen, each with the time it was last
+    set); None when the page has no such series (no LoRA, or not vLLM's names)."""
+    newest: tuple[float, str] | None = None
+    for raw in text.splitlines():
+        if not raw.startswith(LORA_INFO + "{"):
+            continue
+        close = raw.rfind("}")
+        try:
+            value = float(raw[close + 1 :].split()[0])
+        except (ValueError, IndexError):
+            continue
+        if newest is None or value >= newest[0]:
+            newest = (value, raw[len(LORA_INFO) + 1 : close])
+    if newest is None:
+        return None
+    labels = _labels(newest[1])
+    names: dict[str, None] = {}
+    for label in _LORA_LABELS:
+        for name in labels.get(label, "").split(","):
+            if name:
+                names[name] = None
+    return tuple(names)
+
+
+def _labels(text: str) -> dict[str, str]:
+    """Prometheus label text (``a="x",b="y"``) as a mapping; escapes (\\", \\\\, \\n) undone."""
+    out: dict[str, str] = {}
+    i, n = 0, len(text)
+    while i < n:
+        eq = text.find("=", i)
+        if eq < 0 or eq + 1 >= n or text[eq + 1] != '"':
+            break
+        key = text[i:eq].strip().lstrip(",").strip()
+        j = eq + 2
+        value: list[str] = []
+        while j < n and text[j] != '"':
+            if text[j] == "\\" and j + 1 < n:
+                j += 1
+                value.append("\n" if text[j] == "n" else text[j])
+            else:
+                value.append(text[j])
+            j += 1
+        out[key] = "".join(value)
+        i = j + 1
+    return out

@@ -24,10 +24,11 @@ from nats.aio.msg import Msg
 from pydantic import BaseModel
 
 from llmgw_agent import tokenizer_store
+from llmgw_agent.adapter_sync import AdapterSync
 from llmgw_agent.converge import Running, ShardKey, Wanted, assignment_fingerprint, plan_converge
 from llmgw_agent.engines import LaunchSpec, Refusal, launch_spec, vllm_model_dir
 from llmgw_agent.kvrelay import Feed, KvRelay
-from llmgw_agent.metrics import extract_load, parse_prometheus
+from llmgw_agent.metrics import extract_load, lora_busy, parse_prometheus
 from llmgw_agent.settings import AgentSettings
 from llmgw_agent.statefile import EngineRecord
 from llmgw_agent.supervisor import Shard, Supervisor
@@ -115,6 +116,8 @@ class Agent:
         # Tokenizers put in the object store, model -> digest (tokenizer_store.py), and the puts under way.
         self._tokenizers: dict[str, str] = {}
         self._tokenizer_tasks: set[asyncio.Task[None]] = set()
+        # LoRA adapters loaded on the ready engines as their assignments ask (adapter_sync.py).
+        self.adapters = AdapterSync(s, self._assigned, clock=clock)
 
     # ---------------------------------------------------------------- publishing
 
@@ -201,15 +204,21 @@ class Agent:
             shards=self.supervisor.reports(),
         )
 
+    def _assigned(self, key: ShardKey) -> ShardAssignment | None:
+        return self.desired.get(key) if self.desired is not None else None
+
     async def _scrape_one(self, sh: Shard) -> ReplicaLoad:
         a = sh.assignment
         assert sh.spec is not None and sh.spec.metrics_url is not None
+        adapters, errors = self.adapters.report(sh.key)
         try:
             r = await self._scrape.get(sh.spec.metrics_url)
             r.raise_for_status()
         except httpx.HTTPError as e:
             log.debug("scrape of %s failed: %s", sh.spec.metrics_url, e)
-            return ReplicaLoad(replica_id=a.replica_id, shard=a.shard)
+            return ReplicaLoad(
+                replica_id=a.replica_id, shard=a.shard, adapters=adapters, adapter_errors=errors
+            )
         load = extract_load(parse_prometheus(r.text), sh.spec.metrics)
         return ReplicaLoad(
             replica_id=a.replica_id,
@@ -219,6 +228,9 @@ class Agent:
             kv_use=load.kv_use,
             prefix_queries=load.prefix_queries,
             prefix_hits=load.prefix_hits,
+            adapters=adapters,
+            adapters_busy=(lora_busy(r.text) or ()) if sh.spec.lora_url is not None else (),
+            adapter_errors=errors,
         )
 
     async def load_report(self) -> LoadReport:
@@ -250,6 +262,7 @@ class Agent:
         while True:
             started = loop.time()
             self.kv.sync(self.kv_feeds())
+            self.adapters.sync(self.supervisor.ready())
             await self._publish(self.subjects.load(self.s.node), await self.load_report())
             if loop.time() >= next_heartbeat:
                 await self._publish(self.subjects.heartbeat(self.s.node), self.heartbeat())
@@ -377,6 +390,7 @@ class Agent:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await flush(self.nc, timeout=1)
             await self.supervisor.aclose()
+            await self.adapters.aclose()
             await self._scrape.aclose()
 
 

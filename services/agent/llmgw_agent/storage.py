@@ -2,7 +2,8 @@
 
 Weights are judged by what is on disk, never by a directory's name: an empty directory, a download
 still in progress (partial or temporary files, a safetensors index naming absent shards, a truncated
-safetensors or GGUF file) is not weights (ARCHITECTURE #5). Shared versus local comes from the mount
+safetensors or GGUF file) is not weights (ARCHITECTURE #5). A LoRA adapter's directory (peft's
+``adapter_config.json`` and ``adapter_model.safetensors``) is weights too, named by its directory. Shared versus local comes from the mount
 table, parsed by a pure function so it can be tested with fixture text (ARCHITECTURE #6).
 """
 
@@ -150,6 +151,8 @@ def weights_problem(candidate: Path) -> str | None:
     ggufs = [f for n, f in top.items() if n.endswith(".gguf")]
     # params.json: Mistral's own layout (consolidated.safetensors), which vLLM also loads.
     if "config.json" not in top and "params.json" not in top:
+        if ADAPTER_CONFIG in top:
+            return adapter_problem(top)
         if ggufs:
             for g in ggufs:
                 problem = gguf_problem(g)
@@ -168,6 +171,28 @@ def weights_problem(candidate: Path) -> str | None:
         if problem:
             return problem
     return None
+
+
+# A LoRA adapter as peft saves it and vLLM loads it (issue 33): its config and one weight file, named
+# by the directory like a model's weights (the catalog's AdapterProfile.weights).
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def adapter_problem(top: dict[str, Path]) -> str | None:
+    """Why a directory holding ``adapter_config.json`` (its files by name) is not a whole LoRA adapter."""
+    try:
+        config = json.loads(top[ADAPTER_CONFIG].read_text())
+    except OSError as e:
+        return f"{ADAPTER_CONFIG}: unreadable ({e.strerror or e})"
+    except (ValueError, UnicodeDecodeError):
+        return f"{ADAPTER_CONFIG}: not JSON"
+    if not isinstance(config, dict):
+        return f"{ADAPTER_CONFIG}: not a JSON object"
+    weights = next((top[n] for n in ADAPTER_WEIGHTS if n in top), None)
+    if weights is None:
+        return f"a LoRA adapter config but no {' or '.join(ADAPTER_WEIGHTS)}"
+    return _shard_problem(weights)
 
 
 def _is_torch_bin(name: str) -> bool:
