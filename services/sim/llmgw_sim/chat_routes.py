@@ -55,13 +55,16 @@ class ChatRoutes:
         refusal = e.refusal(req.model)
         if refusal is not None:
             return refusal
-        req = replace(req, model=e.opts.model)
+        # A LoRA adapter answers under its own name, and its name salts the answer: another adapter,
+        # another answer to the same prompt (and the same one on every replica).
+        lora = e.adapter_of(req.model)
+        req = replace(req, model=e.served_name(req.model), salt=lora or "")
         rid = e.rid("chatcmpl" if chat else "cmpl")
         created = e.now()
         tokens = oai.completion_tokens(req)
         if req.stream:
-            return await self._stream(request, body, req, rid, created, tokens, chat)
-        async with e.generation(req.prompt_tokens + len(tokens), req.prompt_tokens, body) as gen:
+            return await self._stream(request, body, req, rid, created, tokens, chat, lora)
+        async with e.generation(req.prompt_tokens + len(tokens), req.prompt_tokens, body, lora) as gen:
             await gen.decode(len(tokens))
             gen.completed(tokens)
         build = bodies.chat_response if chat else bodies.completion_response
@@ -77,6 +80,7 @@ class ChatRoutes:
         created: int,
         tokens: list[str],
         chat: bool,
+        lora: str | None,
     ) -> web.StreamResponse:
         from llmgw_sim.engine import sse_response
 
@@ -88,7 +92,7 @@ class ChatRoutes:
         # The last token's chunk carries the finish, as vLLM's; with no token at all (a continuation
         # already complete) end() sends it alone.
         last = len(tokens) - 1
-        async with e.generation(req.prompt_tokens + len(tokens), req.prompt_tokens, body) as gen:
+        async with e.generation(req.prompt_tokens + len(tokens), req.prompt_tokens, body, lora) as gen:
             if not tokens:
                 await gen.decode(1)
                 await resp.write(w.first().encode())
@@ -116,10 +120,12 @@ class ChatRoutes:
             reqs = [oai.read_chat({**body, "messages": conv}, e.opts.default_max_tokens) for conv in convs]
         except errors.BadRequest as err:
             return errors.bad_request(err)
-        refusal = e.refusal(oai.model_of(body))
+        model = oai.model_of(body)
+        refusal = e.refusal(model)
         if refusal is not None:
             return refusal
-        answers = [oai.completion_tokens(r) for r in reqs]
+        lora = e.adapter_of(model)
+        answers = [oai.completion_tokens(replace(r, salt=lora or "")) for r in reqs]
         prompt = sum(r.prompt_tokens for r in reqs)
         completion = sum(len(a) for a in answers)
         # The conversations run as one batch in one slot: the longest answer sets the time.
@@ -129,6 +135,6 @@ class ChatRoutes:
             bodies.chat_choice(i, "".join(a), oai.finish_reason(r))
             for i, (r, a) in enumerate(zip(reqs, answers, strict=True))
         ]
-        out = bodies.chat_body(e.rid("chatcmpl"), e.now(), e.opts.model, choices, prompt, completion)
+        out = bodies.chat_body(e.rid("chatcmpl"), e.now(), e.served_name(model), choices, prompt, completion)
         resp = web.Response(body=json.dumps(out).encode(), content_type=_JSON)
         return await e.finish(request, resp, prompt, completion)

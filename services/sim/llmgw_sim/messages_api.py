@@ -11,6 +11,7 @@ error shape; a body that fails validation keeps vLLM's OpenAI-shaped 400, as vLL
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -137,13 +138,15 @@ class MessagesRoutes:
         refusal = self._refusal(req.model)
         if refusal is not None:
             return refusal
+        # A LoRA adapter answers under its name, its answer salted by it (as chat's).
+        req = replace(req, model=e.served_name(req.model), salt=e.adapter_of(req.model) or "")
         tokens = oai.completion_tokens(req)
         rid = e.rid("chatcmpl")
         if req.stream:
             return await self._stream(request, req, rid, tokens)
         async with e.slot(req.prompt_tokens + len(tokens)):
             await e.decode(len(tokens))
-        out = message_body(rid, e.opts.model, req, tokens)
+        out = message_body(rid, req.model, req, tokens)
         resp = web.Response(body=json.dumps(out).encode(), content_type=_JSON)
         return await e.finish(request, resp, req.prompt_tokens, len(tokens))
 
@@ -158,7 +161,7 @@ class MessagesRoutes:
             "type": "message",
             "role": "assistant",
             "content": [],
-            "model": e.opts.model,
+            "model": req.model,
             "stop_reason": None,
             "stop_sequence": None,
             "usage": {"input_tokens": req.prompt_tokens, "output_tokens": 0},

@@ -122,8 +122,16 @@ class ResponsesRoutes:
                 return not_found(req.previous_response_id)
             words = prev.words + words
         cap = req.max_output_tokens
+        # A LoRA adapter answers under its name, its answer salted by it (as chat's).
+        served = e.served_name(req.model)
         gen = oai.GenRequest(
-            e.opts.model, words, cap or e.opts.default_max_tokens, cap is not None, req.stream, False
+            served,
+            words,
+            cap or e.opts.default_max_tokens,
+            cap is not None,
+            req.stream,
+            False,
+            salt=e.adapter_of(req.model) or "",
         )
         tokens = oai.completion_tokens(gen)
         rid = f"resp_{_hex16()}"
@@ -131,7 +139,7 @@ class ResponsesRoutes:
         status = "incomplete" if gen.capped else "completed"
 
         def body(status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
-            return response_body(rid, e.now(), e.opts.model, req, limit, status, output, usage)
+            return response_body(rid, e.now(), served, req, limit, status, output, usage)
 
         text = "".join(tokens)
         answer_words = words + tuple(text.split())
