@@ -491,3 +491,71 @@ async def test_a_stream_broken_mid_way_is_continued_on_a_holder_as_the_adapter(
         ]
         assert "".join(contents) == "Hello world" and text.rstrip().endswith("data: [DONE]")
         assert r.ctx.metrics.migrations_count("a1", "ok") == 1
+
+
+async def test_a_load_that_never_comes_ends_in_a_503_naming_the_adapter_and_what_was_awaited(
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory, upstreams: list[CountingUpstream]
+) -> None:
+    c = Cluster(nc, prefix)
+    await c.catalog(wake_timeout_s=1.0)
+    v = await c.endpoints({"r0": upstreams[0].url})
+    r = await _router(routers, nats_server, prefix, v)
+    # No control plane answers: said so after the base's wake_timeout_s.
+    status, body = await _post(r, _chat("a1"))
+    assert status == 503
+    assert body["error"]["message"] == (
+        "adapter 'a1' (of model 'm1') is not loaded and the control plane did not answer the request to "
+        "load it within 1s"
+    )
+    # One answers "waking" and no replica ever reports it loaded.
+    await c.answer_wakes("ra")
+    status, body = await _post(r, _chat("a2"))
+    assert status == 503
+    assert body["error"]["message"] == "adapter 'a2' (of model 'm1') was not loaded within 1s"
+    assert [w.model for w in c.wakes] and {w.model for w in c.wakes} == {"a2"}
+    assert upstreams[0].hits == 0
+
+
+async def test_demand_counts_an_adapters_requests_in_flight_and_queued_under_its_name_and_its_bases(
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory
+) -> None:
+    release = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.Response:
+        await request.read()
+        await release.wait()
+        return web.json_response(ANSWER)
+
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", slow)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        c = Cluster(nc, prefix)
+        # One request at a time through the base's gate: the second waits in it.
+        await c.catalog(
+            replicas=1, max_replicas=3, target=LoadTarget(in_flight_per_replica=4), max_concurrency=1
+        )
+        v = await c.endpoints({"r0": f"http://{host}:{port}"})
+        r = await _router(routers, nats_server, prefix, v)
+        await c.load({"r0": ("a1",)})
+        await eventually(lambda: "a1" in r.ctx.pool.ready, what="a1 loaded")
+        first = asyncio.create_task(_post(r, _chat("a1")))
+        second = asyncio.create_task(_post(r, _chat("a1")))
+        gate = r.ctx.gates.by_model
+        await eventually(lambda: "m1" in gate and gate["m1"].queued == 1, what="one in flight, one queued")
+        demand = r.demand.report("ra", time.time()).models
+        assert (demand["a1"].in_flight, demand["a1"].queued) == (1, 1)
+        assert (demand["m1"].in_flight, demand["m1"].queued) == (1, 1)
+        assert (demand["a2"].in_flight, demand["a2"].queued) == (0, 0)
+        release.set()
+        assert [s for s, _ in await asyncio.gather(first, second)] == [200, 200]
+        demand = r.demand.report("ra", time.time()).models
+        assert (demand["a1"].in_flight, demand["a1"].queued, demand["m1"].in_flight) == (0, 0, 0)
+        assert demand["a1"].completed == 2 and demand["m1"].completed == 2
+    finally:
+        release.set()
+        await runner.cleanup()
