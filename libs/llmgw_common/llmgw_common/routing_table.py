@@ -5,7 +5,7 @@ Before, the table was one value, ``endpoints`` in ``<prefix>_routing``, rewritte
 of it per change. Now each model has its row, key ``model.<name>`` (:func:`row_key`), written only when
 that model's endpoints or state change; a model that leaves the table has its row deleted. The key
 ``head`` says a table exists (a control plane has published one, empty or not) and carries the
-format; it is written once per leadership, not per change.
+format; it is written with the first table, after its rows, not per change.
 
 Every row carries the table's version at its last write: versions grow across rows, so a reader's
 version is the largest it has seen. A reader folds the rows it holds into a ``RoutingEndpoints``
@@ -58,7 +58,7 @@ class ModelRouting(Message):
 
 
 class RoutingHead(Message):
-    """Key ``head``: a table exists; its rows' format; the version at which this leadership began."""
+    """Key ``head``: a table exists; its rows' format; the version when it was written."""
 
     version: int
     rows: int = ROWS_FORMAT

@@ -42,7 +42,7 @@ class RoutingPublisher:
         self.catalog_version = 0
         # Model -> the content of its row as last written or loaded; None while there is no table.
         self._rows: dict[str, RowContent] | None = None
-        # A head is written once per leadership (load() clears it), with the first table published.
+        # A head is written with the first table published, unless the bucket holds one (see load()).
         self._head_written = False
         # The bucket still holds a whole table under the old key: removed once the rows are written; and
         # its cold models until then.
@@ -56,7 +56,9 @@ class RoutingPublisher:
     async def load(self) -> None:
         """Continue the table and the versions already in the bucket, so routers see versions only grow."""
         fold, legacy = await read_rows(self.kv, self.drops)
-        self._head_written = False
+        # A head says only that a table exists (and its format): one stored stays, so a takeover whose
+        # table is the same as its predecessor's writes nothing (versions stay put).
+        self._head_written = fold.head is not None
         # The rows as stored (a migration cut short may have left some beside a legacy table).
         self._rows = (
             {m: (r.endpoints, r.unavailable, r.coming, r.cold) for m, r in fold.rows.items()}

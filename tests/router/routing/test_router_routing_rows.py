@@ -149,4 +149,4 @@ async def test_a_takeover_from_a_whole_table_writes_it_as_rows_and_the_router_fo
     again = await _publisher(nc, prefix)
     assert again.endpoints_version == pub.endpoints_version and again.stored_cold == ("c",)
     await again.publish_endpoints({"a": (ep_a,)}, {"b:7b": "node n2 lost"}, cold=("c",))
-    assert again.row_writes == 0  # its head only: no row changed
+    assert again.row_writes == 0 and again.endpoints_version == pub.endpoints_version  # nothing written
