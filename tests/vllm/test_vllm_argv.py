@@ -1,7 +1,7 @@
 """The command lines the agent's vLLM adapter builds, parsed by vLLM 0.32's own argparse.
 
 Cheap (no engine is started), so every form is checked: the api_server module on CPU (chat and
-pooling), ``vllm serve`` on GPUs, and a multi-node leader and headless follower. A flag vLLM does not
+pooling, and with LoRA), ``vllm serve`` on GPUs, and a multi-node leader and headless follower. A flag vLLM does not
 know is refused, so the check can fail. That the CPU argv also starts and serves: tests/vllm's cluster.
 """
 
@@ -57,6 +57,13 @@ def test_vllm_accepts_every_argv_the_adapter_builds(vllm_install: VllmInstall) -
                             leader="10.0.0.5:20004"),
             "vllm",
         ),
+        # LoRA (issue 33): rank 4 is rounded up to 8, a rank vLLM takes; max_cpu_loras beside it.
+        "cpu lora": _args(
+            vllm_install,
+            ShardAssignment(replica_id="r", shard=0, model="gemma", engine="vllm", port=20006, weights="gemma-3-270m",
+                            args=BASE_ARGS, options=cpu, max_loras=2, max_lora_rank=4, max_cpu_loras=4),
+            module,
+        ),
         "follower": _args(
             vllm_install,
             ShardAssignment(replica_id="r", shard=1, shards=2, model="g", engine="vllm", port=20005, gpus=(0,),
@@ -66,6 +73,7 @@ def test_vllm_accepts_every_argv_the_adapter_builds(vllm_install: VllmInstall) -
     }  # fmt: skip
     assert cases["cpu chat"][:2] == ["--model", str(vllm_install.gemma)]
     assert cases["follower"][0] == "serve" and "--headless" in cases["follower"]
+    assert "--enable-lora" in cases["cpu lora"] and "--max-lora-rank" in cases["cpu lora"]
     bad = [*cases["cpu chat"], "--no-such-flag"]
     out = subprocess.run(
         [str(vllm_install.python), CHECKER],
