@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: up test test-fast lint typecheck venv clean bench llama vllm console-deps partition-deps
+.PHONY: up test test-fast lint typecheck venv clean bench llama vllm console-deps partition-deps prometheus-deps
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -117,6 +117,24 @@ partition-deps:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq iptables iproute2 >/dev/null; }
 	@iptables --version
+
+# tests/alerts runs Debian's Prometheus and Alertmanager against a cluster the test starts, each a process of
+# its own on free ports with its own config and data in a temporary directory; promtool checks the rules in
+# `make test`. Without them those tests skip. The packages' own services are not wanted: apt's start of them
+# is refused (policy-rc.d, for the install only) and any that run anyway are stopped. Needs root (or sudo).
+prometheus-deps:
+	@command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 \
+	  && command -v prometheus-alertmanager >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  rc=/usr/sbin/policy-rc.d; mine=; \
+	  if [ ! -e $$rc ]; then printf '#!/bin/sh\nexit 101\n' | $$SUDO tee $$rc >/dev/null && $$SUDO chmod +x $$rc && mine=1; fi; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+	    --no-install-recommends prometheus prometheus-alertmanager >/dev/null; ok=$$?; \
+	  [ -z "$$mine" ] || $$SUDO rm -f $$rc; \
+	  for s in prometheus prometheus-alertmanager; do \
+	    $$SUDO service $$s stop >/dev/null 2>&1 || true; done; \
+	  exit $$ok; }
+	@prometheus --version 2>&1 | head -n 1; prometheus-alertmanager --version 2>&1 | head -n 1
 
 # `make compose-test`: docker-compose.yml for real (tests/compose/run.py): built, started, served, checked
 # and removed. Installs Docker (Debian's docker.io, docker-compose v1) and starts dockerd when needed
