@@ -326,6 +326,17 @@ def on_cpu(a: ShardAssignment) -> bool:
     return a.options.get("device") == "cpu"
 
 
+def vllm_tracing(args: Sequence[str], s: AgentSettings) -> tuple[list[str], dict[str, str]]:
+    """The flags and environment that make vLLM export its spans (docs/tracing.md): over OTLP/HTTP to
+    the agent's ``otlp_traces_endpoint`` (vLLM's own default is gRPC), as service ``vllm``. vLLM reads
+    the router's ``traceparent`` from each request, so its spans are children of the router's attempt.
+    None where no endpoint is set, or the profile names its own."""
+    if not s.otlp_traces_endpoint or _flag_value(args, "--otlp-traces-endpoint") is not None:
+        return [], {}
+    env = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": "vllm"}
+    return ["--otlp-traces-endpoint", s.otlp_traces_endpoint], env
+
+
 def vllm_refusal(a: ShardAssignment) -> Refusal | None:
     """What vLLM cannot do with this shard, whatever node runs it."""
     if not a.gpus and not on_cpu(a):
@@ -418,7 +429,11 @@ def vllm_adapter(a: ShardAssignment, s: AgentSettings) -> LaunchSpec | Refusal:
         return lora
     argv += lora
     argv += list(a.args)
+    traces, traces_env = vllm_tracing(a.args, s)
+    argv += traces
     env = dict(c.env)
+    for k, v in traces_env.items():
+        env.setdefault(k, v)
     if lora:
         # Without it vLLM serves no /v1/load_lora_adapter: adapters could only come with a restart.
         env.setdefault(RUNTIME_LORA_ENV, "True")

@@ -56,6 +56,11 @@ class AgentSettings(BusSettings):
         default=False,
         description="This node's vLLM is a CPU build: offer vLLM without GPUs, to profiles with options.device: cpu",
     )
+    otlp_traces_endpoint: str | None = Field(
+        default=None,
+        description="OpenTelemetry: vLLM engines export their spans over OTLP/HTTP to this URL "
+        "(--otlp-traces-endpoint, e.g. http://collector:4318/v1/traces; docs/tracing.md); unset: none",
+    )
 
     @field_validator("model_dirs", mode="before")
     @classmethod
