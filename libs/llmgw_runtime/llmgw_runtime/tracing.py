@@ -11,6 +11,7 @@ traced, an unsampled one is not), else ``ratio`` of new traces (``ParentBased(Tr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from llmgw_common.traceparent import TraceParent, clean_tracestate
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span, SpanKind
     from opentelemetry.trace import Tracer as OtelTracer
+    from opentelemetry.util.types import AttributeValue
 
 EXTRA_HINT = "install the tracing extra: pip install 'llmgw[tracing]'"
 
@@ -41,6 +43,7 @@ class Tracer:
         parent: TraceParent | Span | None = None,
         tracestate: str | None = None,
         start_ns: int | None = None,
+        attributes: Mapping[str, AttributeValue] | None = None,
     ) -> Span:
         """A span under ``parent`` (a remote one read from a header, one of ours, or none: a new trace)."""
         from opentelemetry import trace
@@ -63,7 +66,10 @@ class Tracer:
             from opentelemetry.context import Context
 
             ctx = Context()
-        return self.tracer.start_span(name, context=ctx, kind=kind, start_time=start_ns)
+        # Attributes given at the start: one pass of the SDK's checks, not one per set_attributes.
+        return self.tracer.start_span(
+            name, context=ctx, kind=kind, attributes=attributes, start_time=start_ns
+        )
 
     def shutdown(self) -> None:
         """Export what is buffered and stop the exporter's thread (bounded by the SDK's own timeout)."""

@@ -15,9 +15,11 @@ Attributes follow the OpenTelemetry GenAI conventions (``gen_ai.*``), with ``ser
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from llmgw_common.apis import Api
 from llmgw_common.traceparent import clean_tracestate, format_traceparent, header_lines, parse_traceparent
@@ -57,6 +59,13 @@ def forwarded(request: Request) -> bytes:
     return header_lines(parent, clean_tracestate(request.header(b"tracestate")))
 
 
+@functools.lru_cache(maxsize=1024)
+def _address(url: str) -> tuple[str, int]:
+    """An endpoint's host and port (server.address, server.port), read once per endpoint."""
+    u = urlsplit(url)
+    return u.hostname or "", u.port or (443 if u.scheme == "https" else 80)
+
+
 def response_model(data: bytes) -> str | None:
     m = _MODEL.search(data, 0, _SNIFF_BYTES)
     return m.group(1).decode("utf-8", "replace") if m is not None else None
@@ -72,21 +81,18 @@ class RouterTracing:
         """The SERVER span of one request, under the client's context when it sent one that parses."""
         from opentelemetry.trace import SpanKind
 
-        parent = parse_traceparent(request.header(b"traceparent"))
+        sent = request.header(b"traceparent")
+        parent = parse_traceparent(sent)
         state = clean_tracestate(request.header(b"tracestate")) if parent is not None else None
-        span = self.tracer.start(f"{method} {path}", SpanKind.SERVER, parent, state, start_ns)
         op = OPERATION.get(api, api.value)
-        if span.is_recording():
-            span.set_attributes(
-                {
-                    "http.request.method": method,
-                    "url.path": path,
-                    "gen_ai.operation.name": op,
-                    # A header that did not parse started this trace: say so, the operator asks why.
-                    "llmgw.traceparent.rejected": parent is None
-                    and request.header(b"traceparent") is not None,
-                }
-            )
+        attrs: dict[str, AttributeValue] = {
+            "http.request.method": method,
+            "url.path": path,
+            "gen_ai.operation.name": op,
+            # A header that did not parse started this trace: said, as the operator will ask why.
+            "llmgw.traceparent.rejected": parent is None and sent is not None,
+        }
+        span = self.tracer.start(f"{method} {path}", SpanKind.SERVER, parent, state, start_ns, attrs)
         return RequestTrace(self.tracer, span, op)
 
     def shutdown(self) -> None:
@@ -120,20 +126,17 @@ class RequestTrace:
         from opentelemetry.trace import SpanKind
 
         self.attempts += 1
-        span = self.tracer.start(f"{self.op} {model}", SpanKind.CLIENT, self.span)
-        host, _, port = ep.url.partition("://")[2].partition("/")[0].rpartition(":")
-        if span.is_recording():
-            span.set_attributes(
-                {
-                    "gen_ai.operation.name": self.op,
-                    "gen_ai.request.model": model,
-                    "server.address": host,
-                    "server.port": int(port) if port.isdigit() else 0,
-                    "llmgw.replica": ep.replica_id,
-                    "llmgw.attempt": self.attempts,
-                    "llmgw.continuation": continuation,
-                }
-            )
+        host, port = _address(ep.url)
+        attrs: dict[str, AttributeValue] = {
+            "gen_ai.operation.name": self.op,
+            "gen_ai.request.model": model,
+            "server.address": host,
+            "server.port": port,
+            "llmgw.replica": ep.replica_id,
+            "llmgw.attempt": self.attempts,
+            "llmgw.continuation": continuation,
+        }
+        span = self.tracer.start(f"{self.op} {model}", SpanKind.CLIENT, self.span, attributes=attrs)
         return AttemptSpan(self, span, header_lines(traceparent_of(span), tracestate_of(span)))
 
     def wake(self, model: str) -> WakeSpan:
