@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: up test test-fast lint typecheck venv clean bench llama vllm console-deps partition-deps prometheus-deps
+.PHONY: up test test-fast lint typecheck venv clean bench llama vllm console-deps partition-deps prometheus-deps otel-deps
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -135,6 +135,21 @@ prometheus-deps:
 	    $$SUDO service $$s stop >/dev/null 2>&1 || true; done; \
 	  exit $$ok; }
 	@prometheus --version 2>&1 | head -n 1; prometheus-alertmanager --version 2>&1 | head -n 1
+
+# `make otel-deps`: Arize Phoenix (arize-phoenix from the package index), a real OTLP receiver whose REST API
+# reads the spans back, for the tracing tests (tests/router/test_router_tracing_phoenix.py; skipped
+# without it). About 850 MB with its dependencies, so in a venv of its own outside the repository, keyed
+# by version, its marker written last: a cached run takes a moment. LLMGW_PHOENIX_VENV moves it.
+PHOENIX_VERSION := 20.26.1
+PHOENIX_VENV ?= $(or $(LLMGW_PHOENIX_VENV),$(LLMGW_CACHE_DIR)/phoenix)
+
+otel-deps:
+	@set -eu; v=$(PHOENIX_VENV); \
+	if [ -f $$v/.installed-$(PHOENIX_VERSION) ]; then echo "otel-deps: cached $$v"; else \
+	  echo "otel-deps: installing arize-phoenix $(PHOENIX_VERSION) into $$v"; rm -rf $$v; \
+	  $(PYTHON) -m venv $$v; $$v/bin/pip install -q --upgrade pip; \
+	  $$v/bin/pip install -q arize-phoenix==$(PHOENIX_VERSION); \
+	  test -x $$v/bin/phoenix; touch $$v/.installed-$(PHOENIX_VERSION); fi
 
 # `make compose-test`: docker-compose.yml for real (tests/compose/run.py): built, started, served, checked
 # and removed. Installs Docker (Debian's docker.io, docker-compose v1) and starts dockerd when needed

@@ -158,14 +158,15 @@ async def test_a_held_continued_request_is_one_trace_in_phoenix(
     await wakes.stop()
     await asyncio.to_thread(cp_tracer.shutdown)
 
-    def complete() -> bool:
-        spans = phoenix.spans(trace_id)
-        return sum(s["name"] == "chat m1" for s in spans) >= 2 and any(
-            s["name"] == "wake m1" and s["attributes"].get("llmgw.router") == "rtrace" for s in spans
-        )
+    async def complete() -> list[dict[str, Any]] | None:
+        spans = await asyncio.to_thread(phoenix.spans, trace_id)
+        chats = sum(s["name"] == "chat m1" for s in spans)
+        cp = any(s["name"] == "wake m1" and s["attributes"].get("llmgw.router") == "rtrace" for s in spans)
+        server = any(s["name"] == "POST /v1/chat/completions" for s in spans)
+        wakes = sum(s["name"] == "wake m1" for s in spans)
+        return spans if chats >= 2 and cp and server and wakes >= 2 else None
 
-    await eventually(complete, timeout=30.0, every=0.5, what="the trace's spans in Phoenix")
-    spans = phoenix.spans(trace_id)
+    spans = await eventually(complete, timeout=30.0, every=0.5, what="the trace's spans in Phoenix")
     by_id = {s["context"]["span_id"]: s for s in spans}
     (server,) = [s for s in spans if s["name"] == "POST /v1/chat/completions"]
     # Under the client's span, in the client's trace.
