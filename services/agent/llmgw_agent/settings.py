@@ -58,8 +58,10 @@ class AgentSettings(BusSettings):
     )
     otlp_traces_endpoint: str | None = Field(
         default=None,
-        description="OpenTelemetry: vLLM engines export their spans over OTLP/HTTP to this URL "
-        "(--otlp-traces-endpoint, e.g. http://collector:4318/v1/traces; docs/tracing.md); unset: none",
+        description="OpenTelemetry (docs/tracing.md): spans over OTLP/HTTP to this URL, e.g. "
+        "http://collector:4318/v1/traces: the router's requests and attempts, the control plane's wakes, an "
+        "agent's vLLM engines (--otlp-traces-endpoint); unset: off (a router still passes a client's valid "
+        "traceparent on)",
     )
 
     @field_validator("model_dirs", mode="before")

@@ -50,8 +50,10 @@ class ControlPlaneSettings(BusSettings):
     )
     otlp_traces_endpoint: str | None = Field(
         default=None,
-        description="OpenTelemetry: export a span for each wake a traced request asked for, over OTLP/HTTP to "
-        "this URL (e.g. http://collector:4318/v1/traces; docs/tracing.md); unset: its trace id is only logged",
+        description="OpenTelemetry (docs/tracing.md): spans over OTLP/HTTP to this URL, e.g. "
+        "http://collector:4318/v1/traces: the router's requests and attempts, the control plane's wakes, an "
+        "agent's vLLM engines (--otlp-traces-endpoint); unset: off (a router still passes a client's valid "
+        "traceparent on)",
     )
     eviction_min_residency_s: float = Field(
         default=300.0,

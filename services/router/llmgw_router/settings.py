@@ -134,9 +134,10 @@ class RouterSettings(BusSettings):
     )
     otlp_traces_endpoint: str | None = Field(
         default=None,
-        description="OpenTelemetry: send spans (one per request, one per engine asked) over OTLP/HTTP to this "
-        "URL, e.g. http://collector:4318/v1/traces (docs/tracing.md); unset: tracing off, and a client's valid "
-        "traceparent is passed on to the engine as it is",
+        description="OpenTelemetry (docs/tracing.md): spans over OTLP/HTTP to this URL, e.g. "
+        "http://collector:4318/v1/traces: the router's requests and attempts, the control plane's wakes, an "
+        "agent's vLLM engines (--otlp-traces-endpoint); unset: off (a router still passes a client's valid "
+        "traceparent on)",
     )
     trace_sample_ratio: float = Field(
         default=1.0,
