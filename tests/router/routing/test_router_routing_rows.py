@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import aiohttp
 import pytest
 from nats.aio.client import Client as NATS
 
@@ -23,6 +24,7 @@ from llmgw_runtime import bus
 from llmgw_runtime.natsserver import NatsServer
 from llmgw_runtime.routing_rows import read_routing
 from tests.kit.poll import eventually
+from tests.kit.ports import free_port
 from tests.router.router_helpers import RouterFactory
 
 PER_MODEL = 5
@@ -50,8 +52,10 @@ async def _publisher(nc: NATS, prefix: str) -> RoutingPublisher:
     return pub
 
 
-async def _router(routers: RouterFactory, nats_server: NatsServer, prefix: str, rid: str) -> Router:
-    r = await routers(nats_urls=[nats_server.url], prefix=prefix, router_id=rid)
+async def _router(
+    routers: RouterFactory, nats_server: NatsServer, prefix: str, rid: str, **kw: object
+) -> Router:
+    r = await routers(nats_urls=[nats_server.url], prefix=prefix, router_id=rid, **kw)
     await asyncio.wait_for(r.synced.wait(), 30)
     return r
 
@@ -105,10 +109,18 @@ async def test_20000_endpoints_go_out_with_no_message_over_1mb_and_a_later_route
     # Each row is one put: a row over max_payload would raise here.
     assert await pub.publish_endpoints(table, {"model-x": "needs 8 x H100, 0 free"})
     assert pub.row_bytes / pub.row_writes < 2_000
-    r = await _router(routers, nats_server, prefix, "late")
+    r = await _router(routers, nats_server, prefix, "late", admin_port=free_port())
     pool = r.ctx.pool
     assert sum(len(v) for v in pool.by_model.values()) == 20_000
     assert pool.table_read and pool.unavailable == {"model-x": "needs 8 x H100, 0 free"}
+    # What the router holds, on its admin listener (the fleet bench reads it there).
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"http://127.0.0.1:{r.admin_port}/routing") as resp:
+            whole = await resp.json()
+        async with s.get(f"http://127.0.0.1:{r.admin_port}/routing", params={"model": "model-00001"}) as resp:
+            one = await resp.json()
+    assert whole["endpoints"] == 20_000 and whole["models"] == 4000 and whole["table_read"]
+    assert [e["url"] for e in one["endpoints"]] == [e.url for e in table["model-00001"]]
     # A model that leaves the table leaves the router (its row deleted).
     del table["model-00042"]
     assert await pub.publish_endpoints(table, {})
