@@ -261,6 +261,12 @@ async def targets_up(http: httpx.AsyncClient, prom: str) -> dict[str, str]:
     }
 
 
+async def rule_alerts(http: httpx.AsyncClient, prom: str) -> list[str]:
+    """``name state`` of every alert Prometheus's rules hold now, pending (in its ``for:``) or firing."""
+    r = await http.get(f"{prom}/api/v1/alerts")
+    return sorted(f"{a['labels']['alertname']} {a['state']}" for a in r.json()["data"]["alerts"])
+
+
 @dataclass(frozen=True)
 class Expect:
     """An alert the test waits for: its name and the labels that tell this one from others of its name."""
