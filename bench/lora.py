@@ -44,7 +44,8 @@ from chaos_harness import AGGRESSIVE, ChaosCluster  # noqa: E402
 from chaos_waits import mint_key  # noqa: E402
 from nats.aio.msg import Msg  # noqa: E402
 
-from llmgw_common.messages import LoadReport  # noqa: E402
+from llmgw_common.codec import DecodeError, decode  # noqa: E402
+from llmgw_common.messages import Assignment, LoadReport  # noqa: E402
 from llmgw_common.subjects import Subjects  # noqa: E402
 from llmgw_runtime import bus  # noqa: E402
 from llmgw_runtime.ctl_client import CtlClient, CtlUnavailable  # noqa: E402
@@ -77,7 +78,10 @@ def percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-def catalog(adapters: int, replicas: int, max_loras: int, load_s: float) -> str:
+def catalog(
+    adapters: int, replicas: int, max_loras: int, load_s: float, max_cpu_loras: int | None = None
+) -> str:
+    cpu = f"    max_cpu_loras: {max_cpu_loras}\n" if max_cpu_loras else ""
     base = (
         "models:\n"
         "  - name: base\n"
@@ -85,6 +89,7 @@ def catalog(adapters: int, replicas: int, max_loras: int, load_s: float) -> str:
         f"    gpu_class: {CARD}\n"
         f"    replicas: {replicas}\n"
         f"    max_loras: {max_loras}\n"
+        f"{cpu}"
         "    startup_timeout_s: 60\n"
         f"    options: {{startup_s: 0.3, ttft_ms: 20, tokens_per_s: 200, slots: 64, lora_load_s: {load_s}}}\n"
         "adapters:\n"
@@ -102,6 +107,7 @@ class Result:
     adapters: int
     replicas: int
     max_loras: int
+    max_cpu_loras: int | None
     requests: int
     load_s: float
     duration_s: float
@@ -113,38 +119,95 @@ class Result:
     cold_goal_s: float = float("nan")
     warm_ttft_p50_s: float = float("nan")
     warm_ttft_p99_s: float = float("nan")
+    # Medians over cold requests: sent -> asked of a replica (router + control plane), asked -> reported
+    # loaded (agent + engine), reported -> first token (router's release + engine).
+    cold_to_assigned_p50_s: float = float("nan")
+    cold_to_loaded_p50_s: float = float("nan")
+    cold_to_token_p50_s: float = float("nan")
     cards_per_adapter: float = float("nan")
     loads: int = 0
     unloads: int = 0
     errors: list[str] = field(default_factory=list)
 
 
-class Loaded:
-    """Which adapters each replica's node reported loaded last (the agents' load reports)."""
+class Tracker:
+    """What the bus says of each adapter: asked of a replica (shard 0's assignment, as the control plane
+    writes it) and loaded (the agents' load reports), with a future for the next time each becomes so."""
 
     def __init__(self) -> None:
-        self.per_replica: dict[str, frozenset[str]] = {}
+        self.assigned: dict[str, frozenset[str]] = {}  # node -> adapters its shards 0 ask for
+        self.loaded: dict[str, frozenset[str]] = {}  # replica -> adapters reported loaded
+        self._waiters: dict[tuple[str, str], list[asyncio.Future[float]]] = {}
+
+    def now_true(self, kind: str, adapter: str) -> bool:
+        table = self.assigned if kind == "assigned" else self.loaded
+        return any(adapter in s for s in table.values())
+
+    def when(self, kind: str, adapter: str) -> asyncio.Future[float]:
+        fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        if self.now_true(kind, adapter):
+            fut.set_result(time.monotonic())
+        else:
+            self._waiters.setdefault((kind, adapter), []).append(fut)
+        return fut
+
+    def _fire(self, kind: str) -> None:
+        now = time.monotonic()
+        for (k, adapter), futs in list(self._waiters.items()):
+            if k == kind and self.now_true(kind, adapter):
+                for f in futs:
+                    if not f.done():
+                        f.set_result(now)
+                del self._waiters[(k, adapter)]
 
     async def on_load(self, rep: LoadReport, _: Msg) -> None:
         for line in rep.replicas:
             if line.shard == 0:
-                self.per_replica[line.replica_id] = frozenset(line.adapters)
+                self.loaded[line.replica_id] = frozenset(line.adapters)
+        self._fire("loaded")
 
-    def anywhere(self, adapter: str) -> bool:
-        return any(adapter in s for s in self.per_replica.values())
+    async def on_assignment(self, msg: Msg) -> None:
+        node = msg.subject.rsplit(".", 1)[-1]
+        try:
+            a = decode(msg.data, Assignment)
+        except DecodeError:
+            return  # a delete marker, or not ours
+        self.assigned[node] = frozenset(x.name for sh in a.shards if sh.shard == 0 for x in sh.adapters)
+        self._fire("assigned")
 
 
 class Driver:
-    def __init__(self, base: str, key: str, loaded: Loaded) -> None:
-        self.base, self.key, self.loaded = base, key, loaded
+    def __init__(self, base: str, key: str, tracker: Tracker) -> None:
+        self.base, self.key, self.tracker = base, key, tracker
         self.cold: list[float] = []
         self.warm: list[float] = []
+        # Cold requests: sent -> asked of a replica, asked -> reported loaded, reported -> first token.
+        self.to_assigned: list[float] = []
+        self.to_loaded: list[float] = []
+        self.to_token: list[float] = []
         self.ok = 0
         self.errors: list[str] = []
 
     async def one(self, http: httpx.AsyncClient, adapter: str) -> None:
-        cold = not self.loaded.anywhere(adapter)
         t0 = time.monotonic()
+        cold = not self.tracker.now_true("loaded", adapter)
+        assigned = self.tracker.when("assigned", adapter)
+        loaded = self.tracker.when("loaded", adapter)
+        try:
+            await self._one(http, adapter, t0, cold, assigned, loaded)
+        finally:
+            assigned.cancel()
+            loaded.cancel()
+
+    async def _one(
+        self,
+        http: httpx.AsyncClient,
+        adapter: str,
+        t0: float,
+        cold: bool,
+        assigned: asyncio.Future[float],
+        loaded: asyncio.Future[float],
+    ) -> None:
         first: float | None = None
         body = {
             "model": adapter,
@@ -177,20 +240,24 @@ class Driver:
             return
         self.ok += 1
         (self.cold if cold else self.warm).append(first)
+        if cold and assigned.done() and loaded.done():
+            a, ld = assigned.result(), loaded.result()
+            self.to_assigned.append(a - t0)
+            self.to_loaded.append(max(0.0, ld - a))
+            self.to_token.append(max(0.0, t0 + first - ld))
 
 
 async def replay(cluster: ChaosCluster, key: str, trace: list[tuple[float, str]]) -> tuple[Driver, int, int]:
     nc = await bus.connect(BusSettings(nats_urls=[cluster.nats_url], prefix=cluster.prefix), "bench-lora")
-    loaded = Loaded()
+    tracker = Tracker()
+    subj = Subjects(cluster.prefix)
     sub = await bus.subscribe(
-        nc,
-        Subjects(cluster.prefix).all_nodes("load"),
-        LoadReport,
-        loaded.on_load,
-        bus.DropLog(logging.getLogger("bench.lora")),
+        nc, subj.all_nodes("load"), LoadReport, tracker.on_load, bus.DropLog(logging.getLogger("bench.lora"))
     )
+    # A KV put is a message on its stream's subject: heard as written, with no watcher's replay.
+    sub_assign = await nc.subscribe(f"$KV.{subj.bucket_assign}.>", cb=tracker.on_assignment)
     try:
-        d = Driver(cluster.router_url(), key, loaded)
+        d = Driver(cluster.router_url(), key, tracker)
         async with httpx.AsyncClient(timeout=httpx.Timeout(180.0, connect=10.0)) as http:
             start = time.monotonic()
             tasks = []
@@ -204,6 +271,7 @@ async def replay(cluster: ChaosCluster, key: str, trace: list[tuple[float, str]]
         return d, loads, unloads
     finally:
         await sub.unsubscribe()
+        await sub_assign.unsubscribe()
         await nc.close()
 
 
@@ -231,7 +299,9 @@ def run(args: argparse.Namespace) -> Result:
     settings = dict(AGGRESSIVE)
     settings["LLMGW_ADAPTER_MIN_RESIDENCY_S"] = str(args.residency)
     cluster = ChaosCluster(
-        root, settings=settings, catalog=catalog(args.adapters, args.replicas, args.max_loras, args.load)
+        root,
+        settings=settings,
+        catalog=catalog(args.adapters, args.replicas, args.max_loras, args.load, args.max_cpu_loras),
     )
     try:
         cluster.start_nats()
@@ -253,6 +323,7 @@ def run(args: argparse.Namespace) -> Result:
         adapters=args.adapters,
         replicas=args.replicas,
         max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
         requests=len(trace),
         load_s=args.load,
         duration_s=round(duration, 1),
@@ -264,6 +335,9 @@ def run(args: argparse.Namespace) -> Result:
         cold_goal_s=args.load + 1.0,
         warm_ttft_p50_s=round(percentile(d.warm, 0.5), 3),
         warm_ttft_p99_s=round(percentile(d.warm, 0.99), 3),
+        cold_to_assigned_p50_s=round(percentile(d.to_assigned, 0.5), 2),
+        cold_to_loaded_p50_s=round(percentile(d.to_loaded, 0.5), 2),
+        cold_to_token_p50_s=round(percentile(d.to_token, 0.5), 2),
         # One card per replica of the base, shared by every adapter.
         cards_per_adapter=round(args.replicas / args.adapters, 3),
         loads=loads,
@@ -276,7 +350,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--adapters", type=int, default=50)
     ap.add_argument("--replicas", type=int, default=2, help="replicas of the base (one card each)")
-    ap.add_argument("--max-loras", type=int, default=4)
+    ap.add_argument("--max-loras", type=int, default=4, help="adapters in one batch")
+    ap.add_argument(
+        "--max-cpu-loras", type=int, help="adapters one replica holds loaded (default: max_loras)"
+    )
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--rate", type=float, default=4.0, help="requests per second (Poisson)")
     ap.add_argument("--zipf", type=float, default=1.0, help="popularity exponent")
@@ -287,11 +364,14 @@ def main() -> None:
     args = ap.parse_args()
     res = run(args)
     print(
-        f"{res.adapters} adapters over {res.replicas} replicas (max_loras {res.max_loras}), "
+        f"{res.adapters} adapters over {res.replicas} replicas (max_loras {res.max_loras}, "
+        f"max_cpu_loras {res.max_cpu_loras or res.max_loras}), "
         f"{res.requests} requests in {res.duration_s}s: {res.ok} ok, {res.failed} failed (goal 0)\n"
         f"cold adapter TTFT p50 {res.cold_ttft_p50_s}s p99 {res.cold_ttft_p99_s}s over {res.cold} requests "
         f"(goal p99 <= load {res.load_s}s + 1s = {res.cold_goal_s}s); warm p50 {res.warm_ttft_p50_s}s "
         f"p99 {res.warm_ttft_p99_s}s\n"
+        f"cold path p50: asked of a replica after {res.cold_to_assigned_p50_s}s, reported loaded "
+        f"{res.cold_to_loaded_p50_s}s later, first token {res.cold_to_token_p50_s}s after that\n"
         f"cards per adapter {res.cards_per_adapter} (goal <= 0.1); {res.loads} loads, {res.unloads} unloads"
     )
     for e in res.errors:

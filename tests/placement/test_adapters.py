@@ -260,3 +260,13 @@ def test_a_replica_started_without_lora_is_never_asked_to_load() -> None:
     old = replica("r1", "base", [("n1", ())], spec=ReplicaSpec.of(profile("base", engine="sim")))
     d = _decide(_cat_snap([old]), wanted=frozenset({"a1"}))
     assert dict(d.assigned) == {} and d.waiting == {"a1": "no replica of base base runs"}
+
+
+def test_an_adapter_used_within_recent_use_s_is_not_let_go() -> None:
+    # a1 had requests a second ago (none reported now: the report of the next may be a tick away).
+    memo = _memo({"r1": ("a1", "a2")}, at=1000.0, used={"a1": 1599.0, "a2": 1599.5})
+    s = _cat_snap([_r("r1", "n1")], now=1600.0)
+    d = _decide(s, memo, demand={"a3": 1})
+    assert d.unloads == () and "a3" in d.waiting
+    later = _decide(replace(s, now=1601.0 + POLICY.recent_use_s), memo, demand={"a3": 1})
+    assert [m.adapter for m in later.unloads] == ["a1"]

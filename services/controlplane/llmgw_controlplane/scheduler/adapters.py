@@ -10,7 +10,8 @@ shard 0 assignment, which its agent converges to through the engine's runtime AP
   let go, on nodes that hold its weights first, then the least loaded. A replica whose last load of it
   failed is not asked again while its report says so.
 - **Full replicas let go the least recently used**, and never an adapter with requests in flight: not one
-  its replica reports busy, not one the routers hold or queue requests for, not one loaded less than
+  its replica reports busy, not one the routers hold or queue requests for, not one used within
+  ``recent_use_s`` (reports of a request just sent are up to a tick old), not one loaded less than
   ``min_residency_s`` ago (its first requests may not show yet).
 - **Spread a hot adapter**: with more requests than ``spread_per_replica`` per replica that has it, one
   more replica is given it (a free slot or an idle adapter only), one per pass; the extra copy is let go
@@ -52,6 +53,10 @@ class AdapterPolicy:
     # Requests per replica holding a hot adapter above which one more replica loads it; a base whose
     # target is ``in_flight_per_replica`` uses that instead.
     spread_per_replica: float = 8.0
+    # An adapter used this recently (requests reported for it, or running on it) is not let go: the
+    # routers' and agents' reports of a request just sent are up to a tick old, and a request sent to a
+    # replica that just unloaded its adapter waits for it to be loaded again.
+    recent_use_s: float = 2.0
     # A replica whose load of an adapter failed is not asked for it again for this long (the agent may
     # stop reporting the error once the assignment no longer asks it).
     retry_failed_s: float = 300.0
@@ -211,6 +216,8 @@ class _Base:
     def may_let_go(self, rid: str, a: str) -> bool:
         """Never one with requests in flight (busy on it, or held and queued by routers) or just loaded."""
         if self.busy(rid, a) or self.inputs.demand.get(a, 0) > 0 or a in self.inputs.wanted:
+            return False
+        if self.now - self.used.get(a, float("-inf")) < self.policy.recent_use_s:
             return False
         return self.now - self.asked_at(rid, a) >= self.policy.min_residency_s
 
