@@ -193,11 +193,9 @@ class Run:
             if not pending:
                 for f in faults:
                     for e in f.expect:
-                        fired, gone = self.log.fired_at(e, started), self.log.resolved_at(e, started)
-                        assert fired is not None and gone is not None
-                        self.say(
-                            f"  {e}: held {fired - started:.1f}s after the faults, for {gone - fired:.1f}s"
-                        )
+                        at, gone = self.log.fired_at(e, started), self.log.resolved_at(e, started)
+                        assert at is not None and gone is not None
+                        self.say(f"  {e}: held {at - started:.1f}s after the faults, for {gone - at:.1f}s")
                 return
             assert time.monotonic() < deadline, f"after {PHASE_TIMEOUT_S:.0f}s: {pending}\n{self.report()}"
             await asyncio.sleep(0.25)
