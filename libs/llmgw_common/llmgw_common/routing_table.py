@@ -100,6 +100,16 @@ class RowFold:
         self._unavailable: dict[str, str] = {}
         self._coming: dict[str, str] = {}
         self._cold: set[str] = set()
+        # For a reader that applies changes in bursts (:meth:`take`): the models whose rows changed
+        # since, or that the next apply must take the whole table (a start, the legacy value, the head).
+        self._dirty: set[str] = set()
+        self._whole = True
+
+    def take(self) -> tuple[bool, set[str]]:
+        """What changed since the last call: (whole table, models whose rows changed)."""
+        out = (self._whole, self._dirty)
+        self._whole, self._dirty = False, set()
+        return out
 
     @property
     def read(self) -> bool:
@@ -121,11 +131,17 @@ class RowFold:
             if value is None:
                 return False
             self.legacy = decode(value, RoutingEndpoints)
-            return not self.read
+            if self.read:
+                return False
+            self._whole = True
+            return True
         if key == ROUTING_HEAD:
             if value is None:
                 return False
+            was = self.read
             self.set_head(decode(value, RoutingHead))
+            # The rows take over from a legacy table: the whole table changes at once.
+            self._whole = self._whole or not was
             return True
         model = row_model(key)
         if model is None:
@@ -161,6 +177,7 @@ class RowFold:
         self.version = max(self.version, row.version)
 
     def drop(self, model: str) -> None:
+        self._dirty.add(model)
         self.rows.pop(model, None)
         self._endpoints.pop(model, None)
         self._unavailable.pop(model, None)

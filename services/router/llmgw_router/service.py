@@ -367,7 +367,14 @@ class Router:
         if not self._table_due:
             return
         self._table_due = False
-        abort_withdrawn(self.ctx.pool.set_endpoints(self.table.table()), self.ctx.limits.withdrawn_silence_s)
+        whole, models = self.table.take()
+        if whole:
+            withdrawn = self.ctx.pool.set_endpoints(self.table.table())
+        else:
+            # Only the models whose rows changed: a change costs its model, not the table.
+            rows = self.table.rows
+            withdrawn = self.ctx.pool.set_models({m: rows.get(m) for m in models}, self.table.version)
+        abort_withdrawn(withdrawn, self.ctx.limits.withdrawn_silence_s)
         self._routing_changed()
         self.ctx.holding.update()
 
