@@ -387,3 +387,35 @@ async def test_the_engine_process_takes_the_lora_flags(
     assert await load(http, ep, "wide", str(wide)) == 500
     assert (await text_of(http, ep, "fr")) != (await text_of(http, ep, MODEL))
     assert 'max_lora="1"' in (await (await http.get(ep.url + "/metrics")).text())
+
+
+# ---------------------------------------------------------------- continuation
+
+
+async def test_a_stream_continued_elsewhere_keeps_its_adapters_answer(
+    engine: Make, http: aiohttp.ClientSession
+) -> None:
+    # A router continuing a broken stream on another replica sends the text so far as the final
+    # assistant message: with the same adapter the rest is the rest of that adapter's answer.
+    first, other = await engine(zero=True, max_loras=1), await engine(zero=True, max_loras=1)
+    for srv in (first, other):
+        assert await load(http, srv, "fr") == 200
+    user = [{"role": "user", "content": PROMPT}]
+    _, whole = await post_to(
+        http, first, "/v1/chat/completions", {"model": "fr", "messages": user, "max_tokens": 12}
+    )
+    text = whole["choices"][0]["message"]["content"]
+    cut = " ".join(text.split()[:5])
+    body = {
+        "model": "fr",
+        "messages": [*user, {"role": "assistant", "content": cut}],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "max_tokens": 7,
+    }
+    status, rest = await post_to(http, other, "/v1/chat/completions", body)
+    assert status == 200 and rest["model"] == "fr"
+    assert cut + rest["choices"][0]["message"]["content"] == text
+    # The base, continuing the same text, does not say the adapter's rest.
+    _, base = await post_to(http, other, "/v1/chat/completions", {**body, "model": MODEL})
+    assert cut + base["choices"][0]["message"]["content"] != text
