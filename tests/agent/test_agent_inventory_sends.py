@@ -64,20 +64,21 @@ async def test_inventory_is_sent_again_when_the_control_plane_asks(
         state_dir=str(tmp_path),
         inventory_interval_s=600,
         load_interval_s=0.05,
+        heartbeat_interval_s=0.01,
     )
     sent: list[Inventory] = []
-    loads = 0
+    beats = 0
 
     async def on(msg: Msg) -> None:
         sent.append(decode(msg.data, Inventory))
 
-    async def on_load(_msg: Msg) -> None:
-        nonlocal loads
-        loads += 1
+    async def on_heartbeat(_msg: Msg) -> None:
+        nonlocal beats
+        beats += 1
 
     subj = Subjects(prefix)
     await nc.subscribe(subj.inventory("n9"), cb=on)
-    await nc.subscribe(subj.load("n9"), cb=on_load)
+    await nc.subscribe(subj.heartbeat("n9"), cb=on_heartbeat)
     await bus.flush(nc)
     # The agent's clock, moved by the test: the interval is judged on it, not on how long we wait.
     now = [1_000_000.0]
@@ -93,10 +94,10 @@ async def test_inventory_is_sent_again_when_the_control_plane_asks(
     try:
 
         async def ticks_pass() -> None:
-            # Each tick sends its load report before it judges the inventory: two more reports mean
-            # a whole tick judged it on the clock as it is now.
-            seen = loads
-            await eventually(lambda: loads >= seen + 2, every=0.01, what="two more load reports (ticks)")
+            # Each tick sends its heartbeat (due at every tick here) before it judges the inventory: two
+            # more heartbeats mean a whole tick judged it on the clock as it is now.
+            seen = beats
+            await eventually(lambda: beats >= seen + 2, every=0.01, what="two more heartbeats (ticks)")
 
         await eventually(lambda: len(sent) >= 1, every=0.01, what="the first inventory")
         now[0] += 599.0  # unchanged, and not yet due

@@ -177,8 +177,8 @@ async def test_multi_node_sim_replica_leader_ready_only_with_its_follower(
         # Load comes from the leader only (a follower has no /metrics).
         load_a = await seen_a.wait("load", lambda m: len(m.replicas) == 1)
         assert load_a.replicas[0].running == 0.0
-        load_b = seen_b.msgs["load"][-1]
-        assert load_b.replicas == ()
+        # The follower's agent has no line to send (a node without one sends no load report at all).
+        assert [m.replicas for m in seen_b.msgs.get("load", []) if m.replicas] == []
     finally:
         stop.set()
         await asyncio.wait_for(asyncio.gather(*agents), 20)

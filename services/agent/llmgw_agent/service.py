@@ -1,7 +1,9 @@
 """The agent process: report this node, follow its assignment, keep its engines as assigned.
 
-Pipeline, once per tick (``load_interval_s``): scrape every ready engine's ``/metrics`` → load report;
-heartbeat when due; inventory when due, changed or after a reconnect; one flush. Beside the tick, a
+Pipeline, once per tick (``load_interval_s``): heartbeat when due; inventory when due, changed or after
+a reconnect; one flush. Beside the tick, the load feed reads every ready engine's ``/metrics`` each
+``load_scrape_s`` and sends a replica's load when it changed, at most each ``load_min_gap_s`` and at least
+each heartbeat (load_feed.py, load_pacing.py), and a
 KV follower on ``<prefix>_assign`` key ``<node>`` marks the assignment changed, and one converger task
 applies :func:`llmgw_agent.converge.plan_converge` to the supervisor. Shard state changes are published
 as they happen.
@@ -28,6 +30,8 @@ from llmgw_agent.adapter_sync import AdapterSync
 from llmgw_agent.converge import Running, ShardKey, Wanted, assignment_fingerprint, plan_converge
 from llmgw_agent.engines import LaunchSpec, Refusal, launch_spec, vllm_model_dir
 from llmgw_agent.kvrelay import Feed, KvRelay
+from llmgw_agent.load_feed import LoadFeed
+from llmgw_agent.load_pacing import Pacing
 from llmgw_agent.metrics import extract_load, lora_busy, parse_prometheus
 from llmgw_agent.settings import AgentSettings
 from llmgw_agent.statefile import EngineRecord
@@ -54,6 +58,9 @@ Collect = Callable[[AgentSettings, str, float], Inventory]
 # Re-collect the inventory this often (capped by inventory_interval_s) to notice a change.
 INVENTORY_CHECK_S = 10.0
 CONVERGE_EVERY_S = 10.0
+# A /metrics page slower than this is a blank line (running, waiting, KV use unknown), not a wait: the
+# load feed reads each engine on its own, so a slow one holds only itself.
+SCRAPE_TIMEOUT_S = 0.8
 
 
 def _nvml_collect(s: AgentSettings) -> tuple[Collect, Callable[[], None]]:
@@ -104,7 +111,14 @@ class Agent:
         self.adoptable: dict[ShardKey, EngineRecord] = {}
         self.seq = 0
         self._wake = asyncio.Event()
-        self._scrape = httpx.AsyncClient(timeout=httpx.Timeout(min(0.8, s.load_interval_s), connect=0.3))
+        self._scrape = httpx.AsyncClient(timeout=httpx.Timeout(SCRAPE_TIMEOUT_S, connect=0.3))
+        self.load = LoadFeed(
+            self._scraped,
+            self._scrape_one,
+            self._send_load,
+            Pacing(min_gap_s=s.load_min_gap_s, max_gap_s=s.heartbeat_interval_s),
+            s.load_scrape_s,
+        )
         self._last_inventory: Inventory | None = None
         self._inventory_sent_at = float("-inf")
         self._inventory_checked_at = float("-inf")
@@ -233,10 +247,19 @@ class Agent:
             adapter_errors=errors,
         )
 
+    def _scraped(self) -> list[Shard]:
+        """The shards whose load is read: ready, with a /metrics page."""
+        return [sh for sh in self.supervisor.ready() if sh.spec is not None and sh.spec.metrics_url]
+
     async def load_report(self) -> LoadReport:
-        shards = [sh for sh in self.supervisor.ready() if sh.spec is not None and sh.spec.metrics_url]
-        loads = await asyncio.gather(*(self._scrape_one(sh) for sh in shards))
+        """Every scraped shard's load, read now (the feed sends only the lines due)."""
+        loads = await asyncio.gather(*(self._scrape_one(sh) for sh in self._scraped()))
         return LoadReport(node=self.s.node, sent_at=self.clock(), replicas=tuple(loads))
+
+    async def _send_load(self, lines: tuple[ReplicaLoad, ...]) -> None:
+        # No flush: the client's flusher writes it out at once; a flush would wait a round trip.
+        report = LoadReport(node=self.s.node, sent_at=self.clock(), replicas=lines)
+        await self._publish(self.subjects.load(self.s.node), report)
 
     async def _inventory_if_due(self, now: float) -> None:
         reconnects = int(self.nc.stats.get("reconnects", 0))
@@ -263,7 +286,6 @@ class Agent:
             started = loop.time()
             self.kv.sync(self.kv_feeds())
             self.adapters.sync(self.supervisor.ready())
-            await self._publish(self.subjects.load(self.s.node), await self.load_report())
             if loop.time() >= next_heartbeat:
                 await self._publish(self.subjects.heartbeat(self.s.node), self.heartbeat())
                 next_heartbeat = loop.time() + self.s.heartbeat_interval_s
@@ -371,6 +393,7 @@ class Agent:
             tasks += self.kv.tasks
             tasks += [
                 asyncio.create_task(self._tick_loop(), name="agent-tick"),
+                asyncio.create_task(self.load.run(), name="agent-load"),
                 asyncio.create_task(self._converge_loop(), name="agent-converge"),
             ]
             # A loop that ends, the assignment watch's included, is a bug whatever the way: stop cleanly

@@ -38,7 +38,19 @@ class AgentSettings(BusSettings):
     port_range: str = Field(default="20000-29999", description="Ports for engines")
     state_dir: str = Field(default=".llmgw/agent", description="Where the agent keeps its engine state file")
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
-    load_interval_s: float = Field(default=1.0, gt=0)
+    load_interval_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="The agent's tick: heartbeat, inventory and adapter checks are judged at it",
+    )
+    load_scrape_s: float = Field(
+        default=0.125, gt=0, description="How often each ready engine's /metrics is read for its load"
+    )
+    load_min_gap_s: float = Field(
+        default=0.25,
+        ge=0,
+        description="A replica's load is sent when it changes, at most this often, and every heartbeat unchanged",
+    )
     inventory_interval_s: float = Field(default=60.0, gt=0)
     stop_grace_s: float = Field(default=10.0, ge=0, description="SIGTERM to SIGKILL for engines")
     quiesce_s: float = Field(
