@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from llmgw_common.traceparent import (
     MAX_TRACEPARENT,
     TraceParent,
+    canonical_traceparent,
     clean_tracestate,
     format_traceparent,
     header_lines,
@@ -123,3 +124,15 @@ def test_header_lines_carry_both() -> None:
     p = TraceParent(int(TRACE, 16), int(SPAN, 16), 1)
     assert header_lines(p, None) == f"traceparent: {GOOD}\r\n".encode()
     assert header_lines(p, "a=1") == f"traceparent: {GOOD}\r\ntracestate: a=1\r\n".encode()
+
+
+@given(st.one_of(st.text(max_size=80), st.sampled_from([GOOD, f"01-{TRACE}-{SPAN}-ff-x", f" {GOOD}\t"])))
+def test_the_canonical_header_is_the_parsed_one_formatted(value: str) -> None:
+    """What the router forwards with tracing off (no numbers read) is what it would make from the parse."""
+    p = parse_traceparent(value)
+    assert canonical_traceparent(value) == (None if p is None else format_traceparent(*p))
+
+
+def test_a_valid_version_00_header_is_forwarded_as_it_is() -> None:
+    assert canonical_traceparent(GOOD) == GOOD
+    assert header_lines(GOOD, None) == f"traceparent: {GOOD}\r\n".encode()

@@ -40,8 +40,15 @@ class TraceParent(NamedTuple):
         return bool(self.flags & SAMPLED)
 
 
-def parse_traceparent(value: str | None) -> TraceParent | None:
-    """The parent a ``traceparent`` header names, or None: absent, oversized or malformed."""
+_ZERO_TRACE = "0" * 32
+_ZERO_SPAN = "0" * 16
+
+
+def canonical_traceparent(value: str | None) -> str | None:
+    """A ``traceparent`` header as version 00 carries it, or None: absent, oversized or malformed.
+
+    What a proxy that forwards it needs, without reading the ids as numbers (the router with tracing
+    off): a valid version-00 header is itself; a later version's is cut to version 00's fields."""
     if value is None or len(value) > MAX_TRACEPARENT:
         return None
     value = value.strip(" \t")
@@ -49,18 +56,23 @@ def parse_traceparent(value: str | None) -> TraceParent | None:
     if m is None:
         return None
     version = m.group(1)
-    if version == "ff":
+    if version == "ff" or m.group(2) == _ZERO_TRACE or m.group(3) == _ZERO_SPAN:
         return None
-    if len(value) != 55 and (version == "00" or value[55] != "-"):
+    if version == "00":
+        return value if len(value) == 55 else None
+    if len(value) != 55 and value[55] != "-":
         return None
-    trace_id = int(m.group(2), 16)
-    span_id = int(m.group(3), 16)
-    if trace_id == 0 or span_id == 0:
-        return None
-    flags = int(m.group(4), 16)
     # A later version's flags may mean what version 00 does not know: only the bits it defines pass
     # on (sampled, and level 2's random trace id).
-    return TraceParent(trace_id, span_id, flags if version == "00" else flags & 0x03)
+    return f"00-{m.group(2)}-{m.group(3)}-{int(m.group(4), 16) & 0x03:02x}"
+
+
+def parse_traceparent(value: str | None) -> TraceParent | None:
+    """The parent a ``traceparent`` header names, or None: absent, oversized or malformed."""
+    canonical = canonical_traceparent(value)
+    if canonical is None:
+        return None
+    return TraceParent(int(canonical[3:35], 16), int(canonical[36:52], 16), int(canonical[53:55], 16))
 
 
 def format_traceparent(trace_id: int, span_id: int, flags: int) -> str:
@@ -83,9 +95,11 @@ def clean_tracestate(value: str | None) -> str | None:
     return ",".join(members)
 
 
-def header_lines(parent: TraceParent, tracestate: str | None) -> bytes:
-    """The HTTP/1.1 header lines that carry ``parent`` (and ``tracestate``) to an engine."""
-    line = b"traceparent: " + format_traceparent(*parent).encode() + b"\r\n"
+def header_lines(parent: TraceParent | str, tracestate: str | None) -> bytes:
+    """The HTTP/1.1 header lines that carry ``parent`` (or a canonical header) and ``tracestate`` to an
+    engine."""
+    value = parent if isinstance(parent, str) else format_traceparent(*parent)
+    line = b"traceparent: " + value.encode() + b"\r\n"
     if tracestate:
         line += b"tracestate: " + tracestate.encode() + b"\r\n"
     return line

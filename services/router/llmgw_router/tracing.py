@@ -22,7 +22,13 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from llmgw_common.apis import Api
-from llmgw_common.traceparent import clean_tracestate, format_traceparent, header_lines, parse_traceparent
+from llmgw_common.traceparent import (
+    canonical_traceparent,
+    clean_tracestate,
+    format_traceparent,
+    header_lines,
+    parse_traceparent,
+)
 from llmgw_router.http.request import Request
 from llmgw_router.routing.endpoints import EndpointState
 from llmgw_runtime.tracing import Tracer, traceparent_of, tracestate_of
@@ -53,7 +59,7 @@ def forwarded(request: Request) -> bytes:
     value = request.header(b"traceparent")
     if value is None:
         return b""
-    parent = parse_traceparent(value)
+    parent = canonical_traceparent(value)
     if parent is None:
         return b""
     return header_lines(parent, clean_tracestate(request.header(b"tracestate")))
