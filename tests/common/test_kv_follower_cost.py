@@ -90,8 +90,9 @@ async def test_the_bytes_a_follower_takes_per_key_change_do_not_grow_with_the_ke
 ) -> None:
     small, small_reads, _ = await _cost_per_change(nats_server, prefix, nc, 200)
     large, large_reads, start_reads = await _cost_per_change(nats_server, prefix, nc, 2000)
-    # The watch brought every change: nothing was read again (a full re-read every check before).
-    assert small_reads == large_reads == 0
+    # The watch brought the changes: a check reads one itself only when the watch did not move for a
+    # moment (a starved event loop on a busy machine), and then that change alone, never the keys.
+    assert small_reads <= CHANGES and large_reads <= CHANGES, (small_reads, large_reads)
     # The start's replay came by the watch, not by a get per key.
     assert start_reads < 10
     # A change is its own value (~150 bytes), its delivery's envelope and a share of the checks' small
@@ -161,6 +162,44 @@ async def test_a_revoke_the_watch_lost_is_refused_within_1s_and_the_watch_resume
         await _refused_within(table, other, 3.0)
         assert table.check(other, time.time()).record is None
         assert f.reads == reads
+    finally:
+        await f.stop()
+        await follower_nc.close()
+
+
+@pytest.mark.slow
+async def test_a_bucket_made_anew_is_read_whole_once(nats_server: NatsServer, prefix: str, nc: NATS) -> None:
+    """The one case a check reads everything: the bucket deleted and made again (its sequence starts over,
+    so the sequence seen says nothing). Keys gone with it are deleted, the new ones taken, once."""
+    js = nc.jetstream()
+    bucket = f"{prefix}_anew"
+    kv = await bus.ensure_kv(js, bucket)
+    await kv.put("a", b"1")
+    await kv.put("b", b"2")
+    await kv.put("c", b"3")
+    follower_nc = await nats.connect(nats_server.url)
+    seen: dict[str, bytes | None] = {}
+    f = KvFollower(
+        await follower_nc.jetstream().key_value(bucket),
+        lambda k, v, r: seen.__setitem__(k, v),
+        resync_s=0.2,
+        name="anew",
+    )
+    await f.start()
+    try:
+        assert seen == {"a": b"1", "b": b"2", "c": b"3"} and f.full_reads == 0
+        await js.delete_key_value(bucket)
+        kv = await bus.ensure_kv(js, bucket)
+        await kv.put("z", b"26")
+        await eventually(
+            lambda: seen == {"a": None, "b": None, "c": None, "z": b"26"},
+            timeout=10,
+            every=0.05,
+            what="the new bucket's content, and the old keys gone",
+        )
+        assert f.full_reads == 1
+        await asyncio.sleep(0.6)  # three more checks: nothing read again
+        assert f.full_reads == 1
     finally:
         await f.stop()
         await follower_nc.close()

@@ -57,7 +57,7 @@ _REPLAY_STALL_S = 1.0
 
 # A check that finds the stream ahead of the watch waits this long for the watch to move before it
 # reads the rest itself: the worst delay of a change the watch lost is resync_s plus this.
-WATCH_GRACE_S = 0.1
+WATCH_GRACE_S = 0.25
 
 # An idle watch consumer (no subscriber: a client gone) is removed by the server after this long.
 _WATCH_INACTIVE_S = 60.0
@@ -257,6 +257,11 @@ class KvFollower:
         if created != self._created or last < self.seq:
             # The bucket was deleted and made again: its sequence numbers say nothing of ours.
             log.info("%s: the bucket's stream was made anew; reading it whole", self.name)
+            # Its revisions start over: those held say nothing of the new values (each key still held,
+            # so one the new bucket lacks is seen gone), nor does the sequence.
+            self.revisions = dict.fromkeys(self.revisions, 0)
+            self.removed.clear()
+            self.seq = 0
             await self.resync()
             self._rewatch.set()
             return
