@@ -165,9 +165,11 @@ def make_proxy_handler(ctx: RouterContext, route: Route) -> Handler:
         ticket = admitted.ticket
         try:
             resp = await serve(ctx, request, admitted)
-        except BaseException:
+        except BaseException as e:
             if tr is not None:
-                tr.finish(None)  # the client went away (its handler cancelled)
+                # Cancelled: the client went away; anything else is the router's own failure (a 500).
+                gone = isinstance(e, asyncio.CancelledError)
+                tr.finish(None if gone else 500, None if gone else type(e).__name__)
             raise
         finally:
             if ticket is not None:
