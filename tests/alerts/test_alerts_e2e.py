@@ -15,6 +15,7 @@ aggregates away the label it reports, fails here.
 Phase 1 makes these faults at once (none disturbs another's alert):
   - agent n3 frozen (SIGSTOP)                        LlmgwNodeLost
   - router-2 frozen                                  LlmgwServiceDown{job="llmgw-router"}
+  - router-3 started cut from the bus (from boot)    LlmgwRouterWithoutRouting; mended by its bus
   - every other reconcile pass raises               LlmgwControlPlaneFailingPasses
   - model "big" needs a B200 no node has (from boot) LlmgwModelUnplaceable; removed by a B200 node
   - the watched model "judge" (one replica, 12 s to start) loses its engine mid-stream, requests
@@ -102,7 +103,7 @@ models:
     startup_timeout_s: 30
     options: {{startup_s: 0.3, ttft_ms: 15, tokens_per_s: 300, slots: 8}}
 """
-LAUNCHER = Path(__file__).resolve().parent / "cp_launcher.py"
+LAUNCHER = Path(__file__).resolve().parent / "launcher.py"
 # Whole phases: each alert fires within seconds of its fault and resolves within the 20 s windows.
 PHASE_TIMEOUT_S = 120.0
 
@@ -217,9 +218,10 @@ async def test_every_shipped_alert_fires_reaches_alertmanager_and_resolves(tmp_p
         "LLMGW_HTTP_TIMEOUT_S": "2",
     }
     trigger = tmp_path / "fault-every-other-pass-raises"
-    ports = {name: free_port() for name in ("cp", "router", "router-2", "notifier")}
+    ports = {name: free_port() for name in ("cp", "router", "router-2", "router-3", "notifier")}
     stack: PromStack | None = None
     cut: TcpCut | None = None
+    cut3: TcpCut | None = None  # router-3's way to the bus: cut from its start
     receivers = [Receiver(), Receiver()]
     watcher: asyncio.Task[None] | None = None
     boot_hold: asyncio.Task[httpx.Response] | None = None
@@ -229,9 +231,11 @@ async def test_every_shipped_alert_fires_reaches_alertmanager_and_resolves(tmp_p
         await asyncio.to_thread(c.start_nats)
         cut = TcpCut(c.nats_port)
         await cut.restore()
-        _start_cp(c, trigger, cut.url, ports["cp"])
+        cut3 = TcpCut(c.nats_port)
+        _start_cp(c, _via(trigger, cut.url), ports["cp"])
         for r in ("router", "router-2"):
             c.start_router(r, admin_port=ports[r])
+        c.start_router("router-3", admin_port=ports["router-3"], launcher=_via(trigger, cut3.url))
         for node, gpus in (
             ("n1", "1xH100-80GB"),
             ("n2", "1xH100-80GB"),
@@ -266,7 +270,7 @@ async def test_every_shipped_alert_fires_reaches_alertmanager_and_resolves(tmp_p
             (rules / f.name).write_text(rules_for_test(f.read_text()))
         jobs = {
             "llmgw-controlplane": [f"127.0.0.1:{ports['cp']}"],
-            "llmgw-router": [f"127.0.0.1:{ports['router']}", f"127.0.0.1:{ports['router-2']}"],
+            "llmgw-router": [f"127.0.0.1:{ports[r]}" for r in ("router", "router-2", "router-3")],
             "llmgw-notifier": [f"127.0.0.1:{ports['notifier']}"],
         }
         stack = PromStack(tmp_path / "prom", jobs, rules / "*.yml")
@@ -285,7 +289,7 @@ async def test_every_shipped_alert_fires_reaches_alertmanager_and_resolves(tmp_p
         # Every service scraped, and nothing firing but what the cluster is built with.
         async def all_up() -> dict[str, str] | None:
             up = await targets_up(http, prom)
-            return up if len(up) == 4 and set(up.values()) == {"up"} else None
+            return up if len(up) == 5 and set(up.values()) == {"up"} else None
 
         await eventually(all_up, timeout=30, every=0.5, what="Prometheus to scrape every service")
         hold_series = await query(http, prom, 'llmgw_router_hold_seconds_count{model="judge"}')
@@ -301,11 +305,15 @@ async def test_every_shipped_alert_fires_reaches_alertmanager_and_resolves(tmp_p
         # Requests held while judge first started (the boot request, the notifier's probes) may raise
         # LlmgwRequestsHeldLong at the test's 5 s: it resolves once they leave the 20 s window. Quiet is
         # Prometheus holding nothing else either, pending included (a hold that just ended).
-        quiet = ["LlmgwModelUnplaceable{'job': 'llmgw-controlplane'}"]
+        quiet = [
+            "LlmgwModelUnplaceable{'job': 'llmgw-controlplane'}",
+            "LlmgwRouterWithoutRouting{'job': 'llmgw-router'}",
+        ]
 
         async def only_unplaceable() -> bool:
             rules_say = await rule_alerts(http, prom)
-            return rules_say == ["LlmgwModelUnplaceable firing"] and log.names_now() == quiet
+            firing = ["LlmgwModelUnplaceable firing", "LlmgwRouterWithoutRouting firing"]
+            return rules_say == firing and log.names_now() == quiet
 
         await eventually(only_unplaceable, timeout=60, every=0.25, what=f"only {quiet} pending or firing")
         await asyncio.sleep(3)  # a few evaluations more
@@ -350,6 +358,11 @@ async def test_every_shipped_alert_fires_reaches_alertmanager_and_resolves(tmp_p
                 ),
                 Fault("reconcile passes raise", [Expect("LlmgwControlPlaneFailingPasses")], untrigger),
                 Fault("model big needs a B200", [unplaceable], b200_node),
+                Fault(
+                    "router-3 cut from the bus since its start",
+                    [Expect("LlmgwRouterWithoutRouting")],
+                    cut3.restore,
+                ),
                 Fault(
                     "judge's engine killed mid-stream",
                     [
@@ -443,20 +456,27 @@ async def test_every_shipped_alert_fires_reaches_alertmanager_and_resolves(tmp_p
         if stack is not None:
             await asyncio.to_thread(stack.stop)
         await c.aclose()
-        if cut is not None:
-            await cut.cut()
+        for proxy in (cut, cut3):
+            if proxy is not None:
+                await proxy.cut()
         for receiver in receivers:
             await receiver.stop()
         await http.aclose()
 
 
-def _start_cp(c: ChaosCluster, trigger: Path, nats_url: str, admin_port: int) -> Proc:
-    """The harness's control plane with the launcher that arms the fault and goes through the cut."""
+def _via(trigger: Path, nats_url: str) -> list[str]:
+    """The launcher (launcher.py) that puts a service on the bus through ``nats_url`` (a cut of the
+    test's) and arms a control plane's fault."""
+    return [sys.executable, str(LAUNCHER), str(trigger), nats_url]
+
+
+def _start_cp(c: ChaosCluster, launcher: list[str], admin_port: int) -> Proc:
+    """The harness's control plane (its own start has no admin port to give) with ``launcher``."""
     return c._proc(
         "cp-a",
         ["controlplane", "--catalog", str(c.catalog_path), "--admin-port", str(admin_port)],
         {},
-        [sys.executable, str(LAUNCHER), str(trigger), nats_url],
+        launcher,
     )
 
 

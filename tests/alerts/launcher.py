@@ -1,12 +1,12 @@
-"""Run `llmgw controlplane` for the alert test: on the bus through a URL the test can cut, and with a
-fault the test can turn on and off.
+"""Run an llmgw service for the alert test on the bus through a URL the test can cut, and (a control
+plane) with a fault the test can turn on and off.
 
-    python cp_launcher.py TRIGGER_FILE NATS_URL controlplane <llmgw arguments...>
+    python launcher.py TRIGGER_FILE NATS_URL <llmgw command and arguments...>
 
-``NATS_URL`` replaces the ``--nats`` the chaos harness passes (a proxy of the test's: cutting it leaves
-this control plane alone without the bus). While ``TRIGGER_FILE`` exists every other reconcile pass
-raises, as a bug on some input would: the failures are counted (the alert's metric) but never ten in a
-row, so the process does not exit 70 and the rest of the cluster goes on being reconciled
+``NATS_URL`` replaces the ``--nats`` the chaos harness passes (a proxy of the test's: cut, it leaves this
+process alone without the bus). For ``controlplane``: while ``TRIGGER_FILE`` exists every other reconcile
+pass raises, as a bug on some input would: the failures are counted (the alert's metric) but never ten
+in a row, so the process does not exit 70 and the rest of the cluster goes on being reconciled
 (tests/chaos/faults.py has the fault where every pass raises).
 """
 
@@ -43,8 +43,9 @@ def with_nats(argv: list[str], url: str) -> list[str]:
 
 
 if __name__ == "__main__":
-    trigger, url = Path(sys.argv[1]), sys.argv[2]
-    arm(trigger)
+    trigger, url, command = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    if command == "controlplane":
+        arm(trigger)
     os.environ["LLMGW_NATS_URLS"] = url
     sys.argv = ["llmgw", *with_nats(sys.argv[3:], url)]
     from llmgw_cli.main import main
