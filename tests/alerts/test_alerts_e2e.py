@@ -36,7 +36,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -173,11 +173,17 @@ class Run:
     def report(self) -> str:
         return "\n".join(self.lines) + f"\nAlertmanager holds now: {self.log.names_now()}"
 
-    async def phase(self, faults: list[Fault], started: float) -> None:
+    async def phase(
+        self, faults: list[Fault], started: float, doing: Sequence[asyncio.Task[None]] = ()
+    ) -> None:
         """Wait until each fault's alerts were all held by Alertmanager (then mend it), and until every
-        one of them is no longer held."""
+        one of them is no longer held. ``doing``: the test's own tasks making faults; one that failed
+        fails the phase at once, with its own error."""
         deadline = time.monotonic() + PHASE_TIMEOUT_S
         while True:
+            for task in doing:
+                if task.done() and task.exception() is not None:
+                    await task
             pending = []
             for f in faults:
                 fired = [self.log.fired_at(e, started) for e in f.expect]
@@ -385,7 +391,7 @@ async def test_every_shipped_alert_fires_reaches_alertmanager_and_resolves(tmp_p
                     lambda: take(b),
                 ),
             ]
-            await run.phase(faults, started)
+            await run.phase(faults, started, [judge])
             await judge
             run.say("phase 1: every alert fired and resolved")
 
