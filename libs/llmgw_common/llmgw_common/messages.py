@@ -141,6 +141,8 @@ class ReplicaLoad(Message):
 class LoadReport(Message):
     node: NodeName
     sent_at: float
+    # The lines due (issue 34): a replica's when its load changed (at most every 250 ms) or once a
+    # heartbeat unchanged, not every replica of the node each time: a reader keeps the newest per replica.
     replicas: tuple[ReplicaLoad, ...] = ()
 
 
