@@ -2,7 +2,8 @@
 ``make vllm`` makes with peft (deterministic, non-zero). A request through the router for an adapter no
 replica holds is held while the control plane asks a replica to load it and the agent loads it through
 vLLM's runtime API; its answer is the adapter's: the same as vLLM's own answer with that adapter (asked
-of the engine directly), and not the base's, nor the other adapter's.
+of the engine directly), and not the base's, nor the other adapter's. With both of the replica's slots
+taken (max_loras 2), a third adapter takes the place of the one used least recently.
 
 Last in name order, on a catalog of its own (gemma on one replica with LoRA on): one vLLM start, and no
 module after it needs the default catalog back.
@@ -19,8 +20,13 @@ from tests.vllm.vllm_kit import GEMMA, VllmInstall
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group("vllm"), pytest.mark.timeout(1500)]
 
-# What `make vllm` makes (deploy/vllm/make_lora.py): rank 8 on q_proj and v_proj, seeds 1 and 2.
-ADAPTERS = {"gemma-fr": "gemma-3-270m-lora-a", "gemma-de": "gemma-3-270m-lora-b"}
+# What `make vllm` makes (deploy/vllm/make_lora.py): rank 8 on q_proj and v_proj, seeds 1 and 2. A third
+# name for the first one's files: a third adapter for max_loras 2, whose answer must be the first's.
+ADAPTERS = {
+    "gemma-fr": "gemma-3-270m-lora-a",
+    "gemma-de": "gemma-3-270m-lora-b",
+    "gemma-fr2": "gemma-3-270m-lora-a",
+}
 CATALOG = yaml.safe_dump(
     {
         "models": [profile("gemma", GEMMA, replicas=1, max_loras=2, max_lora_rank=8)],
@@ -53,7 +59,7 @@ async def complete(http: httpx.AsyncClient, url: str, model: str, key: str | Non
     return text
 
 
-async def test_an_adapters_answer_through_llmgw_is_vllms_own_with_that_adapter(
+async def test_an_adapters_answer_through_llmgw_is_vllms_own_and_a_third_takes_the_least_recent_slot(
     lora_dirs: dict[str, str], cluster: tuple[VllmCluster, str]
 ) -> None:
     c, key = cluster
@@ -78,3 +84,8 @@ async def test_an_adapters_answer_through_llmgw_is_vllms_own_with_that_adapter(
         assert {m["id"]: m.get("parent") for m in models if m["id"] in ADAPTERS} == dict.fromkeys(
             ADAPTERS, "gemma"
         )
+        # Both slots (max_loras 2) are taken: a third adapter replaces the one used least recently
+        # (gemma-fr), and answers as the files it shares with gemma-fr do.
+        assert await complete(http, router, "gemma-fr2", key) == fr
+        loaded = {m["id"] for m in (await http.get(f"{engine}/v1/models")).json()["data"]}
+        assert loaded == {"gemma", "gemma-de", "gemma-fr2"}, loaded
