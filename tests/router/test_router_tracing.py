@@ -4,6 +4,8 @@ exporter (the receiver over OTLP is tests/router/test_router_tracing_phoenix.py)
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 import subprocess
 import sys
@@ -90,11 +92,15 @@ async def traced(
     """Start a static router whose spans go to ``exporter`` (the SDK's processor, sampling all)."""
     started: list[Router] = []
 
-    async def make(models: dict[str, list[str]], **kw: Any) -> Router:
+    async def make(models: dict[str, list[str]], static: dict[str, Any] | None = None, **kw: Any) -> Router:
         import yaml
 
         path = tmp_path / f"static-{len(started)}.yaml"
-        path.write_text(yaml.safe_dump(static_file(models, auth=False)))
+        doc = static_file(models, **(static or {"auth": False}))
+        for m in doc["models"]:
+            m.update((static or {}).get("profile", {}))
+        doc.pop("profile", None)
+        path.write_text(yaml.safe_dump(doc))
         r = Router(RouterSettings(port=0, static_file=str(path), router_id=f"tr{len(started)}", **kw))
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -162,6 +168,7 @@ async def test_off_no_traceparent_sends_none(
     assert engine.seen == [(None, None)]
 
 
+@pytest.mark.slow
 def test_off_the_sdk_is_never_imported() -> None:
     """A router with tracing off never loads the OpenTelemetry SDK nor its exporter (a process of its
     own: this one has them loaded by the tests)."""
@@ -176,6 +183,7 @@ def test_off_the_sdk_is_never_imported() -> None:
     assert out.stdout.strip() == "[]", out.stdout
 
 
+@pytest.mark.slow
 def test_on_without_the_sdk_is_a_clear_startup_error() -> None:
     """otlp_traces_endpoint set where the tracing extra is missing: the router refuses to start, and
     says what to install (the SDK hidden from a child process)."""
@@ -314,3 +322,36 @@ async def test_on_a_streamed_answer_names_the_model_and_usage(
         last["usage"]["prompt_tokens"],
         last["usage"]["completion_tokens"],
     )
+
+
+KEY = "llmgw-test-" + "k" * 32
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keyed", [False, True])
+async def test_on_a_wait_at_the_models_gate_is_an_event(
+    traced: Any, engines: EngineFactory, exporter: InMemorySpanExporter, keyed: bool
+) -> None:
+    """A model at its concurrency limit: the second request waits in its queue, fair across keys by
+    weight (a keyed request) or in plain admission (auth off)."""
+    sim = await engines("m1", ttft_ms=400, tokens_per_s=1000)
+    static: dict[str, Any] = {"profile": {"max_concurrency": 1}}
+    headers: dict[str, str] = {}
+    if keyed:
+        static["keys"] = [{"name": "tenant", "hash": hashlib.sha256(KEY.encode()).hexdigest()}]
+        headers["Authorization"] = f"Bearer {KEY}"
+    else:
+        static["auth"] = False
+    r = await traced({"m1": [sim.url]}, static)
+    results = await asyncio.gather(*(_post(r.port, headers) for _ in range(2)))
+    assert [st for st, _ in results] == [200, 200], results
+    servers = _by_kind(exporter.get_finished_spans(), SpanKind.SERVER)
+    assert len(servers) == 2
+    name = "llmgw.fair_queue.wait" if keyed else "llmgw.admission.wait"
+    waits = [e for s in servers for e in s.events if e.name.endswith(".wait")]
+    assert [e.name for e in waits] == [name], waits
+    a = waits[0].attributes or {}
+    waited = a["llmgw.waited_s"]
+    assert isinstance(waited, float) and waited >= 0.2  # the first request's time at the engine, roughly
+    assert a["llmgw.concurrency_limit"] == 1
+    assert ("llmgw.key_id" in a) is keyed
