@@ -4,6 +4,8 @@ storage scan that knows an adapter's directory."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import struct
 from pathlib import Path
@@ -11,12 +13,15 @@ from pathlib import Path
 import pytest
 
 from llmgw_agent.adapter_plan import Failure, WantedAdapter, plan_adapters
-from llmgw_agent.adapter_sync import describe_failure
+from llmgw_agent.adapter_sync import AdapterSync, describe_failure
 from llmgw_agent.engines import LaunchSpec, Refusal, launch_spec
 from llmgw_agent.metrics import lora_busy
 from llmgw_agent.settings import AgentSettings
 from llmgw_agent.storage import scan_model_dirs
-from llmgw_common.messages import ShardAssignment
+from llmgw_agent.supervisor import Shard
+from llmgw_common.messages import AdapterLoad, ShardAssignment, ShardState
+from llmgw_sim.options import SimOptions
+from llmgw_sim.serving import start
 
 # ---------------------------------------------------------------- the plan
 
@@ -222,3 +227,66 @@ def test_the_scan_reports_whole_adapter_directories_only(tmp_path: Path) -> None
     report = scan_model_dirs([str(models)], ())
     assert [w.name for w in report.weights] == ["whole"]
     assert report.weights[0].path == str(models / "whole")
+
+
+# ---------------------------------------------------------------- one pass against an engine
+
+
+async def one_pass(sync: AdapterSync, sh: Shard) -> tuple[tuple[str, ...], dict[str, str]]:
+    sync.sync([sh])
+    await asyncio.wait_for(sync.passes_done(), 10)
+    return sync.report(sh.key)
+
+
+def ready_shard(a: ShardAssignment, spec: LaunchSpec, tmp_path: Path) -> Shard:
+    return Shard(assignment=a, spec=spec, log_path=tmp_path / "engine.log", state=ShardState.READY, pid=1)
+
+
+async def test_a_replica_that_serves_no_adapters_says_so_per_adapter(tmp_path: Path) -> None:
+    asked = (AdapterLoad(name="fr", weights="fr-lora"),)
+    s = settings(tmp_path)
+    sync = AdapterSync(s, lambda key: None)
+    try:
+        plain = shard("sim", adapters=asked)
+        _, errors = await one_pass(sync, ready_shard(plain, spec_of(plain, s), tmp_path))
+        assert errors == {"fr": "the base profile of gemma serves no adapters (it has no max_loras)"}
+        gguf = tmp_path / "models" / "gemma.gguf"
+        gguf.parent.mkdir()
+        gguf.write_bytes(b"GGUF")
+        s2 = settings(tmp_path, model_dirs=[str(gguf.parent)])
+        llama = shard("llamacpp", weights="gemma", adapters=asked, replica_id="r2")
+        _, errors = await one_pass(sync, ready_shard(llama, spec_of(llama, s2), tmp_path))
+        assert errors["fr"].startswith("llama.cpp loads LoRA adapters only when its server starts")
+    finally:
+        await sync.aclose()
+
+
+async def test_an_engine_without_the_runtime_api_and_one_with_it(tmp_path: Path) -> None:
+    """A simulator without max_loras answers the load with vLLM's bare 404 (no runtime API); one with
+    it loads, and the next pass after it dropped an adapter (a restart's loss) loads it again."""
+    without = await start(SimOptions(port=0, zero=True))
+    with_lora = await start(SimOptions(port=0, zero=True, max_loras=2))
+    s = settings(tmp_path)
+    current: dict[tuple[str, int], ShardAssignment] = {}
+    sync = AdapterSync(s, current.get)
+    asked = (AdapterLoad(name="fr", weights="/w/fr"),)
+    try:
+        a = shard("sim", port=without.port, max_loras=2, max_lora_rank=16, adapters=asked)
+        spec = dataclasses.replace(spec_of(a, s), lora_url=without.url)
+        _, errors = await one_pass(sync, ready_shard(a, spec, tmp_path))
+        assert errors["fr"].startswith("the engine serves no runtime LoRA API")
+
+        b = shard("sim", port=with_lora.port, max_loras=2, max_lora_rank=16, adapters=asked, replica_id="r2")
+        sh = ready_shard(b, spec_of(b, s), tmp_path)
+        assert await one_pass(sync, sh) == (("fr",), {})
+        assert with_lora.engine.lora is not None
+        with_lora.engine.lora.unload("fr")  # as a restarted engine holds none
+        assert await one_pass(sync, sh) == (("fr",), {})
+        # The assignment now asks for nothing (the supervisor's copy still lists fr): unloaded.
+        current[sh.key] = b.model_copy(update={"adapters": ()})
+        assert await one_pass(sync, sh) == ((), {})
+        assert with_lora.engine.lora.loaded == {}
+    finally:
+        await sync.aclose()
+        for srv in (without, with_lora):
+            await srv.runner.cleanup()

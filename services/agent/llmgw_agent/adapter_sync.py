@@ -146,6 +146,11 @@ class AdapterSync:
             return (), {}
         return tuple(r.loaded), {name: f.error for name, f in r.failures.items()}
 
+    async def passes_done(self) -> None:
+        """Return once the passes under way have ended (their results are in :meth:`report`)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
     async def aclose(self) -> None:
         for t in self._tasks:
             t.cancel()
