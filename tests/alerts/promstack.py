@@ -327,7 +327,7 @@ class AlertLog:
     def names_now(self) -> list[str]:
         if not self.polls:
             return []
-        return sorted(Expect(a["alertname"], {}).alert + str(_short(a)) for a in self.polls[-1][1])
+        return sorted(f"{a['alertname']}{_short(a)}" for a in self.polls[-1][1])
 
 
 def _short(labels: Mapping[str, str]) -> dict[str, str]:
