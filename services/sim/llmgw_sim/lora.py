@@ -27,6 +27,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmgw_common.errors import InvalidInput
+
 # A series per label set seen, as vLLM keeps them; bounded here (vLLM's is not), so that a benchmark
 # with many adapters does not grow every scrape without end. The newest are kept.
 MAX_INFO_SERIES = 64
@@ -39,8 +41,9 @@ class Adapter:
     path: str
 
 
-class LoadRefused(Exception):
-    """vLLM's refusal of a load or unload: its status, error type and message."""
+class LoadRefused(InvalidInput):
+    """vLLM's refusal of a load or unload (the adapter asked for is wrong here): its status, error type
+    and message."""
 
     def __init__(self, status: int, type_: str, message: str) -> None:
         super().__init__(message)
