@@ -92,7 +92,9 @@ async def traced(
     """Start a static router whose spans go to ``exporter`` (the SDK's processor, sampling all)."""
     started: list[Router] = []
 
-    async def make(models: dict[str, list[str]], static: dict[str, Any] | None = None, **kw: Any) -> Router:
+    async def make(
+        models: dict[str, list[str]], static: dict[str, Any] | None = None, ratio: float = 1.0, **kw: Any
+    ) -> Router:
         import yaml
 
         path = tmp_path / f"static-{len(started)}.yaml"
@@ -104,7 +106,7 @@ async def traced(
         r = Router(RouterSettings(port=0, static_file=str(path), router_id=f"tr{len(started)}", **kw))
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(exporter))
-        r.ctx.tracing = RouterTracing(Tracer(provider, provider.get_tracer("test")))
+        r.ctx.tracing = RouterTracing(Tracer(provider, provider.get_tracer("test")), ratio)
         await r.start()
         started.append(r)
         return r
@@ -355,3 +357,31 @@ async def test_on_a_wait_at_the_models_gate_is_an_event(
     assert isinstance(waited, float) and waited >= 0.2  # the first request's time at the engine, roughly
     assert a["llmgw.concurrency_limit"] == 1
     assert ("llmgw.key_id" in a) is keyed
+
+
+async def test_on_a_request_not_sampled_has_no_span_and_its_engine_a_new_unsampled_trace(
+    traced: Any, engine: Engine, exporter: InMemorySpanExporter
+) -> None:
+    r = await traced({"m1": [engine.url]}, ratio=0.0)
+    for _ in range(3):
+        assert (await _post(r.port, {}))[0] == 200
+    assert exporter.get_finished_spans() == ()
+    sent = [parse_traceparent(tp) for tp, _ in engine.seen]
+    assert all(p is not None and not p.sampled for p in sent)
+    assert len({p.trace_id for p in sent if p is not None}) == 3  # a trace each
+
+
+async def test_on_the_clients_sampled_flag_decides_for_its_request(
+    traced: Any, engine: Engine, exporter: InMemorySpanExporter
+) -> None:
+    r = await traced({"m1": [engine.url]}, ratio=0.0)
+    assert (await _post(r.port, {"traceparent": GOOD}))[0] == 200  # sampled: recorded whatever the ratio
+    (server,) = _by_kind(exporter.get_finished_spans(), SpanKind.SERVER)
+    assert server.context is not None and f"{server.context.trace_id:032x}" == TRACE
+    exporter.clear()
+    r2 = await traced({"m1": [engine.url]}, ratio=1.0)
+    unsampled = f"00-{TRACE}-{SPAN}-00"
+    assert (await _post(r2.port, {"traceparent": unsampled, "tracestate": "a=1"}))[0] == 200
+    assert exporter.get_finished_spans() == ()
+    # Not recorded: the engine has the client's context as it came.
+    assert engine.seen[-1] == (unsampled, "a=1")

@@ -144,10 +144,16 @@ def make_proxy_handler(ctx: RouterContext, route: Route) -> Handler:
 
     async def handle(request: Request) -> Answer:
         t0 = time.perf_counter()
-        # One SERVER span per request when tracing is on; off, nothing but the client's context passed on.
-        tr = (
-            None if tracing is None else tracing.begin(request, "POST", route.path, route.api, time.time_ns())
-        )
+        # One SERVER span per sampled request when tracing is on (a request not sampled: only the context
+        # its engine is sent); off, nothing but the client's context passed on.
+        tr: RequestTrace | None = None
+        fwd: bytes | None = None
+        if tracing is not None:
+            began = tracing.begin(request, "POST", route.path, route.api, time.time_ns())
+            if isinstance(began, bytes):
+                fwd = began
+            else:
+                tr = began
         # The record kept here, not on the request: nothing else reads it from a proxied request.
         rec = keycheck.record(request)
         if isinstance(rec, RouterError):
@@ -157,7 +163,9 @@ def make_proxy_handler(ctx: RouterContext, route: Route) -> Handler:
         body = whole_body(ctx, request)
         if body is None:
             body = await read_body(ctx, request)
-        admitted = body if isinstance(body, RouterError) else admit(ctx, route, request, rec, body, t0, tr)
+        admitted = (
+            body if isinstance(body, RouterError) else admit(ctx, route, request, rec, body, t0, tr, fwd)
+        )
         if isinstance(admitted, RouterError):
             if tr is not None:
                 _traced_end(tr, admitted)
@@ -201,9 +209,11 @@ def admit(
     body: bytes,
     t0: float,
     tr: RequestTrace | None = None,
+    fwd: bytes | None = None,
 ) -> Admitted | RouterError:
     """One parse, the catalog, the pin, the quota: the admitted request, or the refusal (counted here).
-    ``tr``: the request's span (tracing on), told the model and a quota's refusal."""
+    ``tr``: the request's span (tracing on), told the model and a quota's refusal; ``fwd``: the trace
+    context its engine is sent when it has no span (None: the client's, read here)."""
     metrics = ctx.metrics
     dialect = route.dialect
     parsed = dialect.parse(body, request)
@@ -283,7 +293,7 @@ def admit(
         adapter,
         profile.name,
         tr,
-        forwarded(request) if tr is None else b"",
+        b"" if tr is not None else forwarded(request) if fwd is None else fwd,
     )
 
 

@@ -133,13 +133,10 @@ class Router:
         self.ctx.holding.ask = self._ask_wake
         if settings.otlp_traces_endpoint:
             # The SDK is imported here only (llmgw_runtime.tracing): a router with tracing off never loads it.
+            # The router samples (RouterTracing.begin); the SDK records every span it is given.
             self.ctx.tracing = RouterTracing(
-                start_tracing(
-                    "llmgw-router",
-                    settings.router_id,
-                    settings.otlp_traces_endpoint,
-                    settings.trace_sample_ratio,
-                )
+                start_tracing("llmgw-router", settings.router_id, settings.otlp_traces_endpoint, 1.0),
+                settings.trace_sample_ratio,
             )
         self.demand = DemandMeter(self.ctx)
         # Usage kept durably (KV <prefix>_usage), once the bus is reached.
