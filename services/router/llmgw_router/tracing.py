@@ -196,36 +196,41 @@ class RequestTrace:
 
 
 class AttemptSpan:
-    """One engine asked: its CLIENT span and the header lines that carry it to the engine."""
+    """One engine asked: its CLIENT span and the header lines that carry it to the engine. What the
+    answer says is kept and set on the span once, at its end (each of the SDK's set calls takes a lock
+    and checks every value)."""
 
-    __slots__ = ("headers", "span", "trace")
+    __slots__ = ("headers", "model", "span", "trace", "usage")
 
     def __init__(self, trace: RequestTrace, span: Span, headers: bytes) -> None:
         self.trace, self.span, self.headers = trace, span, headers
+        self.model: str | None = None
+        self.usage: tuple[int, int] | None = None
 
     def answered(self, data: bytes) -> None:
         """The engine's first bytes (a whole answer, a stream's first events): the model it names."""
         model = response_model(data)
         if model is not None:
-            self.trace.response_model = model
-            self.span.set_attribute("gen_ai.response.model", model)
+            self.model = self.trace.response_model = model
 
     def used(self, usage: tuple[int, int] | None) -> None:
         if usage is not None:
-            self.trace.usage = usage
-            self.span.set_attributes(
-                {"gen_ai.usage.input_tokens": usage[0], "gen_ai.usage.output_tokens": usage[1]}
-            )
+            self.usage = self.trace.usage = usage
 
     def end(self, status: int | None, error: str | None = None) -> None:
         span = self.span
-        if span.is_recording():
-            if status is not None:
-                span.set_attribute("http.response.status_code", status)
-            err = error or (str(status) if status is not None and status >= 400 else None)
-            if err is not None:
-                span.set_attribute("error.type", err)
-                _set_error(span, err)
+        attrs: dict[str, AttributeValue] = {}
+        if status is not None:
+            attrs["http.response.status_code"] = status
+        if self.model is not None:
+            attrs["gen_ai.response.model"] = self.model
+        if self.usage is not None:
+            attrs["gen_ai.usage.input_tokens"], attrs["gen_ai.usage.output_tokens"] = self.usage
+        err = error or (str(status) if status is not None and status >= 400 else None)
+        if err is not None:
+            attrs["error.type"] = err
+            _set_error(span, err)
+        span.set_attributes(attrs)
         span.end()
 
 
