@@ -74,8 +74,11 @@ class Cluster:
         assert isinstance(pid, int)
         return pid
 
-    async def report(self, pred: Any, timeout: float = 30.0) -> ReplicaLoad:
-        m = await self.seen.wait("load", pred, timeout=timeout, since=max(0, self.seen.mark("load") - 1))
+    async def report(self, pred: Any, timeout: float = 30.0, *, newer: bool = False) -> ReplicaLoad:
+        """A load report of the replica satisfying ``pred``: the latest one on, or (``newer``) only one
+        sent after this call (not an earlier engine's)."""
+        mark = self.seen.mark("load")
+        m = await self.seen.wait("load", pred, timeout=timeout, since=mark if newer else max(0, mark - 1))
         r = line(m)
         assert r is not None
         return r
@@ -142,7 +145,8 @@ async def test_adapters_follow_the_assignment_without_a_restart_and_again_on_a_n
             lambda h: (s := shard_of(h, REPLICA)) is not None and s.port == port2 and s.state == "ready",
         )
         again = await c.report(
-            lambda m: adapters_are("de", "it")(m) and (r := line(m)) is not None and not r.adapter_errors
+            lambda m: adapters_are("de", "it")(m) and (r := line(m)) is not None and not r.adapter_errors,
+            newer=True,
         )
         assert again.adapters
         async with httpx.AsyncClient(timeout=10) as http:

@@ -18,12 +18,11 @@ to the engine. Failures are reported per adapter in the user's terms (:func:`des
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,14 +151,14 @@ class AdapterSync:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     async def aclose(self) -> None:
-        for t in self._tasks:
+        tasks = list(self._tasks)
+        for t in tasks:
             t.cancel()
-        for t in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        # A pass that crashed was logged when it ended (_done): its exception is not raised again here.
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._http.aclose()
 
-    def _spawn(self, work: Any, name: str) -> asyncio.Task[None]:
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.create_task(work, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._done)
