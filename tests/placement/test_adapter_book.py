@@ -161,3 +161,14 @@ def test_the_adapters_go_on_shard_0_and_change_no_engines_fingerprint() -> None:
     assert (after["n1"][0].max_loras, after["n1"][0].max_lora_rank) == (2, 16)
     for n in ("n1", "n2"):
         assert assignment_fingerprint(before[n][0]) == assignment_fingerprint(after[n][0])
+
+
+def test_a_rise_in_an_adapters_arrivals_is_a_use_since_the_last_pass() -> None:
+    book = _book()
+    s = _snap([_r("r1", "n1")], now=1000.0)
+    book.decide(s, {"a1": replace(_merged(0), arrived=2)}, lambda: {"r1": ("a1",)})
+    assert book.memo is not None and book.memo.used["a1"] == 1000.0  # from the stored assignment
+    book.decide(replace(s, now=1100.0), {"a1": replace(_merged(0), arrived=2)}, dict)
+    assert book.memo.used["a1"] == 1000.0  # the same arrivals: nothing new
+    book.decide(replace(s, now=1200.0), {"a1": replace(_merged(0), arrived=3)}, dict)
+    assert book.memo.used["a1"] == 1200.0

@@ -270,3 +270,11 @@ def test_an_adapter_used_within_recent_use_s_is_not_let_go() -> None:
     assert d.unloads == () and "a3" in d.waiting
     later = _decide(replace(s, now=1601.0 + POLICY.recent_use_s), memo, demand={"a3": 1})
     assert [m.adapter for m in later.unloads] == ["a1"]
+
+
+def test_a_request_seen_only_as_an_arrival_counts_as_use_for_the_lru_order() -> None:
+    memo = _memo({"r1": ("a1", "a2")}, at=1000.0, used={"a1": 1200.0, "a2": 1300.0})
+    s = _cat_snap([_r("r1", "n1")], now=1600.0)
+    # a1 is older by the memo, but a short request for it arrived since the last pass: a2 goes.
+    d = decide_adapters(s, memo, AdapterInputs(demand={"a3": 1}, touched=frozenset({"a1"})), POLICY)
+    assert [m.adapter for m in d.unloads] == ["a2"] and d.memo.used["a1"] == 1600.0

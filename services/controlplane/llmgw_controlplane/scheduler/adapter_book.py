@@ -99,10 +99,13 @@ class AdapterBook:
         self.wants: dict[str, float] = {}
         self.memo: AdapterMemo | None = None
         self.last: AdapterDecision | None = None
+        # adapter -> the routers' arrivals over their window, as last seen: a rise is a request since
+        self._arrived: dict[str, int] = {}
 
     def new_tenure(self) -> None:
         """Leading (again): the memo is rebuilt from the stored assignments on the first pass."""
         self.wants.clear()
+        self._arrived.clear()
         self.memo = None
         self.last = None
 
@@ -123,10 +126,14 @@ class AdapterBook:
         """One pass's decision; ``written``: replica -> adapters of the stored assignments (a new
         tenure's starting point, read only then)."""
         memo = self.memo if self.memo is not None else AdapterMemo.from_assignments(written(), snap.now)
+        arrived = {a: m.arrived for a in snap.catalog.adapter_names if (m := demand.get(a)) is not None}
+        touched = frozenset(a for a, n in arrived.items() if n > self._arrived.get(a, 0))
+        self._arrived = arrived
         inputs = AdapterInputs(
             seen=self.reports.seen(snap.now),
             demand=MappingProxyType(adapter_demand(demand, snap.catalog)),
             wanted=self.wanted(snap.now),
+            touched=touched,
         )
         d = decide_adapters(snap, memo, inputs, self.policy)
         self.memo, self.last = d.memo, d

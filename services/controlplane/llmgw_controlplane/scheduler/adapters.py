@@ -94,6 +94,8 @@ class AdapterInputs:
     demand: Mapping[str, int] = field(default_factory=_frozen)
     # adapters a wake asked for recently (their requests are held)
     wanted: AbstractSet[str] = frozenset()
+    # adapters with requests since the last pass, however short (the routers' arrivals): used now
+    touched: AbstractSet[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,6 +312,7 @@ def decide_adapters(
         if (
             inputs.demand.get(a, 0) > 0
             or a in inputs.wanted
+            or a in inputs.touched
             or any(a in s.busy for s in inputs.seen.values())
         ):
             used[a] = now
