@@ -290,3 +290,30 @@ async def test_an_engine_without_the_runtime_api_and_one_with_it(tmp_path: Path)
         await sync.aclose()
         for srv in (without, with_lora):
             await srv.runner.cleanup()
+
+
+@pytest.mark.slow
+async def test_loads_go_side_by_side_and_a_change_meanwhile_gets_a_pass_at_once(tmp_path: Path) -> None:
+    # 1 s a load: two side by side, then the third in a pass of its own, take about 2 s; one after
+    # another, or the third waiting for a tick, 3 s or more.
+    srv = await start(SimOptions(port=0, zero=True, max_loras=4, lora_load_s=1.0))
+    s = settings(tmp_path)
+    current: dict[tuple[str, int], ShardAssignment] = {}
+    sync = AdapterSync(s, current.get)
+    fr, de, it = (AdapterLoad(name=n, weights=f"/w/{n}") for n in ("fr", "de", "it"))
+    a = shard("sim", port=srv.port, max_loras=4, max_lora_rank=16, adapters=(fr, de))
+    sh = ready_shard(a, spec_of(a, s), tmp_path)
+    loop = asyncio.get_running_loop()
+    try:
+        t0 = loop.time()
+        sync.sync([sh])
+        await asyncio.sleep(0.3)
+        current[sh.key] = a.model_copy(update={"adapters": (fr, de, it)})
+        sync.sync([sh])  # the first pass is still loading
+        await asyncio.wait_for(sync.passes_done(), 15)
+        took = loop.time() - t0
+        assert set(sync.report(sh.key)[0]) == {"fr", "de", "it"}
+        assert 1.9 <= took < 2.8, took
+    finally:
+        await sync.aclose()
+        await srv.runner.cleanup()

@@ -4,8 +4,9 @@ asks, through the engine's runtime API, and reported (issue 33).
 Once a tick, for shard 0 of every ready replica that serves adapters (``LaunchSpec.lora_url``) or is
 asked for some: read what the engine holds (``GET /v1/models``: a card with a ``parent`` is an
 adapter, its ``root`` the path it came from), plan (:func:`llmgw_agent.adapter_plan.plan_adapters`),
-then unload (``POST /v1/unload_lora_adapter``) and load (``POST /v1/load_lora_adapter``). Each replica
-has at most one pass under way, off the tick (a load may take seconds). The engine's own list is the
+then unload (``POST /v1/unload_lora_adapter``) and load (``POST /v1/load_lora_adapter``, side by side).
+A change of the assignment starts a pass at once, not at the next tick. Each replica has at most one
+pass under way, off the tick (a load may take seconds); asked again meanwhile, it makes another. The engine's own list is the
 truth, so an engine that restarted (it lists none) gets its adapters again, and one re-adopted after
 an agent restart is read, not assumed. Never a restart: adapters are not in the assignment's
 fingerprint (:mod:`llmgw_agent.converge`).
@@ -61,6 +62,8 @@ class _Replica:
     loaded: dict[str, str] = field(default_factory=dict)
     failures: dict[str, Failure] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
+    # Asked for again while a pass was under way (the assignment changed): another pass follows at once.
+    again: bool = False
 
 
 def describe_failure(status: int, body: str, path: str) -> str:
@@ -118,8 +121,9 @@ class AdapterSync:
     # ---------------------------------------------------------------- the tick's side
 
     def sync(self, ready: Iterable[Shard]) -> None:
-        """Start a pass for each ready replica that serves or is asked for adapters and has none under
-        way; forget replicas that are no longer ready."""
+        """Start a pass for each ready replica that serves or is asked for adapters (one under way is
+        followed by another at once); forget replicas that are no longer ready. Called every tick and
+        when the assignment changes, so that an adapter asked for starts loading without waiting."""
         live: set[ShardKey] = set()
         for sh in ready:
             a = self._assignment(sh.key) or sh.assignment
@@ -132,7 +136,9 @@ class AdapterSync:
                     r.task.cancel()
                 r = self._replicas[sh.key] = _Replica(pid=sh.pid)
             if r.task is None or r.task.done():
-                r.task = self._spawn(self._pass(sh, a, r), f"adapters-{a.replica_id}")
+                r.task = self._spawn(self._passes(sh, r), f"adapters-{a.replica_id}")
+            else:
+                r.again = True
         for key in set(self._replicas) - live:
             gone = self._replicas.pop(key)
             if gone.task is not None:
@@ -172,6 +178,14 @@ class AdapterSync:
 
     # ---------------------------------------------------------------- one pass
 
+    async def _passes(self, sh: Shard, r: _Replica) -> None:
+        """Passes over one replica until none was asked for meanwhile, each with the assignment of now."""
+        while True:
+            r.again = False
+            await self._pass(sh, self._assignment(sh.key) or sh.assignment, r)
+            if not r.again:
+                return
+
     async def _pass(self, sh: Shard, a: ShardAssignment, r: _Replica) -> None:
         assert sh.spec is not None
         url = sh.spec.lora_url
@@ -196,16 +210,21 @@ class AdapterSync:
         plan = plan_adapters(wanted, r.loaded, r.failures, now, self.retry_s)
         for name, why in plan.refused.items():
             r.failures[name] = Failure(None, why, now)
-        for name in plan.unload:
-            await self._unload(url, name, r)
-        for name, path in plan.load:
-            problem = None if sh.spec.simulated else await asyncio.to_thread(weights_problem, Path(path))
-            if problem is not None:
-                r.failures[name] = Failure(
-                    path, f"missing weights: {path} is not a whole adapter ({problem})", now
-                )
-                continue
-            await self._load(url, name, path, r)
+        # Unloads first (they free the slots the loads take), then the loads side by side: a request
+        # held for one adapter does not wait for another's load.
+        await asyncio.gather(*(self._unload(url, name, r) for name in plan.unload))
+        await asyncio.gather(
+            *(self._checked_load(url, name, path, r, sh.spec.simulated) for name, path in plan.load)
+        )
+
+    async def _checked_load(self, url: str, name: str, path: str, r: _Replica, simulated: bool) -> None:
+        """Load one adapter, on a real engine only once its weights are whole on disk."""
+        problem = None if simulated else await asyncio.to_thread(weights_problem, Path(path))
+        if problem is not None:
+            why = f"missing weights: {path} is not a whole adapter ({problem})"
+            r.failures[name] = Failure(path, why, self.clock())
+            return
+        await self._load(url, name, path, r)
 
     def _resolve(self, ad: AdapterLoad, a: ShardAssignment, simulated: bool) -> WantedAdapter:
         """Where this node's engine loads ``ad`` from, or why it cannot."""

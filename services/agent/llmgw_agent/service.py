@@ -319,6 +319,8 @@ class Agent:
         self.fence = assignment.fence
         self.desired = {(sa.replica_id, sa.shard): sa for sa in assignment.shards}
         self._wake.set()
+        # Adapters asked for start loading now, not at the next tick (a request may be held for one).
+        self.adapters.sync(self.supervisor.ready())
 
     async def converge(self, *, adopt_only: bool = False) -> None:
         """Apply the converge plan; ``adopt_only``: only re-adopt engines of a previous run (the rest
