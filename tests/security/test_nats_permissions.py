@@ -292,3 +292,32 @@ async def test_a_router_writes_and_reads_the_usage_ledger_and_a_notifier_cannot_
         await denials.wait("notifier", f"$KV.{SUBJ.bucket_usage}.{ledger_key(3600.0, 'r9', 1.0)}")
     finally:
         await nc.close()
+
+
+async def test_a_router_whose_watch_was_lost_reads_the_change_itself_under_its_role(
+    clients: dict[str, NATS],
+) -> None:
+    """The follower's check (stream info) and catch-up (a get by sequence from the stream's leader) are
+    within the router's permissions: a change its watch lost still reaches it (issue 35)."""
+    cp, router = clients["controlplane"], clients["router"]
+    cp_kv = await cp.jetstream().key_value(SUBJ.bucket_keys)
+    await cp_kv.put("kw1", b"one")
+    seen: dict[str, bytes | None] = {}
+    f = KvFollower(
+        await router.jetstream(timeout=2.0).key_value(SUBJ.bucket_keys),
+        lambda k, v, r: seen.__setitem__(k, v),
+        resync_s=0.2,
+        name="router-keys",
+    )
+    await f.start()
+    try:
+        assert seen.get("kw1") == b"one"
+        stream = f"KV_{SUBJ.bucket_keys}"
+        for c in await cp.jetstream().consumers_info(stream):
+            await cp.jetstream().delete_consumer(stream, c.name)
+        reads = f.reads
+        await cp_kv.put("kw1", b"two")
+        await eventually(lambda: seen.get("kw1") == b"two", timeout=5, every=0.02, what="the change read")
+        assert f.reads > reads
+    finally:
+        await f.stop()

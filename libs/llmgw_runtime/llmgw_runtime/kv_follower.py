@@ -298,7 +298,8 @@ class KvFollower:
             value = None if _removal(m.headers) else (m.data or b"")
             await self._emit((m.subject or "")[len(pre) :], value, m.seq or n)
             self.seq = max(self.seq, m.seq or n)
-            n = (m.seq or n) + 1
+            # Past what the watch delivered meanwhile too: a watch that moves again is not read twice.
+            n = max(m.seq or n, self.seq) + 1
         # Every message up to ``last`` still in the stream was read (one that is gone was replaced by a
         # later one, read here or to come).
         self.seq = max(self.seq, last)
