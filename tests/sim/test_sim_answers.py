@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -62,6 +63,7 @@ prompt_words = st.lists(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(prompt=prompt_words, salt=st.sampled_from(["", "lora-a", "é"]), n=st.integers(1, 500), data=st.data())
 def test_a_text_plus_k_words_of_its_answer_is_cut_k_further(
