@@ -385,3 +385,22 @@ async def test_on_the_clients_sampled_flag_decides_for_its_request(
     assert exporter.get_finished_spans() == ()
     # Not recorded: the engine has the client's context as it came.
     assert engine.seen[-1] == (unsampled, "a=1")
+
+
+async def test_two_traceparent_headers_are_none(
+    routers: RouterFactory, static_file: StaticFile, engine: Engine
+) -> None:
+    """W3C Trace Context: several traceparent headers make it invalid; nothing is passed on."""
+    r = await routers(static_file({"m1": [engine.url]}, auth=False))
+    reader, writer = await asyncio.open_connection("127.0.0.1", r.port)
+    body = json.dumps(CHAT).encode()
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"traceparent: {GOOD}\r\nTraceparent: {GOOD}\r\n".encode()
+        + b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+    )
+    await writer.drain()
+    head = await reader.readline()
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 200"), head
+    assert engine.seen == [(None, None)]

@@ -58,7 +58,7 @@ Attrs = dict[str, "AttributeValue"]
 def forwarded(request: Request) -> bytes:
     """Tracing off: the client's trace context as header lines for the engine, b"" when it sent none
     that parses (a malformed ``traceparent`` is never passed on as it came)."""
-    value = request.header(b"traceparent")
+    value = request.traceparent
     if value is None:
         return b""
     parent = canonical_traceparent(value)
@@ -99,7 +99,7 @@ class RouterTracing:
         as it came (made anew), else a new trace's, marked not sampled."""
         from opentelemetry.trace import SpanKind
 
-        sent = request.header(b"traceparent")
+        sent = request.traceparent
         parent = parse_traceparent(sent)
         # The caller's decision when it sent one; else ``ratio`` of new traces.
         if not (parent.sampled if parent is not None else self.rng.random() < self.ratio):

@@ -88,6 +88,7 @@ class Request:
         "path",
         "problem",
         "query_string",
+        "traceparent",
         "version",
     )
 
@@ -112,8 +113,8 @@ class Request:
         self._headers: CIMultiDict[str] | None = None
         self.version = version
         self.keep_alive = keep_alive
-        # The three headers every request's handling reads, found in one pass (first of each).
-        cl = expect = auth = None
+        # The headers every request's handling reads, found in one pass (first of each).
+        cl = expect = auth = tp = None
         # What makes the request one to refuse (400) before any handler sees it: the connection reads it.
         self.problem: tuple[int, str] | None = None
         hosts = 0
@@ -135,6 +136,9 @@ class Request:
             elif n == 6:
                 if expect is None and k.lower() == b"expect":
                     expect = v.decode("utf-8", "surrogateescape")
+            elif n == 11 and k.lower() == b"traceparent":
+                # W3C Trace Context: two make it invalid ("", which no reader takes for a trace).
+                tp = v.decode("utf-8", "surrogateescape") if tp is None else ""
             elif n == 17 and k.lower() == b"transfer-encoding" and v.strip().lower() != b"chunked":
                 # Not chunked last: llhttp refuses it only after the head (the handler would have
                 # started; RFC 9112 §6.3: 400). Another coding before chunked (gzip, chunked): llhttp
@@ -150,6 +154,9 @@ class Request:
         self.content_length = int(cl) if cl is not None and cl.isdigit() else None
         # ``headers.get("Authorization")`` (the only one: a second is refused)
         self.authorization = auth
+        # The W3C ``traceparent`` as it came ("" when there were several): the router passes it on to
+        # its engine, or traces under it. Found here, in the pass already made, not by a lookup.
+        self.traceparent = tp
         self.match_info: dict[str, str] = {}
         # The body as it arrived, and whether all of it has (the parser saw the message's end).
         self._body: list[bytes] = []
