@@ -253,8 +253,10 @@ class KvFollower:
         if self._one_key:
             await self.resync()
             return
+        # The sequence seen before asking: the watch may deliver past the answer while it comes back.
+        seen = self.seq
         last, created = await self._stream_state()
-        if created != self._created or last < self.seq:
+        if created != self._created or last < seen:
             # The bucket was deleted and made again: its sequence numbers say nothing of ours.
             log.info("%s: the bucket's stream was made anew; reading it whole", self.name)
             # Its revisions start over: those held say nothing of the new values (each key still held,
