@@ -56,7 +56,7 @@ def rule_files() -> list[Path]:
 class Rewrite:
     """What the test changes in the shipped rules, so that a test of minutes can see them fire and
     resolve: every ``for:`` becomes :attr:`hold`, every range and offset becomes :attr:`window`, and the
-    thresholds that are durations (seconds held, seconds undelivered) become shorter ones. The rest of
+    thresholds that are durations (seconds held, undelivered, unwritten) become shorter ones. The rest of
     each expression (metrics, labels, aggregation, functions) is the shipped text."""
 
     hold: str = "2s"
@@ -66,6 +66,7 @@ class Rewrite:
         default_factory=lambda: {
             "LlmgwRequestsHeldLong": ("> 30", "> 5"),
             "LlmgwWebhookBacklog": ("> 300", "> 3"),
+            "LlmgwUsageLedgerBehind": ("> 120", "> 3"),
         }
     )
 

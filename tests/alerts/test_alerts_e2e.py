@@ -23,6 +23,12 @@ Phase 1 makes these faults at once (none disturbs another's alert):
                                                      LlmgwRequestsHeldLong
   - webhook A refuses until the backlog alert       LlmgwWebhookBacklog{target=A}
   - webhook B refuses until its alerts are given up LlmgwWebhookBacklog{target=B}, LlmgwWebhookGaveUp
+  - the watched model "slow" (one slot) kept busy by a long stream: its probes wait past their budget
+    while it has a ready replica                     LlmgwProbeOverBudget{model=slow}; mended by ending
+                                                     the stream
+  - router-3, once it routes, cut from the bus again and asked: its usage waits unwritten
+                                                     LlmgwUsageLedgerBehind{instance=router-3}; mended
+                                                     by its bus
 Phase 2, alone (the control plane's bus is what the others need):
   - the control plane cut from the bus (a TCP proxy) LlmgwNoLeader (0 leaders)
   - the control plane frozen                         LlmgwNoLeader (none answering), LlmgwServiceDown
@@ -45,7 +51,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from llmgw_common.messages import ClusterSettings, KeyLimits, Webhook
+from llmgw_common.messages import ClusterSettings, KeyLimits, ShardState, Webhook
 from llmgw_notifier.targets import target_id
 from llmgw_runtime.apikeys import create_key
 from tests.alerts.dashboard import dashboards, queries
@@ -68,6 +74,7 @@ from tests.chaos.chaos_waits import mint_key, wait_endpoints
 from tests.http_clients import async_client
 from tests.kit.poll import eventually
 from tests.kit.ports import free_port
+from tests.kit.promtext import value
 
 pytestmark = [
     pytest.mark.e2e,
@@ -95,6 +102,14 @@ models:
     queue_timeout_s: 60
     watch: {{probe_every: 2s, budget: 1s, failures: 2}}
     options: {{startup_s: {JUDGE_START_S}, ttft_ms: 10, tokens_per_s: 20, slots: 16}}
+  - name: slow
+    engine: vllm
+    gpu_class: L4-24GB
+    gpus_per_node: 1
+    replicas: 1
+    startup_timeout_s: 30
+    watch: {{probe_every: 1s, budget: 1s, failures: 2}}
+    options: {{startup_s: 0.3, ttft_ms: 10, tokens_per_s: 20, slots: 1}}
   - name: big
     engine: vllm
     gpu_class: B200-180GB
@@ -104,6 +119,7 @@ models:
     options: {{startup_s: 0.3, ttft_ms: 15, tokens_per_s: 300, slots: 8}}
 """
 LAUNCHER = Path(__file__).resolve().parent / "launcher.py"
+LEDGER_AGE = "llmgw_router_usage_ledger_oldest_unwritten_seconds"
 # Whole phases: each alert fires within seconds of its fault and resolves within the 20 s windows.
 PHASE_TIMEOUT_S = 120.0
 
@@ -232,6 +248,8 @@ async def test_every_shipped_alert_fires_reaches_alertmanager_and_resolves(tmp_p
     watcher: asyncio.Task[None] | None = None
     boot_hold: asyncio.Task[httpx.Response] | None = None
     judge: asyncio.Task[None] | None = None
+    ledger: asyncio.Task[None] | None = None
+    filler: asyncio.Task[None] | None = None
     http = async_client(timeout=10)
     try:
         await asyncio.to_thread(c.start_nats)
@@ -246,7 +264,7 @@ async def test_every_shipped_alert_fires_reaches_alertmanager_and_resolves(tmp_p
             ("n1", "1xH100-80GB"),
             ("n2", "1xH100-80GB"),
             ("n3", "1xA10-24GB"),
-            ("n4", "1xL4-24GB"),
+            ("n4", "2xL4-24GB"),  # judge and slow
         ):
             c.start_agent(node, gpus)
         key = await asyncio.to_thread(mint_key, c)
@@ -288,9 +306,10 @@ async def test_every_shipped_alert_fires_reaches_alertmanager_and_resolves(tmp_p
 
         await asyncio.to_thread(wait_endpoints, c, "chat", 2, 90)
         await asyncio.to_thread(wait_endpoints, c, "judge", 1, 90)
+        await asyncio.to_thread(wait_endpoints, c, "slow", 1, 90)
         with pytest.raises(httpx.TimeoutException):
             await boot_hold
-        run.say("cluster serving chat and judge")
+        run.say("cluster serving chat, judge and slow")
 
         # Every service scraped, and nothing firing but what the cluster is built with.
         async def all_up() -> dict[str, str] | None:
@@ -343,6 +362,13 @@ async def test_every_shipped_alert_fires_reaches_alertmanager_and_resolves(tmp_p
             c.procs["router-2"].signal(signal.SIGSTOP)
             trigger.touch()
             judge = asyncio.create_task(_break_judge(run, key, view))
+            release = asyncio.Event()
+            filler = asyncio.create_task(_hold_the_slot(run, key, "slow", release))
+            router3 = f"127.0.0.1:{ports['router-3']}"
+            ledger = asyncio.create_task(_ledger_behind(run, key, "router-3", router3, cut3))
+
+            async def free_the_slot() -> None:
+                release.set()
 
             async def take(r: Receiver) -> None:
                 r.taking = True
@@ -390,9 +416,21 @@ async def test_every_shipped_alert_fires_reaches_alertmanager_and_resolves(tmp_p
                     ],
                     lambda: take(b),
                 ),
+                Fault(
+                    "slow's only slot held by a long stream",
+                    [Expect("LlmgwProbeOverBudget", {"model": "slow"})],
+                    free_the_slot,
+                ),
+                Fault(
+                    "router-3 routing, then cut from the bus and asked",
+                    [Expect("LlmgwUsageLedgerBehind", {"instance": router3})],
+                    cut3.restore,
+                ),
             ]
-            await run.phase(faults, started, [judge])
+            await run.phase(faults, started, [judge, ledger, filler])
             await judge
+            await ledger
+            await filler
             run.say("phase 1: every alert fired and resolved")
 
             # ---- the dashboard, against what the cluster did
@@ -454,7 +492,7 @@ async def test_every_shipped_alert_fires_reaches_alertmanager_and_resolves(tmp_p
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
-        for task in (boot_hold, judge):
+        for task in (boot_hold, judge, ledger, filler):
             if task is not None and not task.done():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError, AssertionError):
@@ -534,13 +572,13 @@ async def _break_judge(run: Run, key: str, view: BusView) -> None:
     """A stream from judge's only replica, its engine killed after the first bytes (no replica left to
     continue it), then requests held while the agent starts a new one (JUDGE_START_S)."""
     pids = await eventually(
-        lambda: view.engine_pids("n4") or None,
+        lambda: _ready_pids(view, "n4", "judge") or None,
         timeout=15,
         every=0.2,
         what="judge's engine",
         tolerate=BUS_ERRORS,
     )
-    (pid,) = pids.values()
+    (pid,) = pids
     body = {
         "model": "judge",
         "messages": [{"role": "user", "content": "tell"}],
@@ -566,6 +604,62 @@ async def _break_judge(run: Run, key: str, view: BusView) -> None:
     )
     assert [r.status_code for r in held] == [200] * 3, [r.text for r in held]
     run.say("requests held for judge answered")
+
+
+def _ready_pids(view: BusView, node: str, model: str) -> list[int]:
+    """The engine PIDs of ``model``'s ready shards on ``node`` (n4 runs judge and slow)."""
+    hb = view.heartbeats.get(node)
+    shards = hb.shards if hb is not None else ()
+    return [s.pid for s in shards if s.model == model and s.state is ShardState.READY and s.pid is not None]
+
+
+async def _hold_the_slot(run: Run, key: str, model: str, release: asyncio.Event) -> None:
+    """A stream long enough to hold ``model``'s only slot until ``release`` (then closed): the engine is
+    ready, and every other request (the notifier's probes) waits behind it."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "tell"}],
+        "max_tokens": 4000,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {key}"}
+    async with run.http.stream(
+        "POST", f"{run.cluster.router_url()}/v1/chat/completions", json=body, headers=headers, timeout=300
+    ) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        run.say(f"{model}'s only slot taken by a long stream")
+        async for _ in resp.aiter_bytes():  # a token every 50 ms
+            if release.is_set():
+                return
+    raise AssertionError(f"the stream holding {model}'s slot ended before the test ended it")
+
+
+async def _ledger_behind(run: Run, key: str, name: str, instance: str, cut: TcpCut) -> None:
+    """Once router ``name`` routes (its bus mended) and its usage ledger has written, its bus is cut
+    again and it answers one request: that usage waits, unwritten, until the bus is back."""
+    base = run.cluster.router_url(name)
+    metrics = f"http://{instance}/metrics"
+
+    async def answered() -> bool:
+        return (await _chat(run.http, base, key, "chat")).status_code == 200
+
+    await eventually(answered, timeout=60, every=0.5, what=f"{name} to answer", tolerate=(httpx.HTTPError,))
+
+    async def written() -> bool:
+        text = (await run.http.get(metrics)).text
+        ok = value(text, "llmgw_router_usage_ledger_writes_total", outcome="ok")
+        return ok is not None and ok >= 1 and value(text, LEDGER_AGE) == 0
+
+    await eventually(written, timeout=30, every=0.25, what=f"{name}'s usage ledger to have written")
+    await cut.cut()
+    r = await _chat(run.http, base, key, "chat")
+    assert r.status_code == 200, r.text
+    run.say(f"{name} cut from the bus, and answered: its usage waits unwritten")
+
+    async def failing() -> bool:
+        return value((await run.http.get(metrics)).text, "llmgw_router_usage_ledger_failing") == 1
+
+    await eventually(failing, timeout=15, every=0.25, what=f"{name}'s usage ledger to say it is failing")
 
 
 async def _listed(http: httpx.AsyncClient, base: str, key: str, model: str) -> bool:

@@ -9,10 +9,11 @@ import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import yaml
+from nats.js.kv import KeyValue
 from prometheus_client import CollectorRegistry
 
 from llmgw_common import event_details
@@ -25,6 +26,9 @@ from llmgw_notifier.metrics import NotifierMetrics
 from llmgw_notifier.stats import NotifierStats
 from llmgw_router.metrics import RouterMetrics
 from llmgw_router.routing.endpoints import Pool
+from llmgw_router.tenancy.ledger import Ledger
+from llmgw_router.tenancy.ledgermetrics import LedgerMetrics
+from llmgw_router.tenancy.usage import UsageTable
 from llmgw_runtime.runtime import PassGuard
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,6 +84,10 @@ def all_exported() -> set[str]:
     router.hold("m", 0.1)
     router.retry("m")
     router.migration("m", "failed")
+    # The usage ledger's figures exist once a router has its ledger (reached the bus).
+    table = UsageTable(since=0.0)
+    ledger = Ledger(table, cast(KeyValue, None), "r", lambda: True, lambda: 0.0)
+    router.registry.register(LedgerMetrics(lambda: ledger))
     registries = (
         ControlPlaneMetrics(_Leader()).registry,
         NotifierMetrics(NotifierStats(), lambda: {}).registry,

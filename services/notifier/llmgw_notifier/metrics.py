@@ -2,7 +2,9 @@
 
 Counters are read from :class:`NotifierStats` when Prometheus scrapes, so delivery counts nothing twice;
 the delivery-lag histogram lives in the stats (observed when a receiver takes a message), and the age of
-each target's oldest undelivered event is read from its worker's held events. Targets are labelled by
+each target's oldest undelivered event is read from its worker's held events. Each watched model's probe
+state (failures in a row, declared down by its probes, its budget) is read from the prober's own state;
+its probe counts and times live in the stats (one update per probe). Targets are labelled by
 their id (a hash of the URL), never the URL: a Slack webhook URL is a credential.
 
 The listener is secondary to delivering alerts: a port already taken is logged and the notifier goes on
@@ -24,6 +26,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from llmgw_notifier.delivery import TargetWorker
+    from llmgw_notifier.probes import Prober
     from llmgw_notifier.settings import NotifierSettings
     from llmgw_notifier.stats import NotifierStats
     from llmgw_notifier.targets import Targets
@@ -36,9 +39,10 @@ Workers = Callable[[], "Mapping[str, TargetWorker]"]
 
 
 class _StatsCollector(Collector):
-    def __init__(self, stats: NotifierStats, workers: Workers) -> None:
+    def __init__(self, stats: NotifierStats, workers: Workers, prober: Prober | None) -> None:
         self.stats = stats
         self.workers = workers
+        self.prober = prober
 
     def collect(self) -> Iterator[Metric]:
         st = self.stats
@@ -87,14 +91,54 @@ class _StatsCollector(Collector):
             oldest.add_metric([tid], max(0.0, worker.clock() - min(held)) if held else 0.0)
         yield oldest
         yield from st.delivery_lag.collect()
+        yield from self._probes()
+
+    def _probes(self) -> Iterator[Metric]:
+        failing = GaugeMetricFamily(
+            "llmgw_notifier_probe_failing",
+            "Per watched model: 1 while its probes have declared it down (watch.failures probes in a row "
+            "over their budget or failed, model.down sent), until one answers.",
+            labels=["model"],
+        )
+        failures = GaugeMetricFamily(
+            "llmgw_notifier_probe_failures",
+            "Per watched model: probes failed in a row now (counted once the model was up).",
+            labels=["model"],
+        )
+        budget = GaugeMetricFamily(
+            "llmgw_notifier_probe_budget_seconds",
+            "Per watched model: the time a probe may take (watch.budget).",
+            labels=["model"],
+        )
+        if self.prober is not None:
+            for model, spec in list(self.prober.specs.items()):
+                state = self.prober.states.get(model)
+                failing.add_metric([model], int(state is not None and state.down_since is not None))
+                failures.add_metric([model], state.failures if state is not None else 0)
+                budget.add_metric([model], spec.budget)
+        yield failing
+        yield failures
+        yield budget
+        outcomes = CounterMetricFamily(
+            "llmgw_notifier_probes",
+            "Probes per watched model by outcome: ok, over_budget (no answer within watch.budget), failed "
+            "(an error answer, the router unreachable), refused (the probe key refused: says nothing of "
+            "the model).",
+            labels=["model", "outcome"],
+        )
+        for model, per in list(self.stats.probe_outcomes.items()):
+            for outcome, n in per.items():
+                outcomes.add_metric([model, outcome], n)
+        yield outcomes
+        yield from self.stats.probe_seconds.collect()
 
 
 class NotifierMetrics:
     """A registry of this notifier's own (not the process-wide default: tests run several in one)."""
 
-    def __init__(self, stats: NotifierStats, workers: Workers) -> None:
+    def __init__(self, stats: NotifierStats, workers: Workers, prober: Prober | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_StatsCollector(stats, workers))
+        self.registry.register(_StatsCollector(stats, workers, prober))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -140,11 +184,13 @@ class MetricsServer:
         await self._runner.cleanup()
 
 
-async def start_metrics(s: NotifierSettings, stats: NotifierStats, targets: Targets) -> MetricsServer | None:
-    """The listener of ``s.metrics_host:metrics_port`` serving ``stats`` and ``targets``' workers, started;
-    None when ``metrics_port`` is 0 or the port could not be had."""
+async def start_metrics(
+    s: NotifierSettings, stats: NotifierStats, targets: Targets, prober: Prober | None = None
+) -> MetricsServer | None:
+    """The listener of ``s.metrics_host:metrics_port`` serving ``stats``, ``targets``' workers and
+    ``prober``'s models, started; None when ``metrics_port`` is 0 or the port could not be had."""
     if not s.metrics_port:
         return None
-    metrics = NotifierMetrics(stats, lambda: {tid: w for tid, (w, _) in targets.workers.items()})
+    metrics = NotifierMetrics(stats, lambda: {tid: w for tid, (w, _) in targets.workers.items()}, prober)
     server = MetricsServer(metrics, s.metrics_host, s.metrics_port)
     return server if await server.start() else None

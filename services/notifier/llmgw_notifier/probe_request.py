@@ -23,6 +23,8 @@ class ProbeResult:
     conclusive: bool
     error: str | None
     elapsed: float
+    # No answer within the budget (the probe was cut there), rather than an error answer.
+    over_budget: bool = False
 
 
 def _error_code(resp: httpx.Response) -> str | None:
@@ -82,7 +84,7 @@ async def probe_once(
         async with asyncio.timeout(budget):
             resp = await client.post(url, json=body, headers=headers, timeout=budget)
     except (TimeoutError, httpx.TimeoutException):
-        return ProbeResult(False, True, f"no answer within the {budget:g}s budget", clock() - t0)
+        return ProbeResult(False, True, f"no answer within the {budget:g}s budget", clock() - t0, True)
     except httpx.HTTPError as e:
         return ProbeResult(False, True, f"router {router_url} unreachable ({type(e).__name__})", clock() - t0)
     elapsed = clock() - t0

@@ -125,6 +125,7 @@ class Prober:
             self.specs.pop(model, None)
             self.states.pop(model, None)
             self.unsent.pop(model, None)
+            self.stats.forget_probes(model)
             log.info("model %s is no longer watched: probes stop", model)
         for model, spec in watched.items():
             if self.specs.get(model) == spec and model in self.tasks:
@@ -192,11 +193,14 @@ class Prober:
     async def record(self, model: str, spec: WatchSpec, result: ProbeResult) -> None:
         """Fold one probe result into the model's state; publish the event it calls for."""
         if not result.conclusive:
+            self.stats.probed(model, "refused", None)
             if model not in self._warned_key:
                 self._warned_key.add(model)
                 log.error("probe of %s: %s", model, result.error)
             return
         self._warned_key.discard(model)
+        outcome = "ok" if result.ok else "over_budget" if result.over_budget else "failed"
+        self.stats.probed(model, outcome, result.elapsed)
         if not result.ok:
             log.info("probe of %s failed after %.2fs: %s", model, result.elapsed, result.error)
         now = self.wall()

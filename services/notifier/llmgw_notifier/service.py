@@ -69,7 +69,7 @@ async def serve(s: NotifierSettings, stop: asyncio.Event, stats: NotifierStats |
             ledger=ledger,
         )
         prober = Prober(js=js, subjects=subjects, settings=s, http=probe_http, stats=stats, drops=drops)
-        metrics = await start_metrics(s, stats, targets)
+        metrics = await start_metrics(s, stats, targets, prober)
         prober.restore(ledger)
         followers = [
             KvFollower(

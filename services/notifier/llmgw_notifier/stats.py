@@ -3,12 +3,17 @@ and the probes, read by tests, log lines and the Prometheus collector (``metrics
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 from prometheus_client import Histogram
 
 # Seconds from an event's arrival at the notifier to its receiver's 2xx, retries included.
 LAG_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
+# Seconds a probe took (one over its budget is cut there): budgets are a second to a minute.
+PROBE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0)
+# What became of a probe (llmgw_notifier_probes_total's outcome).
+PROBE_OUTCOMES = ("ok", "over_budget", "failed", "refused")
 
 
 def delivery_lag_histogram() -> Histogram:
@@ -18,6 +23,17 @@ def delivery_lag_histogram() -> Histogram:
         "llmgw_notifier_delivery_lag_seconds",
         "Seconds from an event's arrival at the notifier until a receiver took it.",
         buckets=LAG_BUCKETS,
+        registry=None,
+    )
+
+
+def probe_seconds_histogram() -> Histogram:
+    """The probe-time histogram per watched model, in no registry (``metrics.py`` collects it)."""
+    return Histogram(
+        "llmgw_notifier_probe_seconds",
+        "Seconds a probe of a watched model took through the router, until its answer or its budget.",
+        labelnames=["model"],
+        buckets=PROBE_BUCKETS,
         registry=None,
     )
 
@@ -38,3 +54,19 @@ class NotifierStats:
     up: bool = False  # settings and catalog read, workers started
     per_target: dict[str, int] = field(default_factory=dict)
     delivery_lag: Histogram = field(default_factory=delivery_lag_histogram)
+    # Per watched model: probes by outcome (PROBE_OUTCOMES), and their times. A model no longer
+    # watched leaves both (Prober.apply).
+    probe_outcomes: dict[str, dict[str, int]] = field(default_factory=dict)
+    probe_seconds: Histogram = field(default_factory=probe_seconds_histogram)
+
+    def probed(self, model: str, outcome: str, seconds: float | None) -> None:
+        """One probe of ``model``; ``seconds`` None for one that says nothing of the model (refused)."""
+        per = self.probe_outcomes.setdefault(model, dict.fromkeys(PROBE_OUTCOMES, 0))
+        per[outcome] += 1
+        if seconds is not None:
+            self.probe_seconds.labels(model).observe(seconds)
+
+    def forget_probes(self, model: str) -> None:
+        if self.probe_outcomes.pop(model, None) is not None:
+            with contextlib.suppress(KeyError):
+                self.probe_seconds.remove(model)

@@ -44,6 +44,7 @@ from llmgw_router.tenancy.auth import Exemptions
 from llmgw_router.tenancy.keymetrics import KeyUsageMetrics
 from llmgw_router.tenancy.keys import KeyTable
 from llmgw_router.tenancy.ledger import Ledger
+from llmgw_router.tenancy.ledgermetrics import LedgerMetrics
 from llmgw_router.tracing import RouterTracing
 from llmgw_router.upstream.client import UpstreamClient
 from llmgw_runtime import bus
@@ -125,6 +126,7 @@ class Router:
         self.ctx.metrics.registry.register(ConnectionMetrics(self.connections))
         self.ctx.metrics.registry.register(KeyUsageMetrics(self.ctx.usage, self.ctx.keys))
         self.ctx.metrics.registry.register(CacheMetrics(lambda: self.cache, self.ctx.pool.prefix_counters))
+        self.ctx.metrics.registry.register(LedgerMetrics(lambda: self.ledger))
         # A failing tick is logged and counted, never the tick's end: the router goes on serving.
         self.tick_guard = PassGuard("router tick", log)
         self._closing = asyncio.Event()

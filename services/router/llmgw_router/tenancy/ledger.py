@@ -13,6 +13,11 @@ write (the group commit this replaced) added 1-11 ms at p50 and 12-62 ms at p99 
 a KV write per round trip per router, and was not exact either: a kill over-billed the answers whose
 writes landed but whose bytes never reached their clients. While the bus is away the hours changed
 stay marked and are written once it is back.
+
+How far behind it is (``oldest_unwritten_s``, ``failing``; exported by ledgermetrics.py) is kept by the
+writer per wake and per write, never per answer: the oldest unwritten usage is dated when the writer
+first wakes for it (at most ``interval_s`` after it was added: the age reads up to that much low), and
+usage added during a write that succeeded is dated from that write's start (up to one write high).
 """
 
 from __future__ import annotations
@@ -59,8 +64,12 @@ class Ledger:
         self.writes = 0
         self._wanted = asyncio.Event()
         self._revs: dict[str, int] = {}  # ledger key -> the revision of our last write of it
-        # Set by the last flush that failed, cleared by one that succeeded (see the module's doc).
+        # Set by the last flush that failed (or a wake that found the bus away), cleared by one that
+        # succeeded (see the module's doc).
         self.failing = False
+        self.failed = 0  # flushes that failed (a write refused or timed out)
+        # When the oldest usage not yet written was first seen unwritten (None: all written).
+        self.pending_since: float | None = None
         table.ledger = self
 
     def kick(self) -> None:
@@ -73,9 +82,20 @@ class Ledger:
             await self._wanted.wait()
             self._wanted.clear()
             began = loop.time()
+            if self.pending_since is None:
+                self.pending_since = self.clock()
             # Nothing is tried while the bus is away (nats-py would buffer the write and time out):
             # the hours stay marked, and the next kick after it is back writes them.
-            if not self.connected() or not await self.flush():
+            if not self.connected():
+                if not self.failing:
+                    log.warning(
+                        "usage ledger not written: the bus is away (kept in memory, written once back)"
+                    )
+                self.failing = True
+                await asyncio.sleep(RETRY_S)
+                self._wanted.set()
+                continue
+            if not await self.flush():
                 await asyncio.sleep(RETRY_S)
                 self._wanted.set()
                 continue
@@ -88,6 +108,7 @@ class Ledger:
         """Write every hour changed since the last write, each on its own; False when one failed (it
         stays marked, the others are written)."""
         t = self.table
+        began = self.clock()
         version, dirty = t.version, t.dirty
         t.dirty = set()
         failed: list[tuple[float, BaseException]] = []
@@ -109,14 +130,22 @@ class Ledger:
                     "; ".join(f"hour {h:.0f}: {e!r}" for h, e in failed),
                 )
             self.failing = True
+            self.failed += 1
             return False
         if self.failing:
             log.info("usage ledger writes succeed again")
             self.failing = False
         self.written = version
         self.writes += 1
+        # Added while this write was under way: not in it, and no older than its start.
+        self.pending_since = None if t.version == version else began
         self._forget_old()
         return True
+
+    def oldest_unwritten_s(self) -> float:
+        """How long the oldest usage not yet in the ledger has waited (0: everything is written)."""
+        since = self.pending_since
+        return 0.0 if since is None else max(0.0, self.clock() - since)
 
     async def _write(self, hour: float) -> None:
         t = self.table
