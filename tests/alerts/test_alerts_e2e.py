@@ -432,6 +432,11 @@ async def test_every_shipped_alert_fires_reaches_alertmanager_and_resolves(tmp_p
             await ledger
             await filler
             run.say("phase 1: every alert fired and resolved")
+            # slow's probes were over their budget (waiting for the slot), not refused or answered in error.
+            over = await query(
+                http, prom, 'max(llmgw_notifier_probes_total{model="slow",outcome="over_budget"})'
+            )
+            assert over and float(over[0]["value"][1]) >= 2, over
 
             # ---- the dashboard, against what the cluster did
             for path in dashboards():

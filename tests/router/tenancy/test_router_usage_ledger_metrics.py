@@ -15,9 +15,10 @@ from llmgw_router.tenancy.ledger import Ledger
 from llmgw_router.tenancy.ledgermetrics import LedgerMetrics
 from llmgw_router.tenancy.usage import UsageTable
 from llmgw_runtime import bus
+from llmgw_runtime.usage_ledger import read_hours
 from tests.kit.poll import eventually
 from tests.kit.promtext import family_names, value
-from tests.router.tenancy.test_router_usage_ledger_faults import NOW, Gated, Unavailable, _ledger
+from tests.router.tenancy.test_router_usage_ledger_faults import NOW, Gated, Unavailable, _ledger, _totals
 
 AGE = "llmgw_router_usage_ledger_oldest_unwritten_seconds"
 FAILING = "llmgw_router_usage_ledger_failing"
@@ -105,3 +106,27 @@ async def test_usage_added_during_a_write_is_dated_from_that_write(prefix: str, 
     assert ledger.oldest_unwritten_s() == 5  # the write began 5 s ago; the usage is 1 s old
     assert await ledger.flush() is True
     assert ledger.oldest_unwritten_s() == 0
+
+
+async def test_a_lost_bucket_is_failing_until_it_is_made_again(prefix: str, nc: NATS) -> None:
+    """A real JetStream refusal, the bus up: the bucket's stream deleted (an operator's mistake, a lost
+    stream) answers no write; made again, the usage held in memory is written whole."""
+    js = nc.jetstream()
+    bucket = Subjects(prefix).bucket_usage
+    kv = await bus.ensure_kv(js, bucket)
+    now = [NOW]
+    table, ledger = _ledger(kv, now)
+    table.add("k1", "m1", (5, 7))
+    assert await ledger.flush() is True
+    await js.delete_key_value(bucket)
+    table.add("k1", "m1", (1, 1))
+    assert await ledger.flush() is False
+    now[0] += 10
+    text = scrape(ledger)
+    assert value(text, AGE) == 10 and value(text, FAILING) == 1
+    assert value(text, WRITES, outcome="failed") == 1
+    await bus.ensure_kv(js, bucket)
+    assert await ledger.flush() is True
+    text = scrape(ledger)
+    assert value(text, AGE) == 0 and value(text, FAILING) == 0
+    assert _totals(await read_hours(kv)) == [("1970-01-01T10", 2, 14)]

@@ -16,8 +16,9 @@ stay marked and are written once it is back.
 
 How far behind it is (``oldest_unwritten_s``, ``failing``; exported by ledgermetrics.py) is kept by the
 writer per wake and per write, never per answer: the oldest unwritten usage is dated when the writer
-first wakes for it (at most ``interval_s`` after it was added: the age reads up to that much low), and
-usage added during a write that succeeded is dated from that write's start (up to one write high).
+first tries to write it or finds the bus away (at most ``interval_s`` after it was added, the writer
+pacing itself: the age reads up to that much low), and usage added during a write that succeeded is
+dated from that write's start (up to one write high).
 """
 
 from __future__ import annotations
@@ -82,11 +83,11 @@ class Ledger:
             await self._wanted.wait()
             self._wanted.clear()
             began = loop.time()
-            if self.pending_since is None:
-                self.pending_since = self.clock()
             # Nothing is tried while the bus is away (nats-py would buffer the write and time out):
             # the hours stay marked, and the next kick after it is back writes them.
             if not self.connected():
+                if self.pending_since is None:
+                    self.pending_since = self.clock()
                 if not self.failing:
                     log.warning(
                         "usage ledger not written: the bus is away (kept in memory, written once back)"
@@ -110,6 +111,8 @@ class Ledger:
         t = self.table
         began = self.clock()
         version, dirty = t.version, t.dirty
+        if dirty and self.pending_since is None:
+            self.pending_since = began
         t.dirty = set()
         failed: list[tuple[float, BaseException]] = []
         try:
