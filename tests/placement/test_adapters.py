@@ -278,3 +278,23 @@ def test_a_request_seen_only_as_an_arrival_counts_as_use_for_the_lru_order() -> 
     # a1 is older by the memo, but a short request for it arrived since the last pass: a2 goes.
     d = decide_adapters(s, memo, AdapterInputs(demand={"a3": 1}, touched=frozenset({"a1"})), POLICY)
     assert [m.adapter for m in d.unloads] == ["a2"] and d.memo.used["a1"] == 1600.0
+
+
+def test_when_slots_are_short_the_adapter_waiting_longest_goes_first() -> None:
+    s = _cat_snap([_r("r1", "n1")], now=1600.0)
+    memo = replace(
+        _memo({"r1": ("a1", "a2")}, at=1000.0, used={"a1": 1500.0, "a2": 1500.0}),
+        waiting_since=MappingProxyType({"a4": 1550.0}),
+    )
+    seen = {"r1": _seen("n1", ("a1", "a2"), busy=("a1",))}  # one slot may be freed: a2's
+    d = _decide(s, memo, wanted=frozenset({"a3", "a4"}), seen=seen)
+    assert dict(d.assigned) == {"r1": ("a1", "a4")}
+    assert d.memo.waiting_since == {"a3": 1600.0}  # a3 waits from now; a4 no longer waits
+    # Next time a slot frees, a3 (now the longest waiting) goes before a newcomer named earlier.
+    d2 = decide_adapters(
+        replace(s, now=1700.0),
+        replace(d.memo, used=MappingProxyType({"a1": 1600.0, "a4": 1600.0})),
+        AdapterInputs(seen={"r1": _seen("n1", ("a1", "a4"), busy=("a1",))}, wanted=frozenset({"a2", "a3"})),
+        POLICY,
+    )
+    assert dict(d2.assigned) == {"r1": ("a1", "a3")} and d2.waiting == {"a2": d2.waiting["a2"]}

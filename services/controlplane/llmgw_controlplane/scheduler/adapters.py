@@ -76,6 +76,8 @@ class AdapterMemo:
     unloads: Mapping[str, int] = field(default_factory=_frozen)
     # (replica id, adapter) -> (why its load failed there, when that was last reported)
     failed: Mapping[tuple[str, str], tuple[str, float]] = field(default_factory=_frozen)
+    # adapter -> since when it has been wanted and loaded nowhere: the longest waiting goes first
+    waiting_since: Mapping[str, float] = field(default_factory=_frozen)
 
     @classmethod
     def from_assignments(cls, assigned: Mapping[str, tuple[str, ...]], now: float) -> AdapterMemo:
@@ -325,12 +327,16 @@ def decide_adapters(
     waiting: dict[str, str] = {}
     kept: dict[str, list[str]] = {}
     failed: dict[tuple[str, str], tuple[str, float]] = {}
+    waiting_since: dict[str, float] = {}
     bases = {a.base for a in snap.catalog.adapters}
     for base in snap.catalog.models:
         if base.name not in bases:
             continue  # a catalog of hundreds of models, few with adapters: only those cost a pass anything
         b = _Base(snap, base, memo, inputs, policy, used)
         _decide_base(b, memo, waiting)
+        waiting_since.update(
+            {a: memo.waiting_since.get(a, now) for a in b.adapters if b.wanted(a) and not b.holders(a)}
+        )
         for rid, names_ in b.cur.items():
             if names_:
                 assigned[rid] = tuple(names_)
@@ -363,6 +369,7 @@ def decide_adapters(
             loads=MappingProxyType({a: n for a, n in load_count.items() if a in keep}),
             unloads=MappingProxyType({a: n for a, n in unload_count.items() if a in keep}),
             failed=MappingProxyType(failed),
+            waiting_since=MappingProxyType(waiting_since),
         ),
     )
 
@@ -389,8 +396,12 @@ def _decide_base(b: _Base, memo: AdapterMemo, waiting: dict[str, str]) -> None:
                 b.unload(r.id, a, f"unused for {policy.idle_s:g}s")
     hot = spread_threshold(b.base, policy)
     by_demand = sorted(b.adapters, key=lambda a: (-b.inputs.demand.get(a, 0), a))
-    # Wanted and loaded nowhere: one replica, letting go its least recently used if it must.
-    for a in by_demand:
+    # Wanted and loaded nowhere: one replica, letting go its least recently used if it must; the one
+    # waiting longest first, so that when slots are short no adapter waits behind newer ones for ever.
+    by_wait = sorted(
+        b.adapters, key=lambda a: (memo.waiting_since.get(a, b.now), -b.inputs.demand.get(a, 0), a)
+    )
+    for a in by_wait:
         if b.wanted(a) and not b.holders(a):
             why = b.give(a, "wanted", evict=True)
             if why:
