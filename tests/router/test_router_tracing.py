@@ -404,3 +404,29 @@ async def test_two_traceparent_headers_are_none(
     writer.close()
     assert head.startswith(b"HTTP/1.1 200"), head
     assert engine.seen == [(None, None)]
+
+
+async def test_on_a_quota_refusal_is_an_event(
+    traced: Any, engine: Engine, exporter: InMemorySpanExporter
+) -> None:
+    """A key over its requests per minute: 429 at once, and the request's span says which limit."""
+    from llmgw_common.messages import ApiKeyRecord, KeyLimits
+    from llmgw_runtime.apikeys import hash_key
+
+    static = {"keys": [{"name": "other", "hash": hashlib.sha256(b"x" * 40).hexdigest()}]}
+    r = await traced({"m1": [engine.url]}, static)
+    r.ctx.keys.put(
+        ApiKeyRecord(id="k-limited", name="limited", hash=hash_key(KEY), created=0.0, limits=KeyLimits(rpm=1))
+    )
+    auth = {"Authorization": f"Bearer {KEY}", "traceparent": GOOD}
+    assert (await _post(r.port, auth))[0] == 200
+    assert (await _post(r.port, auth))[0] == 429
+    servers = sorted(
+        _by_kind(exporter.get_finished_spans(), SpanKind.SERVER), key=lambda s: s.start_time or 0
+    )
+    assert [(s.attributes or {})["http.response.status_code"] for s in servers] == [200, 429]
+    (ev,) = [e for e in servers[1].events if e.name == "llmgw.quota.refused"]
+    assert (ev.attributes or {})["llmgw.key_id"] == "k-limited"
+    assert "request" in str((ev.attributes or {})["llmgw.reason"])
+    assert not [e for e in servers[0].events if e.name == "llmgw.quota.refused"]
+    assert len(engine.seen) == 1  # the refused one never reached it
