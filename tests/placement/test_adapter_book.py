@@ -172,3 +172,26 @@ def test_a_rise_in_an_adapters_arrivals_is_a_use_since_the_last_pass() -> None:
     assert book.memo.used["a1"] == 1000.0  # the same arrivals: nothing new
     book.decide(replace(s, now=1200.0), {"a1": replace(_merged(0), arrived=3)}, dict)
     assert book.memo.used["a1"] == 1200.0
+
+
+def test_a_watched_adapter_is_down_when_its_base_is_or_it_fails_to_load() -> None:
+    from llmgw_common.catalog import WatchSpec
+    from llmgw_controlplane.scheduler.adapter_book import adapter_watch
+
+    watched = A1.model_copy(update={"watch": WatchSpec(budget=20.0)})
+    s = _snap([_r("r1", "n1"), _r("r2", "n2")])
+    s = replace(s, catalog=Catalog(models=s.catalog.models, adapters=(watched,)))
+    ok = AdapterReports()
+    assert adapter_watch(s, ok.seen(1000.0)) == ({"a1": 2}, {"a1": 20.0}, {})
+    err = "missing weights: no LoRA adapter at w-a1"
+    half = _book(_report("n1", "r1", adapter_errors={"a1": err})).reports.seen(1000.0)
+    assert adapter_watch(s, half)[0] == {"a1": 1}
+    both = _book(
+        _report("n1", "r1", adapter_errors={"a1": err}), _report("n2", "r2", adapter_errors={"a1": err})
+    ).reports.seen(1000.0)
+    ready, _, why = adapter_watch(s, both)
+    assert ready == {} and why == {"a1": f"adapter a1 could not be loaded on base base: {err} (replica r1)"}
+    gone = replace(s, replicas=())
+    assert adapter_watch(gone, {})[2] == {"a1": "its base base has no ready replica"}
+    # Unwatched adapters are not judged.
+    assert adapter_watch(_snap([_r("r1", "n1")]), {}) == ({}, {}, {})

@@ -30,6 +30,7 @@ from llmgw_controlplane.ingest import Ingest
 from llmgw_controlplane.leadership import Leadership
 from llmgw_controlplane.pass_requests import PassReason
 from llmgw_controlplane.pass_verdicts import Verdicts
+from llmgw_controlplane.scheduler.adapter_book import adapter_watch
 from llmgw_controlplane.scheduler.autoscale import Autoscaler, idle_lookup
 from llmgw_controlplane.scheduler.event_detection import EventDetector, watch_inputs
 from llmgw_controlplane.scheduler.idle import IdleMerger
@@ -255,8 +256,12 @@ class ReconcileLoop:
             self._routing_key = key
         # Every pass, not only on change: a model becomes down by time alone (its watch budget).
         ready, budgets, silent = watch_inputs(snap)
-        # A watched model allowed to scale to zero is not down while cold.
-        budgets = {m: b for m, b in budgets.items() if m not in cold}
+        # Watched LoRA adapters (issue 33): down when their base is, or when they fail to load on it.
+        a_ready, a_budgets, a_why = adapter_watch(snap, self.autoscale.adapters.reports.seen(now))
+        ready, budgets, silent = {**ready, **a_ready}, {**budgets, **a_budgets}, {**silent, **a_why}
+        # A watched model allowed to scale to zero is not down while cold, nor are its adapters.
+        cold_adapters = {a.name for a in snap.catalog.adapters if a.base in cold}
+        budgets = {m: b for m, b in budgets.items() if m not in cold and m not in cold_adapters}
         events += self.detector.models(ready, budgets, {**v.reasons, **silent}, now)
         events += self.detector.placement(v.unplaceable, now)
         events += self.autoscale.events(snap)

@@ -89,6 +89,31 @@ def adapter_wake_answer(
     return WakeReply(model=a.name, state=WakeState.WAKING, reason=f"loading on a replica of {a.base}")
 
 
+def adapter_watch(
+    snap: Snapshot, seen: Mapping[str, AdapterSeen]
+) -> tuple[dict[str, int], dict[str, float], dict[str, str]]:
+    """For watched adapters, what :func:`event_detection.watch_inputs` gives for models: the replicas of
+    its base that serve and could serve it (its load did not fail there), its budget, and why it has
+    none. An adapter loaded nowhere is not down: its next request loads it."""
+    ready: dict[str, int] = {}
+    budgets: dict[str, float] = {}
+    why: dict[str, str] = {}
+    for a in snap.catalog.adapters:
+        if a.watch is None:
+            continue
+        budgets[a.name] = a.watch.budget
+        errors = adapter_errors(snap, seen, a)
+        n = sum(1 for r in snap.replicas if r.model == a.base and serving(snap, r) and r.id not in errors)
+        if n:
+            ready[a.name] = n
+        elif errors:
+            rid, err = sorted(errors.items())[0]
+            why[a.name] = f"adapter {a.name} could not be loaded on base {a.base}: {err} (replica {rid})"
+        else:
+            why[a.name] = f"its base {a.base} has no ready replica"
+    return ready, budgets, why
+
+
 class AdapterBook:
     """Adapters across passes: reports, wakes, the memo and the last decision."""
 
