@@ -21,6 +21,7 @@ from llmgw_router.service import Router
 from llmgw_router.settings import RouterSettings
 from llmgw_router.tracing import RouterTracing
 from llmgw_runtime.tracing import Tracer
+from tests.kit.poll import eventually
 from tests.router.router_helpers import EngineFactory, RouterFactory, StaticFile
 
 pytest.importorskip("opentelemetry.sdk.trace")
@@ -430,3 +431,23 @@ async def test_on_a_quota_refusal_is_an_event(
     assert "request" in str((ev.attributes or {})["llmgw.reason"])
     assert not [e for e in servers[0].events if e.name == "llmgw.quota.refused"]
     assert len(engine.seen) == 1  # the refused one never reached it
+
+
+async def test_on_a_client_gone_mid_stream_ends_the_span_so(
+    traced: Any, engines: EngineFactory, exporter: InMemorySpanExporter
+) -> None:
+    sim = await engines("m1", ttft_ms=10, tokens_per_s=50)
+    r = await traced({"m1": [sim.url]})
+    body = {**CHAT, "max_tokens": 200, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://127.0.0.1:{r.port}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            await resp.content.readany()  # the first events, then the client hangs up
+    await eventually(
+        lambda: len(_by_kind(exporter.get_finished_spans(), SpanKind.SERVER)) == 1,
+        timeout=10.0,
+        what="the request's span to end",
+    )
+    (server,) = _by_kind(exporter.get_finished_spans(), SpanKind.SERVER)
+    assert (server.attributes or {})["error.type"] == "client_gone"
+    assert "http.response.status_code" not in (server.attributes or {})

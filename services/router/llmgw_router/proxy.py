@@ -198,7 +198,9 @@ def _traced_end(tr: RequestTrace, answer: Answer) -> None:
         tr.event(
             "llmgw.refused", {"http.response.status_code": answer.status, "llmgw.reason": answer.message}
         )
-    tr.finish(answer.status)
+    # The status the router counted, where it differs from the answer's (a stream whose client left).
+    status = answer.status if tr.status is None else tr.status
+    tr.finish(None if status == CLIENT_GONE else status)
 
 
 def admit(
@@ -377,6 +379,8 @@ async def serve(ctx: RouterContext, request: Request, a: Admitted) -> Answer:
         gate.leave()
         if status is not None:
             metrics.request(model, status, time.perf_counter() - a.t0)
+            if a.trace is not None:
+                a.trace.status = status
 
 
 def _trace_gate(tr: RequestTrace, rec: ApiKeyRecord | None, gate: Gate, ahead: int, seconds: float) -> None:

@@ -127,13 +127,15 @@ class RouterTracing:
 class RequestTrace:
     """One request's SERVER span, and what its attempts learnt (the model that answered, the usage)."""
 
-    __slots__ = ("attempts", "op", "response_model", "span", "tracer", "usage")
+    __slots__ = ("attempts", "op", "response_model", "span", "status", "tracer", "usage")
 
     def __init__(self, tracer: Tracer, span: Span, op: str) -> None:
         self.tracer, self.span, self.op = tracer, span, op
         self.attempts = 0
         self.response_model: str | None = None
         self.usage: tuple[int, int] | None = None
+        # The status the router counted for the request, once it did (499: the client left mid-answer).
+        self.status: int | None = None
 
     def event(
         self, name: str, attrs: Mapping[str, AttributeValue] | None = None, at: float | None = None
