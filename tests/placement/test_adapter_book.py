@@ -195,3 +195,13 @@ def test_a_watched_adapter_is_down_when_its_base_is_or_it_fails_to_load() -> Non
     assert adapter_watch(gone, {})[2] == {"a1": "its base base has no ready replica"}
     # Unwatched adapters are not judged.
     assert adapter_watch(_snap([_r("r1", "n1")]), {}) == ({}, {}, {})
+
+
+def test_a_node_speaks_for_its_own_replicas_only() -> None:
+    # n2 claims r1 (on n1) has a1 loaded: not believed; n1's own word is.
+    forged = _book(_report("n2", "r1", adapters=("a1",)))
+    s = _snap([_r("r1", "n1")])
+    assert forged.seen(s) == {}
+    assert forged.answer(s, A1, _never).state is WakeState.WAKING
+    own = _book(_report("n1", "r1", adapters=("a1",)))
+    assert set(own.seen(s)) == {"r1"} and own.answer(s, A1, _never).state is WakeState.SERVING

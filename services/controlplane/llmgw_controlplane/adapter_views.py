@@ -19,7 +19,7 @@ from llmgw_controlplane.scheduler.snapshot import Snapshot
 
 
 def adapters_info(snap: Snapshot, book: AdapterBook, requests: Mapping[str, int]) -> tuple[AdapterInfo, ...]:
-    seen = book.reports.seen(snap.now)
+    seen = book.seen(snap)
     last = book.last
     memo = book.memo
     out = []
@@ -60,7 +60,7 @@ def adapters_info(snap: Snapshot, book: AdapterBook, requests: Mapping[str, int]
 
 def adapter_explain(snap: Snapshot, book: AdapterBook, a: AdapterProfile) -> ExplainReply:
     """Why ``a`` is or is not served: its base, then each replica of the base."""
-    seen = book.reports.seen(snap.now)
+    seen = book.seen(snap)
     base = snap.catalog.get(a.base)
     assigned = book.last.assigned if book.last is not None else {}
     verdicts = []
@@ -114,7 +114,7 @@ def adapter_explain(snap: Snapshot, book: AdapterBook, a: AdapterProfile) -> Exp
 def with_adapters(
     rows: tuple[ReplicaInfo, ...], snap: Snapshot, book: AdapterBook
 ) -> tuple[ReplicaInfo, ...]:
-    seen = book.reports.seen(snap.now)
+    seen = book.seen(snap)
     out = []
     for r in rows:
         s = seen.get(r.id)

@@ -257,7 +257,7 @@ class ReconcileLoop:
         # Every pass, not only on change: a model becomes down by time alone (its watch budget).
         ready, budgets, silent = watch_inputs(snap)
         # Watched LoRA adapters (issue 33): down when their base is, or when they fail to load on it.
-        a_ready, a_budgets, a_why = adapter_watch(snap, self.autoscale.adapters.reports.seen(now))
+        a_ready, a_budgets, a_why = adapter_watch(snap, self.autoscale.adapters.seen(snap))
         ready, budgets, silent = {**ready, **a_ready}, {**budgets, **a_budgets}, {**silent, **a_why}
         # A watched model allowed to scale to zero is not down while cold, nor are its adapters.
         cold_adapters = {a.name for a in snap.catalog.adapters if a.base in cold}

@@ -134,6 +134,12 @@ class AdapterBook:
         self.memo = None
         self.last = None
 
+    def seen(self, snap: Snapshot) -> Mapping[str, AdapterSeen]:
+        """The fresh reports of replicas in ``snap`` sent by the node that runs their shard 0: a node
+        speaks for its own replicas only (its subject's permissions prove the sender, not the replica)."""
+        owner = {r.id: r.shards[0].node for r in snap.replicas if r.shards}
+        return {rid: s for rid, s in self.reports.seen(snap.now).items() if owner.get(rid) == s.node}
+
     def ask(self, adapter: str, now: float) -> None:
         self.wants[adapter] = max(now, self.wants.get(adapter, now))
 
@@ -155,7 +161,7 @@ class AdapterBook:
         touched = frozenset(a for a, n in arrived.items() if n > self._arrived.get(a, 0))
         self._arrived = arrived
         inputs = AdapterInputs(
-            seen=self.reports.seen(snap.now),
+            seen=self.seen(snap),
             demand=MappingProxyType(adapter_demand(demand, snap.catalog)),
             wanted=self.wanted(snap.now),
             touched=touched,
@@ -176,7 +182,7 @@ class AdapterBook:
         return {rid: adapter_loads(by_name, names) for rid, names in self.last.assigned.items()}
 
     def answer(self, snap: Snapshot, a: AdapterProfile, base_reply: Callable[[], WakeReply]) -> WakeReply:
-        reply = adapter_wake_answer(snap, a, self.reports.seen(snap.now), base_reply)
+        reply = adapter_wake_answer(snap, a, self.seen(snap), base_reply)
         if reply.state is WakeState.WAKING:
             self.ask(a.name, snap.now)
         return reply
