@@ -259,7 +259,10 @@ def test_an_adapter_that_left_the_catalog_is_dropped_and_its_counts_forgotten() 
 def test_a_replica_started_without_lora_is_never_asked_to_load() -> None:
     old = replica("r1", "base", [("n1", ())], spec=ReplicaSpec.of(profile("base", engine="sim")))
     d = _decide(_cat_snap([old]), wanted=frozenset({"a1"}))
-    assert dict(d.assigned) == {} and d.waiting == {"a1": "no replica of base base runs"}
+    assert dict(d.assigned) == {}
+    assert d.waiting == {
+        "a1": "the replicas of base base were started without LoRA (max_loras): they are being replaced"
+    }
 
 
 def test_an_adapter_used_within_recent_use_s_is_not_let_go() -> None:

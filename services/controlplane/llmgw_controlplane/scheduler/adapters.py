@@ -174,6 +174,8 @@ class _Base:
             and replica_phase(snap, r) in (ReplicaPhase.READY, ReplicaPhase.STARTING)
         ]
         self.ready = {r.id for r in mine if serving(snap, r)}
+        # Running, but started before the profile had max_loras: a roll replaces them.
+        self.without_lora = sum(1 for r in mine if not r.draining and slots_of(r, base) == 0)
         self.draining = [r for r in mine if r.draining]
         self.cur: dict[str, list[str]] = {
             r.id: [a for a in memo.assigned.get(r.id, ()) if a in self.adapters] for r in self.live
@@ -250,6 +252,11 @@ class _Base:
         """The replica to load ``a`` (and what it lets go first, if anything), or None and why not."""
         ap = self.adapters[a]
         if not self.live:
+            if self.without_lora:
+                return None, (
+                    f"the replicas of base {self.base.name} were started without LoRA (max_loras): "
+                    "they are being replaced"
+                )
             return None, f"no replica of base {self.base.name} runs"
         options: list[tuple[tuple[object, ...], str]] = []
         failed: list[str] = []
