@@ -110,6 +110,7 @@ def test_an_adapter_is_loaded_on_demand_and_answers_as_itself(cluster: tuple[Cha
 def test_a_third_adapter_lets_the_least_recently_used_go(cluster: tuple[ChaosCluster, str]) -> None:
     c, key = cluster
     assert _chat(c, key, "sql").status_code == 200
+    engines = c.engine_pids()
     assert _chat(c, key, "chat").status_code == 200
     before = _adapters(c)
     assert before["sql"].state == before["chat"].state == "loaded"
@@ -121,6 +122,8 @@ def test_a_third_adapter_lets_the_least_recently_used_go(cluster: tuple[ChaosClu
     assert after["poem"].state == "loaded"
     assert after["sql"].unloads == before["sql"].unloads + 1 and after["sql"].loaded_on == ()
     assert after["chat"].unloads == before["chat"].unloads and after["chat"].state == "loaded"
+    # Loads and unloads changed the assignment, never the engine: the same process throughout.
+    assert c.engine_pids() == engines and len(engines) == 1
 
 
 def test_an_adapter_whose_files_are_missing_is_refused_saying_so(cluster: tuple[ChaosCluster, str]) -> None:
