@@ -76,6 +76,7 @@ from llmgw_runtime import bus
 from llmgw_runtime.apikeys import create_key, revoke_key
 from llmgw_runtime.ctl_client import CtlClient, CtlUnavailable
 from llmgw_runtime.natsserver import ensure_on_path
+from llmgw_runtime.runtime import cancel_and_wait
 
 PREFIX = "fleet"
 HEARTBEAT_S = 2.0
@@ -489,9 +490,9 @@ class Bench:
                 st2 = await ctl.debug_stats()
                 self.out["passes_with_churn"] = self._passes(st1, st2)
         finally:
-            for t in beats:
-                t.cancel()
-            await asyncio.gather(*beats, return_exceptions=True)
+            # Not one cancel: nats-py's flush can swallow it (see cancel_and_wait), and a gather waited for
+            # ever after a run that was over.
+            await cancel_and_wait(beats)
             await nc.close()
             await meter_nc.close()
         self.out["wall_s"] = round(time.monotonic() - t_start)
