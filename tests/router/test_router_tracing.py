@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -188,21 +189,20 @@ def test_off_the_sdk_is_never_imported() -> None:
 
 @pytest.mark.slow
 def test_on_without_the_sdk_is_a_clear_startup_error() -> None:
-    """otlp_traces_endpoint set where the tracing extra is missing: the router refuses to start, and
-    says what to install (the SDK hidden from a child process)."""
+    """otlp_traces_endpoint set where the tracing extra is missing: `llmgw router` refuses to start and
+    says what to install, no traceback (the SDK hidden from a child process)."""
     code = (
         "import sys\n"
         "sys.modules['opentelemetry.sdk'] = None\n"
-        "from llmgw_router.service import Router\n"
-        "from llmgw_router.settings import RouterSettings\n"
-        "from llmgw_runtime.tracing import TracingUnavailable\n"
-        "try:\n"
-        "    Router(RouterSettings(port=0, router_id='x', otlp_traces_endpoint='http://127.0.0.1:9/v1/traces'))\n"
-        "except TracingUnavailable as e:\n"
-        "    print('refused:', e)\n"
+        "sys.argv = ['llmgw', 'router', '--port', '0']\n"
+        "from llmgw_cli.main import main\n"
+        "main()\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "refused:" in out.stdout and "llmgw[tracing]" in out.stdout, out.stdout + out.stderr
+    env = dict(os.environ, LLMGW_OTLP_TRACES_ENDPOINT="http://127.0.0.1:9/v1/traces")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("error: otlp_traces_endpoint is set but"), out.stderr
+    assert "pip install 'llmgw[tracing]'" in out.stderr and "Traceback" not in out.stderr
 
 
 # ---------------------------------------------------------------- tracing on

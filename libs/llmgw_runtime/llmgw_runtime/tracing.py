@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from llmgw_common.errors import InvalidInput
 from llmgw_common.traceparent import TraceParent, clean_tracestate
 
 if TYPE_CHECKING:
@@ -26,8 +27,9 @@ if TYPE_CHECKING:
 EXTRA_HINT = "install the tracing extra: pip install 'llmgw[tracing]'"
 
 
-class TracingUnavailable(RuntimeError):
-    """An OTLP endpoint is configured but the OpenTelemetry SDK is not installed."""
+class TracingUnavailable(InvalidInput):
+    """An OTLP endpoint is configured but the OpenTelemetry SDK is not installed: the command says so
+    (``error: ...``, exit status 2), no traceback."""
 
 
 class Tracer:
