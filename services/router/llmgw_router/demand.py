@@ -16,9 +16,10 @@ per-replica state for it, whatever the fleet's size.
 
 LoRA adapters (issue 33) run on their base's replicas: the base's entry is the whole load on them, its
 adapters' requests included (in flight, queued, held, first bytes, arrivals), as the engines' own
-figures are; each adapter of a base that follows load has an entry of its own too, its share of that
-(the engines' figures are the base's: None there), so the control plane can spread a hot adapter.
-Adding adapters' entries to their base's would count them twice.
+figures are. Every adapter has an entry of its own too, its share of that (the engines' figures are the
+base's: None there), whether its base follows load or not: the control plane never unloads an adapter
+with requests here, orders its least recently used by a rise in ``arrived``, and spreads a hot adapter
+from these entries. Adding adapters' entries to their base's would count them twice.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class DemandMeter:
         ctx = self.ctx
         pool, metrics, holding = ctx.pool, ctx.metrics, ctx.holding
         follows = {n: p for n, p in pool.profiles.items() if p.follows_load}
-        adapters = {n: a.base for n, a in pool.adapters.items() if a.base in follows}
+        # Every adapter whose base is served here, the base following load or not.
+        adapters = {n: a.base for n, a in pool.adapters.items() if a.base in pool.profiles}
         cumulative = _hists_with_adapters(metrics.ttft_counts(), adapters)
         finished = {
             m: n
@@ -78,7 +80,8 @@ class DemandMeter:
         here: dict[str, tuple[int, int, int]] = {}
         holds = {name: holding.held(name) for name in (*follows, *adapters)}
         for name, of in adapters.items():
-            holds[of] += holds[name]
+            if of in holds:
+                holds[of] += holds[name]
             in_flight = metrics.adapter_in_flight.get(name, 0)
             here[name] = (in_flight, metrics.adapter_queued.get(name, 0), holds[name])
         for name in follows:
@@ -98,7 +101,7 @@ class DemandMeter:
         models: dict[str, ModelDemand] = {}
         for name in (*follows, *adapters):
             parent = adapters.get(name)
-            profile = follows[parent if parent is not None else name]
+            profile = pool.profiles[parent if parent is not None else name]
             eps = pool.by_model.get(profile.name, [])
             if parent is not None:
                 eps = [e for e in eps if name in e.adapters]

@@ -15,6 +15,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -32,17 +33,23 @@ from llmgw_common.messages import (
     Limits,
     LoadReport,
     ReplicaLoad,
+    ReplicaSpec,
     RoutingCatalog,
     RoutingEndpoints,
 )
 from llmgw_common.router_messages import WakeReply, WakeRequest, WakeState
 from llmgw_common.subjects import Subjects
+from llmgw_controlplane.scheduler.adapter_book import AdapterBook
+from llmgw_controlplane.scheduler.adapter_reports import AdapterReports
+from llmgw_controlplane.scheduler.demand import DemandBook
 from llmgw_router.cache.router import text_units
+from llmgw_router.demand import DemandMeter
 from llmgw_router.service import Router
 from llmgw_runtime import bus
 from llmgw_runtime.apikeys import create_key
 from llmgw_runtime.natsserver import NatsServer
 from tests.kit.poll import eventually
+from tests.placement.placement_kit import node, replica, snap
 from tests.router.router_helpers import CountingUpstream, RouterFactory
 
 pytestmark = pytest.mark.slow
@@ -558,4 +565,85 @@ async def test_demand_counts_an_adapters_requests_in_flight_and_queued_under_its
         assert demand["a1"].completed == 2 and demand["m1"].completed == 2
     finally:
         release.set()
+        await runner.cleanup()
+
+
+async def test_adapters_of_a_base_without_a_load_target_are_reported_and_a_hot_one_spreads(
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory, upstreams: list[CountingUpstream]
+) -> None:
+    """The control plane keeps a busy adapter loaded, orders the LRU by arrivals and spreads a hot adapter
+    from its own demand entry: a base that does not follow load (no ``target``) needs them as much. The
+    router's report goes through the control plane's own demand book and adapter decision (pure)."""
+    release = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.Response:
+        await request.read()
+        await release.wait()
+        return web.json_response(ANSWER)
+
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", slow)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    tasks: list[asyncio.Task[tuple[int, Any]]] = []
+    try:
+        c = Cluster(nc, prefix)
+        await c.catalog()  # no target: the base does not follow load
+        v = await c.endpoints({"r0": f"http://{host}:{port}", "r1": upstreams[1].url})
+        r = await _router(routers, nats_server, prefix, v)
+        await c.load({"r0": ("a1",), "r1": ("a2",)})
+        await eventually(lambda: "a1" in r.ctx.pool.ready, what="a1 loaded")
+        # A meter of the test's own, its first mark before any request (the router's own ticks too).
+        meter = DemandMeter(r.ctx)
+        meter.report("ra", time.time())
+        # A short request on a2: seen as an arrival (the LRU order's "used"), nothing outstanding.
+        assert (await _post(r, _chat("a2")))[0] == 200
+        tasks = [asyncio.create_task(_post(r, _chat("a1"))) for _ in range(9)]
+        await eventually(lambda: r.ctx.metrics.adapter_in_flight.get("a1", 0) == 9, what="9 in flight on a1")
+        now = time.time()
+        report = meter.report("ra", now)
+        assert (report.models["a1"].in_flight, report.models["a1"].replicas_reporting) == (9, 1)
+        assert (report.models["a2"].arrived, report.models["a2"].completed) == (1, 1)
+        assert report.models["a2"].in_flight == 0
+        # The control plane: 9 requests on the one replica holding a1, above spread_per_replica (8).
+        base = ModelProfile(name="m1", engine="sim", max_loras=4)
+        cat = Catalog(
+            models=(base,),
+            adapters=(
+                AdapterProfile(name="a1", base="m1", weights="/models/loras/a1"),
+                AdapterProfile(name="a2", base="m1", weights="/models/loras/a2"),
+            ),
+        )
+        spec = ReplicaSpec.of(base)
+        s = replace(
+            snap(
+                [node("n1", 0), node("n2", 0)],
+                [replica("r0", "m1", [("n1", ())], spec=spec), replica("r1", "m1", [("n2", ())], spec=spec)],
+                [base],
+                now=now,
+            ),
+            catalog=cat,
+        )
+        demand = DemandBook(stale_s=10.0)
+        demand.add(report, now)
+        book = AdapterBook(AdapterReports(stale_s=10.0))
+        lines = (
+            ReplicaLoad(replica_id="r0", adapters=("a1",)),
+            ReplicaLoad(replica_id="r1", adapters=("a2",)),
+        )
+        book.reports.add(LoadReport(node="n1", sent_at=now, replicas=lines[:1]), now)
+        book.reports.add(LoadReport(node="n2", sent_at=now, replicas=lines[1:]), now)
+        d = book.decide(s, demand.merged(now), lambda: {"r0": ("a1",), "r1": ("a2",)})
+        assert dict(d.assigned) == {"r0": ("a1",), "r1": ("a2", "a1")}
+        assert [(m.adapter, m.replica_id) for m in d.loads] == [("a1", "r1")]
+        assert "9 requests over 1 replica(s), above 8 each" in d.loads[0].why
+        # The rise in a2's arrivals marked it used just now.
+        assert d.memo.used["a2"] == now
+    finally:
+        release.set()
+        for t in tasks:
+            await t
         await runner.cleanup()
