@@ -317,3 +317,54 @@ async def test_loads_go_side_by_side_and_a_change_meanwhile_gets_a_pass_at_once(
     finally:
         await sync.aclose()
         await srv.runner.cleanup()
+
+
+@pytest.mark.slow
+async def test_each_load_and_unload_is_told_as_it_ends_and_a_pass_that_changes_nothing_is_not(
+    tmp_path: Path,
+) -> None:
+    """``changed`` (the load feed's read_now) is told the replica as each load or unload ends, with the
+    report already saying so: a request held for one adapter does not wait for the pass, nor for the
+    next reading of the load."""
+    srv = await start(SimOptions(port=0, zero=True, max_loras=4, lora_load_s=0.2))
+    s = settings(tmp_path)
+    current: dict[tuple[str, int], ShardAssignment] = {}
+    told: list[tuple[tuple[str, int], frozenset[str], dict[str, str]]] = []
+    sync: AdapterSync
+
+    def changed(key: tuple[str, int]) -> None:
+        loaded, errors = sync.report(key)
+        told.append((key, frozenset(loaded), errors))
+
+    sync = AdapterSync(s, current.get, changed=changed)
+    fr, de = (AdapterLoad(name=n, weights=f"/w/{n}") for n in ("fr", "de"))
+    a = shard("sim", port=srv.port, max_loras=4, max_lora_rank=16, adapters=(fr, de))
+    sh = ready_shard(a, spec_of(a, s), tmp_path)
+    try:
+        sync.sync([sh])
+        # Told before the pass ends: the first load done is reported while nothing else has changed.
+        while not told:
+            await asyncio.sleep(0.01)
+        assert told[0][0] == sh.key and told[0][1] in ({"fr"}, {"de"}, {"fr", "de"})
+        await asyncio.wait_for(sync.passes_done(), 10)
+        assert [(k, names) for k, names, _ in told][-1] == (sh.key, frozenset({"fr", "de"}))
+        assert 1 <= len(told) <= 2
+        # A pass that changes nothing tells nothing.
+        told.clear()
+        assert set((await one_pass(sync, sh))[0]) == {"fr", "de"}
+        assert told == []
+        # An unload is told, and a load that fails with its error.
+        bad = AdapterLoad(name="big", weights="/w/big", rank=32)
+        current[sh.key] = a.model_copy(update={"adapters": (fr, bad)})
+        loaded, errors = await one_pass(sync, sh)
+        assert set(loaded) == {"fr"} and errors["big"].startswith("rank too large")
+        assert told and told[-1][1] == {"fr"} and "big" in told[-1][2]
+        # The engine lost one behind our back (a restart): what it lists is told, then the load again.
+        told.clear()
+        assert srv.engine.lora is not None
+        srv.engine.lora.unload("fr")
+        await one_pass(sync, sh)
+        assert [names for _, names, _ in told] == [frozenset(), {"fr"}]
+    finally:
+        await sync.aclose()
+        await srv.runner.cleanup()

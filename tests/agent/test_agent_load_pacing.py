@@ -34,8 +34,28 @@ def line(rid: str = "r", running: float | None = 0.0, **kw: object) -> ReplicaLo
         (Sent(line(), 0.0), 0.25, line(running=None), True),  # blanked (engine unreachable) is a change
         (Sent(line(), 0.0), 0.5, line(kv_use=0.25), True),  # any field counts
         (Sent(line(), 0.0), 0.5, line(adapters=("a1",)), True),
+        # An adapter set change skips the gap (held requests wait for it); busy adapters do not.
+        (Sent(line(), 0.0), 0.0, line(adapters=("a1",)), True),
+        (Sent(line(adapters=("a1",)), 0.0), 0.125, line(), True),
+        (Sent(line(), 0.0), 0.125, line(adapter_errors={"a1": "missing weights"}), True),
+        (Sent(line(adapters=("a1", "a2")), 0.0), 0.125, line(adapters=("a2", "a1"), running=1.0), False),
+        (Sent(line(adapters=("a1",)), 0.0), 0.125, line(adapters=("a1",), adapters_busy=("a1",)), False),
     ],
-    ids=["first", "same", "heartbeat", "too-soon", "changed", "blanked", "kv", "adapters"],
+    ids=[
+        "first",
+        "same",
+        "heartbeat",
+        "too-soon",
+        "changed",
+        "blanked",
+        "kv",
+        "adapters",
+        "adapter-loaded-at-once",
+        "adapter-unloaded-at-once",
+        "adapter-error-at-once",
+        "adapters-reordered-too-soon",
+        "busy-too-soon",
+    ],
 )
 def test_due(last: Sent | None, now: float, reading: ReplicaLoad, want: bool) -> None:
     assert due(reading, last, now, P) is want
@@ -87,6 +107,30 @@ def test_paced_lines_keep_their_bounds(changes: list[int], lost: set[int]) -> No
     assert all(g >= P.min_gap_s for g in gaps), gaps
     longest_silence = max((len(g) for g in _runs(lost, len(changes))), default=0) * TICK
     assert all(g <= P.max_gap_s + longest_silence for g in gaps), gaps
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    steps=st.lists(st.tuples(st.integers(0, 3), st.sampled_from([(), ("a1",), ("a1", "a2")])), max_size=120)
+)
+def test_only_an_adapter_set_change_goes_out_within_the_gap(
+    steps: list[tuple[int, tuple[str, ...]]],
+) -> None:
+    """Readings every 125 ms changing running and the adapters loaded: a line within 250 ms of the last
+    one goes out exactly when its adapter set differs from the last line's, and none is ever withheld
+    that changed its adapters, so the set reported is always the newest one read."""
+    p = LoadPacer(P)
+    last: tuple[float, ReplicaLoad] | None = None
+    for i, (value, adapters) in enumerate(steps):
+        now = i * TICK
+        reading = line(running=float(value), adapters=adapters)
+        out = p.take([reading], now, [("r", 0)])
+        if last is not None and now - last[0] < P.min_gap_s:
+            assert bool(out) is (set(adapters) != set(last[1].adapters)), (i, last)
+        if last is not None and set(adapters) != set(last[1].adapters):
+            assert out == (reading,)
+        if out:
+            last = (now, reading)
 
 
 def _runs(lost: set[int], n: int) -> list[range]:
@@ -184,3 +228,73 @@ async def test_a_failing_reader_is_logged_and_the_others_go_on(caplog: pytest.Lo
     feed = LoadFeed(lambda: [FakeShard("ok"), FakeShard("bad")], scrape, send, P, scrape_s=0.02)
     assert await feed.tick(0.0) == (line("ok"),)
     assert "reading the load of ('bad', 0) failed" in caplog.text
+
+
+class Adapters(Engines):
+    """Engines whose readings carry the adapters loaded, read when the reading starts (as the agent's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded: dict[str, tuple[str, ...]] = {}
+
+    async def scrape(self, sh: FakeShard) -> ReplicaLoad:
+        held = self.loaded.get(sh.rid, ())
+        got = await super().scrape(sh)
+        return got.model_copy(update={"adapters": held})
+
+
+async def test_a_replica_asked_for_is_read_and_sent_at_once_and_a_reading_from_before_is_dropped() -> None:
+    e = Adapters()
+    shards = [FakeShard("a"), FakeShard("b")]
+    feed = LoadFeed(lambda: shards, e.scrape, e.send, P, scrape_s=0.02)
+    try:
+        assert len(await feed.tick(0.0)) == 2
+        # An adapter loaded on a, 50 ms after its last line and off the grid: read and sent at once,
+        # only a is read.
+        e.loaded["a"] = ("fr",)
+        feed.read_now(("a", 0))
+        got = await feed.tick_asked(0.05)
+        assert got == (line("a", adapters=("fr",)),)
+        # Its load changed meanwhile, too soon for the gap: not sent until an adapter changes again.
+        e.values["a"] = 3.0
+        assert await feed.tick(0.125) == ()
+        # A reading under way when the next change came began before it: dropped, never sent.
+        e.slow = {"a"}
+        assert await feed.tick(0.25) == ()  # a's reading waits (b unchanged)
+        e.loaded["a"] = ()
+        feed.read_now(("a", 0))
+        e.slow = set()
+        e.release.set()
+        got = await feed.tick_asked(0.3)
+        assert got == (line("a", running=3.0),)
+        assert e.most_at_once == 1  # the dropped reading was cancelled before the new one began
+        # Nothing asked: an asked round reads nothing.
+        assert await feed.tick_asked(0.31) == ()
+        assert [x.replica_id for batch in e.sent for x in batch] == ["a", "b", "a", "a"]
+    finally:
+        await feed.aclose()
+
+
+async def test_the_running_feed_reads_a_replica_asked_for_between_its_ticks() -> None:
+    """The loop itself: ticks 10 s apart, a replica asked for is sent within a fraction of that."""
+    e = Adapters()
+    shards = [FakeShard("a")]
+    feed = LoadFeed(lambda: shards, e.scrape, e.send, P, scrape_s=10.0)
+    loop = asyncio.get_running_loop()
+    run = asyncio.create_task(feed.run())
+    try:
+        await asyncio.wait_for(_sent(e, 1), 5)
+        e.loaded["a"] = ("fr",)
+        t0 = loop.time()
+        feed.read_now(("a", 0))
+        await asyncio.wait_for(_sent(e, 2), 5)
+        assert loop.time() - t0 < 2.0
+        assert e.sent[-1] == (line("a", adapters=("fr",)),)
+    finally:
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
+
+
+async def _sent(e: Engines, n: int) -> None:
+    while len(e.sent) < n:
+        await asyncio.sleep(0.01)

@@ -6,7 +6,10 @@ asked for some: read what the engine holds (``GET /v1/models``: a card with a ``
 adapter, its ``root`` the path it came from), plan (:func:`llmgw_agent.adapter_plan.plan_adapters`),
 then unload (``POST /v1/unload_lora_adapter``) and load (``POST /v1/load_lora_adapter``, side by side).
 A change of the assignment starts a pass at once, not at the next tick. Each replica has at most one
-pass under way, off the tick (a load may take seconds); asked again meanwhile, it makes another. The engine's own list is the
+pass under way, off the tick (a load may take seconds); asked again meanwhile, it makes another. When
+a load or unload ends (or a refusal or the engine's own list changes what is reported), ``changed`` is
+told the replica at once: its load line goes out then, not at the next reading, as requests held for the
+adapter wait for it (:meth:`llmgw_agent.load_feed.LoadFeed.read_now`). The engine's own list is the
 truth, so an engine that restarted (it lists none) gets its adapters again, and one re-adopted after
 an agent restart is read, not assumed. Never a restart: adapters are not in the assignment's
 fingerprint (:mod:`llmgw_agent.converge`).
@@ -108,8 +111,11 @@ class AdapterSync:
         *,
         retry_s: float = RETRY_S,
         clock: Callable[[], float] = time.time,
+        changed: Callable[[ShardKey], None] = lambda key: None,
     ) -> None:
         self.s = s
+        # Told a replica whose report (adapters loaded, load errors) a pass just changed.
+        self.changed = changed
         # The current assignment of a shard (the supervisor's copy predates an adapters-only change).
         self._assignment = wanted
         self.retry_s = retry_s
@@ -186,9 +192,25 @@ class AdapterSync:
             if not r.again:
                 return
 
+    def _tell(self, key: ShardKey, before: tuple[tuple[str, ...], dict[str, str]]) -> None:
+        (loaded, errors), (was, were) = self.report(key), before
+        if set(loaded) != set(was) or errors != were:
+            self.changed(key)
+
+    async def _told(self, key: ShardKey, work: Coroutine[Any, Any, None]) -> None:
+        """``work`` (a load or an unload), then its change told at once: loads side by side do not
+        wait for each other's to be reported."""
+        before = self.report(key)
+        try:
+            await work
+        finally:
+            self._tell(key, before)
+
     async def _pass(self, sh: Shard, a: ShardAssignment, r: _Replica) -> None:
         assert sh.spec is not None
         url = sh.spec.lora_url
+        key = sh.key
+        before = self.report(key)
         now = self.clock()
         names = {ad.name for ad in a.adapters}
         for stale in set(r.failures) - names:
@@ -200,6 +222,7 @@ class AdapterSync:
                 else f"the base profile of {a.model} serves no adapters (it has no max_loras)"
             )
             r.failures = {ad.name: Failure(None, why, now) for ad in a.adapters}
+            self._tell(key, before)
             return
         try:
             r.loaded = await self._read(url)
@@ -210,11 +233,16 @@ class AdapterSync:
         plan = plan_adapters(wanted, r.loaded, r.failures, now, self.retry_s)
         for name, why in plan.refused.items():
             r.failures[name] = Failure(None, why, now)
+        # What the engine lists (a restart dropped its adapters) and the refusals, told before the loads.
+        self._tell(key, before)
         # Unloads first (they free the slots the loads take), then the loads side by side: a request
         # held for one adapter does not wait for another's load.
-        await asyncio.gather(*(self._unload(url, name, r) for name in plan.unload))
+        await asyncio.gather(*(self._told(key, self._unload(url, name, r)) for name in plan.unload))
         await asyncio.gather(
-            *(self._checked_load(url, name, path, r, sh.spec.simulated) for name, path in plan.load)
+            *(
+                self._told(key, self._checked_load(url, name, path, r, sh.spec.simulated))
+                for name, path in plan.load
+            )
         )
 
     async def _checked_load(self, url: str, name: str, path: str, r: _Replica, simulated: bool) -> None:

@@ -9,6 +9,11 @@ readers (routers, the control plane) already keep the newest line per replica.
 
 Times are the load loop's tick times on a fixed grid (:class:`LoadPacer` is fed them), so a change seen
 one tick after a send goes out ``min_gap_s`` after it, never sooner, whatever the loop's jitter.
+
+One change skips the gap: the replica's adapter set (LoRA adapters loaded, and why a load failed; issue
+33). Requests held for an adapter wait for the line that says it is loaded (or failed), and such a change
+is rare (each is a load or unload through the engine's API), so the bus stays bounded. Which adapters are
+busy is not part of it: that follows the requests, as running and waiting do.
 """
 
 from __future__ import annotations
@@ -42,8 +47,16 @@ def due(load: ReplicaLoad, last: Sent | None, now: float, pacing: Pacing) -> boo
     gap = now - last.at
     if gap >= pacing.max_gap_s:
         return True
-    # Any field counts: running, waiting, KV use, the prefix counters, the adapters and their errors.
+    if adapter_set(load) != adapter_set(last.load):
+        return True
+    # Any field counts: running, waiting, KV use, the prefix counters, the busy adapters.
     return gap >= pacing.min_gap_s and load != last.load
+
+
+def adapter_set(load: ReplicaLoad) -> tuple[frozenset[str], frozenset[tuple[str, str]]]:
+    """The adapters a line says are loaded, and their load errors, in no order (the engine's list may
+    come back in another)."""
+    return frozenset(load.adapters), frozenset(load.adapter_errors.items())
 
 
 def key_of(load: ReplicaLoad) -> Key:

@@ -131,7 +131,8 @@ class Agent:
         self._tokenizers: dict[str, str] = {}
         self._tokenizer_tasks: set[asyncio.Task[None]] = set()
         # LoRA adapters loaded on the ready engines as their assignments ask (adapter_sync.py).
-        self.adapters = AdapterSync(s, self._assigned, clock=clock)
+        # A load or unload done has its replica read and its line sent at once (held requests wait).
+        self.adapters = AdapterSync(s, self._assigned, clock=clock, changed=self.load.read_now)
 
     # ---------------------------------------------------------------- publishing
 
