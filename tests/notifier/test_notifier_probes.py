@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,10 +14,10 @@ import pytest
 from aiohttp import web
 from nats.aio.client import Client as NATS
 
-from llmgw_common.catalog import WatchSpec
+from llmgw_common.catalog import AdapterProfile, Catalog, ModelProfile, WatchSpec
 from llmgw_common.codec import encode
-from llmgw_common.messages import RoutingEndpoints, Webhook
-from llmgw_common.subjects import ROUTING_ENDPOINTS, Subjects
+from llmgw_common.messages import Endpoint, RoutingCatalog, RoutingEndpoints, Webhook
+from llmgw_common.subjects import ROUTING_CATALOG, ROUTING_ENDPOINTS, Subjects
 from llmgw_notifier.outages import DOWN, RECOVERED
 from llmgw_notifier.probe_request import ProbeResult, probe_once
 from llmgw_notifier.probes import Prober
@@ -40,6 +41,8 @@ class FakeRouter:
 
     def __init__(self) -> None:
         self.mode = "ok"
+        # model -> its own mode, over ``mode``
+        self.modes: dict[str, str] = {}
         self.slow_s = 0.4
         self.requests: list[dict[str, Any]] = []
         self.answered: dict[str, int] = {}  # model -> probes answered 200
@@ -56,7 +59,7 @@ class FakeRouter:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append({"body": body, "auth": request.headers.get("Authorization")})
-        mode = self.mode
+        mode = self.modes.get(body["model"], self.mode)
         if mode == "hang":
             await asyncio.sleep(30)
         if mode == "slow":
@@ -397,3 +400,66 @@ async def test_close_ends_a_retired_probe_loop_that_swallowed_its_cancel(
             old.cancel()
             closing.cancel()
             await asyncio.gather(closing, old, return_exceptions=True)
+
+
+# ---------------------------------------------------------------- watched LoRA adapters (issue 33)
+# Probed by their own name through the router, as models are; their base's endpoints say whether they
+# were up (a load is a request away) and whether they are cold (a probe would wake the base).
+
+
+async def _adapters_catalog(bus: Bus, spec: WatchSpec, *models: ModelProfile) -> None:
+    cat = Catalog(
+        models=(ModelProfile(name="base", engine="sim", max_loras=2), *models),
+        adapters=(
+            AdapterProfile(name="fr", base="base", weights="/w/fr", watch=spec),
+            AdapterProfile(name="de", base="base", weights="/w/de"),
+        ),
+    )
+    rc = RoutingCatalog(version=int(time.time() * 1000), catalog=cat)
+    await bus.buckets[bus.subjects.bucket_routing].put(ROUTING_CATALOG, encode(rc))
+
+
+async def _base_ready(bus: Bus, version: int) -> None:
+    eps = {"base": (Endpoint(replica_id="r0", model="base", url="http://127.0.0.1:9", node="n1"),)}
+    ep = RoutingEndpoints(version=version, endpoints=eps)
+    await bus.buckets[bus.subjects.bucket_routing].put(ROUTING_ENDPOINTS, encode(ep))
+
+
+@pytest.mark.slow
+async def test_a_watched_adapter_whose_load_fails_is_down_and_recovered_by_its_probes(
+    nats_server: NatsServer, prefix: str, bus: Bus, router: FakeRouter, receivers: Any
+) -> None:
+    rx = await receivers()
+    await bus.set_webhooks(Webhook(url=rx.url))
+    await _base_ready(bus, 1)
+    # Its load fails from the start (the router's 503 for it): never answered itself, but its base has
+    # a ready endpoint, so it was up as far as a request can tell.
+    router.modes["fr"] = "fail"
+    await _adapters_catalog(bus, WatchSpec(probe_every=0.2, budget=0.5, failures=2))
+    async with running(probe_settings(nats_server, prefix, router)):
+        await eventually(lambda: len(rx.requests) >= 1, what="the adapter's model.down to be delivered")
+        router.modes.pop("fr")
+        await eventually(lambda: len(rx.requests) >= 2, what="the adapter's model.recovered")
+    events = await bus.events((DOWN, RECOVERED))
+    assert [(e.kind, e.subject) for e in events] == [(DOWN, "fr"), (RECOVERED, "fr")]
+    assert events[0].summary.startswith("adapter fr (of model base) is not answering: 2 probe(s)")
+    assert "HTTP 503" in events[0].summary and events[0].details["source"] == "probe"
+    assert events[1].summary.startswith("adapter fr (of model base) answers again")
+    # Only the watched adapter is probed: not its base, not the other adapter.
+    assert router.count("fr") >= 3 and router.count("base") == router.count("de") == 0
+
+
+@pytest.mark.slow
+async def test_a_watched_adapter_is_not_probed_while_its_base_is_cold(
+    nats_server: NatsServer, prefix: str, bus: Bus, router: FakeRouter
+) -> None:
+    await _routing(bus, 1, ("base",))
+    spec = WatchSpec(probe_every=0.2, budget=0.15, failures=1, allow_scale_to_zero=True)
+    # A watched model alongside, probed all the while, shows the notifier's time passing.
+    await _adapters_catalog(bus, spec, ModelProfile(name="warm", engine="sim", watch=spec))
+    async with running(probe_settings(nats_server, prefix, router)):
+        await eventually(lambda: router.count("warm") >= 4, what="four probes of the warm model")
+        assert router.count("fr") == 0
+        await _base_ready(bus, 2)
+        await eventually(lambda: router.count("fr") >= 1, what="a probe of fr once its base is warm")
+    assert await bus.events((DOWN, RECOVERED)) == []

@@ -65,8 +65,16 @@ def event_id(kind: str, model: str, episode: float) -> str:
 
 
 def probe_event(
-    model: str, tr: Transition, state: ProbeState, spec: WatchSpec, now: float, router_url: str
+    model: str,
+    tr: Transition,
+    state: ProbeState,
+    spec: WatchSpec,
+    now: float,
+    router_url: str,
+    base: str | None = None,
 ) -> Event:
+    """``base``: ``model`` is a LoRA adapter of that model (said so in the summary)."""
+    what = f"model {model}" if base is None else f"adapter {model} (of model {base})"
     details: ModelDownDetails | ModelRecoveredDetails
     if tr.kind == DOWN:
         details = ModelDownDetails(
@@ -79,7 +87,7 @@ def probe_event(
             last_error=state.last_error,
         )
         summary = (
-            f"model {model} is not answering: {state.failures} probe(s) in a row failed or took longer than "
+            f"{what} is not answering: {state.failures} probe(s) in a row failed or took longer than "
             f"{spec.budget:g}s, since {utc(tr.episode)}; last: {state.last_error}"
         )
     else:
@@ -91,7 +99,5 @@ def probe_event(
             router=router_url,
             down_for_s=max(0.0, now - tr.episode),
         )
-        summary = (
-            f"model {model} answers again (down since {utc(tr.episode)}, {format_duration(now - tr.episode)})"
-        )
+        summary = f"{what} answers again (down since {utc(tr.episode)}, {format_duration(now - tr.episode)})"
     return event(details, id=event_id(tr.kind, model, tr.episode), subject=model, time=now, summary=summary)

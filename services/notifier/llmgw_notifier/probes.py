@@ -7,6 +7,11 @@ its key is logged at ERROR once per model and changes nothing. A model with a re
 endpoint in the routing table was up, so its failures count; one scaled to zero (``cold``) and not
 down is not probed, since a probe would wake it.
 
+A watched LoRA adapter (issue 33; ``AdapterProfile.watch``) is probed as a model is, by its own name
+(the router loads it on a replica of its base if none holds it): a load that fails, or a base gone, fails
+its probes. What counts for it is its base's: the adapter was up once the base had a ready endpoint (its
+load is a request away), and it is not probed while the base is cold (a probe would wake the base).
+
 State survives a restart: at start the notifier rebuilds it from the probe events in the stream (the
 :class:`~llmgw_notifier.outages.OutageLedger`'s replay), so a model it had declared down is not
 declared down again, and its recovery is still announced.
@@ -75,6 +80,8 @@ class Prober:
         self.table = RowFold()
         # Models scaled to zero (routing table ``cold``): a probe would wake them and keep them in use.
         self.cold_now: set[str] = set()
+        # Watched adapters -> their base: whose endpoints say whether the adapter was up, or is cold.
+        self.base_of: dict[str, str] = {}
 
     def restore(self, ledger: OutageLedger) -> None:
         """Take up the models this notifier had declared down from the probe events the ledger replayed."""
@@ -107,6 +114,7 @@ class Prober:
     async def on_catalog(self, key: str, value: bytes | None, rev: int) -> None:
         if key != ROUTING_CATALOG:
             return
+        bases: dict[str, str] = {}
         if value is None:
             watched: dict[str, WatchSpec] = {}
         else:
@@ -116,10 +124,16 @@ class Prober:
                 self.drops.drop(f"{self.subjects.bucket_routing}/{key}", str(e))
                 return  # keep probing what we know
             watched = {m.name: m.watch for m in rc.catalog.models if m.watch is not None}
-        self.apply(watched)
+            for a in rc.catalog.adapters:
+                if a.watch is not None:
+                    watched[a.name] = a.watch
+                    bases[a.name] = a.base
+        self.apply(watched, bases)
 
-    def apply(self, watched: dict[str, WatchSpec]) -> None:
-        """Start, restart (changed spec) or stop probe loops to match ``watched``."""
+    def apply(self, watched: dict[str, WatchSpec], bases: dict[str, str] | None = None) -> None:
+        """Start, restart (changed spec) or stop probe loops to match ``watched``; ``bases``: the
+        watched adapters' base models."""
+        self.base_of = dict(bases or {})
         for model in [m for m in self.tasks if m not in watched]:
             self._retire(self.tasks.pop(model))
             self.specs.pop(model, None)
@@ -173,7 +187,7 @@ class Prober:
     async def _loop(self, model: str, spec: WatchSpec) -> None:
         while not self._retired(model):
             t0 = self.clock()
-            if model in self.cold_now and not self._is_down(model):
+            if self.base_of.get(model, model) in self.cold_now and not self._is_down(model):
                 # Cold is not down: once woken it is starting again, and failures count once it answers.
                 self.states.pop(model, None)
                 await asyncio.sleep(spec.probe_every)
@@ -205,13 +219,13 @@ class Prober:
             log.info("probe of %s failed after %.2fs: %s", model, result.elapsed, result.error)
         now = self.wall()
         state = self.states.get(model, ProbeState())
-        if not state.answered and model in self.ready_now:
+        if not state.answered and self.base_of.get(model, model) in self.ready_now:
             state = replace(state, answered=True)
         state, tr = observe(state, result.ok, now, spec.failures, result.error)
         self.states[model] = state
         queue = self.unsent.setdefault(model, [])
         if tr is not None:
-            ev = probe_event(model, tr, state, spec, now, self.s.router_url)
+            ev = probe_event(model, tr, state, spec, now, self.s.router_url, self.base_of.get(model))
             (log.warning if tr.kind == DOWN else log.info)("%s", ev.summary)
             queue.append(ev)
         while queue:
