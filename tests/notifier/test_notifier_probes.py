@@ -440,8 +440,14 @@ async def test_a_watched_adapter_whose_load_fails_is_down_and_recovered_by_its_p
         await eventually(lambda: len(rx.requests) >= 1, what="the adapter's model.down to be delivered")
         router.modes.pop("fr")
         await eventually(lambda: len(rx.requests) >= 2, what="the adapter's model.recovered")
+        # Its base goes away (no endpoint left, not cold): the router's 503s for it make it down again.
+        await bus.buckets[bus.subjects.bucket_routing].put(
+            ROUTING_ENDPOINTS, encode(RoutingEndpoints(version=2, unavailable={"base": "replica failed"}))
+        )
+        router.modes["fr"] = "fail"
+        await eventually(lambda: len(rx.requests) >= 3, what="model.down when its base is gone")
     events = await bus.events((DOWN, RECOVERED))
-    assert [(e.kind, e.subject) for e in events] == [(DOWN, "fr"), (RECOVERED, "fr")]
+    assert [(e.kind, e.subject) for e in events] == [(DOWN, "fr"), (RECOVERED, "fr"), (DOWN, "fr")]
     assert events[0].summary.startswith("adapter fr (of model base) is not answering: 2 probe(s)")
     assert "HTTP 503" in events[0].summary and events[0].details["source"] == "probe"
     assert events[1].summary.startswith("adapter fr (of model base) answers again")
