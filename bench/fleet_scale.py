@@ -3,7 +3,8 @@
 Real parts: a NATS cluster of 3 servers (``tests/natscluster``'s ``NatsCluster``, from the production
 configs: 1 MB ``max_payload``, buckets at R3), two control planes (``llmgw controlplane``, one leads),
 and R routers (``llmgw router``). Simulated: N nodes of 8 GPUs, whose agents' messages this process
-generates as agents send them (inventory once, heartbeats every 2 s, a load report every 1 s, an empty
+generates as agents send them (inventory once, heartbeats every 2 s, a load line per ready replica once
+a heartbeat as the agent's load feed sends an unchanged load (nothing from a node without one), an empty
 KV-event batch every 5 s, answers to routers' KV snapshot requests), reading each node's assignment from
 ``<prefix>_assign`` and reporting its shards ready; M models and R replicas in the catalog; K API keys.
 
@@ -80,7 +81,6 @@ from llmgw_runtime.runtime import cancel_and_wait
 
 PREFIX = "fleet"
 HEARTBEAT_S = 2.0
-LOAD_S = 1.0
 KV_IDLE_S = 5.0
 GPUS = 8
 FABRICS = 4
@@ -200,12 +200,16 @@ class Fleet:
             )
         )
 
-    def load(self, name: str) -> bytes:
+    def load(self, name: str) -> bytes | None:
+        """As the agent's load feed sends (issue 34): the lines due, none when the node has none; a
+        load that does not change is due once a heartbeat."""
         reps = tuple(
             ReplicaLoad(replica_id=s.replica_id, shard=s.shard, running=1.0, waiting=0.0, kv_use=0.1)
             for s in self.shards.get(name, ())
             if s.shard == 0
         )
+        if not reps:
+            return None
         return encode(LoadReport(node=name, sent_at=time.time(), replicas=reps))
 
     def kv_idle(self, name: str) -> bytes:
@@ -225,7 +229,10 @@ class Fleet:
                     name = self.node(i)
                     if name in self.silent:
                         continue
-                    await self.nc.publish(subject(name), make(name))
+                    data = make(name)
+                    if data is None:
+                        continue
+                    await self.nc.publish(subject(name), data)
                     self.published += 1
                 await self.nc.flush()
                 target = t0 + interval * (k + per) / self.n
@@ -235,7 +242,7 @@ class Fleet:
         s = self.subjects
         return [
             asyncio.create_task(self.every(HEARTBEAT_S, s.heartbeat, self.heartbeat)),
-            asyncio.create_task(self.every(LOAD_S, s.load, self.load)),
+            asyncio.create_task(self.every(HEARTBEAT_S, s.load, self.load)),
             asyncio.create_task(self.every(KV_IDLE_S, s.kv, self.kv_idle)),
         ]
 
