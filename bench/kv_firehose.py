@@ -26,6 +26,7 @@ from pathlib import Path
 
 import nats
 import psutil
+from nats.aio.msg import Msg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -33,7 +34,7 @@ from tests.kit.ports import free_port
 
 from llmgw_common.catalog import Catalog, ModelProfile
 from llmgw_common.codec import encode
-from llmgw_common.kvcache import KvDeltas, ReplicaKv
+from llmgw_common.kvcache import KvDeltas, KvSnapshot, ReplicaKv
 from llmgw_common.messages import Endpoint, RoutingCatalog, RoutingEndpoints
 from llmgw_common.subjects import Subjects
 from llmgw_runtime import bus
@@ -77,6 +78,26 @@ async def main(a: argparse.Namespace) -> None:
         for r in reps[n]
     )
     await kv.put("endpoints", encode(RoutingEndpoints(version=1, endpoints={"m": eps})))
+    held: dict[str, list[int]] = {r: [] for n in nodes for r in reps[n]}
+    seq = dict.fromkeys(nodes, 0)
+
+    # The agents answer snapshots as real ones do (one page: every replica's keys, at the current seq).
+    # Unanswered, the router would drop each node's entries at every retry of its snapshot and sweep them:
+    # a cost of this script's agents, not of following the events.
+    async def snapshot(msg: Msg) -> None:
+        n = msg.subject.split(".")[-2]
+        page = KvSnapshot(
+            node=n,
+            stream="boot-1",
+            seq=seq[n],
+            sent_at=time.time(),
+            running=reps[n],
+            replicas=[ReplicaKv(replica=r, model="m", block_size=a.block, stored=held[r]) for r in reps[n]],
+        )
+        await msg.respond(encode(page))
+
+    for n in nodes:
+        await nc.subscribe(sub.kv_snapshot(n), cb=snapshot)
     env = {**os.environ, "LLMGW_PREFIX": PREFIX, "LLMGW_NATS_URLS": srv.url}
     router = start_router(env, tmp / "router.log")
     try:
@@ -85,8 +106,6 @@ async def main(a: argparse.Namespace) -> None:
         blocks = a.prompt // a.block
         new_per_req = max(1, round(blocks * (1 - a.reuse)))
         per_batch = a.rate * BATCH_S / len(nodes)  # requests per node per batch
-        held: dict[str, list[int]] = {r: [] for n in nodes for r in reps[n]}
-        seq = dict.fromkeys(nodes, 0)
         sent_bytes = 0
         sent_reqs = 0.0
 

@@ -217,6 +217,9 @@ def test_the_index_agrees_with_the_oracle(ops: list[ReplicaKv], query: list[int]
         for r in "abcdefghij":
             assert idx.keys_of(r) == oracle.sets.get(r, set())
             assert idx.match_one("m", r, query) == oracle.match(query).get(r, 0)
+            # The counts too: a key listed twice in one batch, or shared, is counted once.
+            assert idx.replica_blocks(r) == len(oracle.sets.get(r, set()))
+        assert idx.entries == sum(len(s) for s in oracle.sets.values())
     assert idx.entries == sum(len(s) for s in oracle.sets.values())
     while idx.sweep(3):
         pass

@@ -25,15 +25,17 @@ by ``tests/router/cache/test_cache_index.py::test_memory_per_million_blocks``:
 So at most ~78 MB per million replica-block pairs; the default cap of 2 million is ~160 MB at worst
 (a GPU replica of an 8B model holds ~30,000 16-token blocks: the cap is ~65 such replicas' caches).
 
-Speed, on the loaded 2-core build machine (same file, ``test_match_and_apply_cost``, and a steady-state
-run of 16 replicas x 30,000 blocks): ``match`` of a 125-block prompt (2,000 tokens in 16-token blocks)
-against 16 replicas, 2 holding all of it, 7 to 12 µs; a batch of 1,000 stored keys 0.14 to 0.25 ms;
-in steady state (16 x 30,000 blocks, batches of 1,200 stored and 1,200 removed per replica), each key
-stored or removed 0.4 to 0.6 µs, decoding the message included. That is memory-bound: on this machine a
-lookup of a random present key in a dict that size costs ~0.25 µs, a delete as much, and a removal
-does both. At 1,000 requests/s of 2,000 fresh tokens each (125 blocks stored and as many evicted per
-request, no prefix reused: the worst case) that is 250,000 changes/s, 10 to 15 % of a core; a
-conversation's next turn stores only its new blocks (~15-20 for a turn and its answer: ~2 %).
+Speed, on the loaded 2-core build machine (same file, ``test_match_and_apply_cost``): ``match`` of a
+125-block prompt (2,000 tokens in 16-token blocks) against 16 replicas, 2 holding all of it, 7 to 12 µs; a
+batch of 1,000 stored keys 0.14 to 0.25 ms. In steady state (``bench/kv_index_apply.py``: 32 replicas at
+10,000 blocks, each batch storing 375 new keys per node and evicting as many), applying a key stored or
+removed costs ~0.1 µs of CPU and decoding its message (msgpack, then pydantic) ~0.07 µs, where the
+writers of a key at a time cost 0.25-0.27 µs (measured side by side, 2.3-2.5x). Most of what is left is
+memory access: a probe of a large dict per key stored, a pop per key removed, and the int objects msgpack
+makes. At 1,000 requests/s of 2,000 fresh tokens each (125 blocks stored and as many evicted per request,
+no prefix reused: the worst case) that is 250,000 changes/s; ``bench/kv_firehose.py`` measures the
+router's whole cost of following them (see bench/RESULTS.md); a conversation's next turn stores only its
+new blocks (~15-20 for a turn and its answer).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, repeat
+from itertools import compress, islice, repeat
 from operator import not_
 
 from llmgw_common.kvcache import ReplicaKv
@@ -281,42 +283,68 @@ class KvIndex:
         self._count.setdefault(replica, 0)
         return m
 
-    # The writers loop in C (dict.fromkeys, map, compress, dict.update) rather than per key in Python, and
-    # touch each key's dict entry once to read its mask and once, warm, to write it: following the events
-    # is the router's steady background cost, bound by memory access on a large index.
+    # The writers loop in C (map, dict.update, the keys view's intersection, list.count) rather than per key
+    # in Python, build no object per key, and touch each key's dict entry as few times as they can: the
+    # common case is one probe to store a key no replica holds, and one pop to remove a key only this
+    # replica held. Following the events is the router's steady background cost, bound by memory access
+    # on a large index. Counts come from the dict's size and the masks seen, so a key listed twice in
+    # one batch counts once.
 
     def _store(self, replica: str, m: _Model, keys: Iterable[int]) -> None:
         bit = 1 << m.slot_of[replica]
         blocks = m.blocks
-        ks = list(dict.fromkeys(keys))
-        masks = list(map(blocks.get, ks, repeat(0)))
-        lacks = list(map(not_, map(bit.__and__, masks)))
-        new = list(compress(ks, lacks))
-        if not new:
-            return
+        ks = keys if isinstance(keys, list) else list(keys)
         room = self.max_entries - self._entries - self._dead_entries
+        if len(ks) > room:
+            self._store_at_cap(replica, m, bit, ks, room)
+            return
+        # The keys the index has already (few, where prompts are new): one probe each, in C.
+        olds = {k: blocks[k] for k in blocks.keys() & ks}
+        before = len(blocks)
+        blocks.update(zip(ks, repeat(bit)))
+        added = len(blocks) - before
+        if olds:
+            # Those keep their other replicas' bits; the ones this replica lacked count as stored.
+            blocks.update(zip(olds, map(bit.__or__, olds.values()), strict=True))
+            added += sum(1 for mask in olds.values() if not mask & bit)
+        self._count[replica] += added
+        self._entries += added
+
+    def _store_at_cap(self, replica: str, m: _Model, bit: int, ks: list[int], room: int) -> None:
+        """A batch that may not all fit: the new pairs in the batch's order, kept while there is room."""
+        blocks = m.blocks
+        new = {k: blocks.get(k, 0) | bit for k in ks if not blocks.get(k, 0) & bit}
         if len(new) > room:
             # The first ones in the batch's order are kept: a chain's early blocks are the ones that match.
             keep = max(room, 0)
             self.refused += len(new) - keep
-            new = new[:keep]
+            new = dict(islice(new.items(), keep))
             if not self._full_logged:
                 self._full_logged = True
                 log.warning(
                     "KV index full at %d entries: further stored blocks are not indexed", self.max_entries
                 )
-        olds = compress(masks, lacks)
-        blocks.update(zip(new, map(int.__or__, olds, repeat(bit)), strict=False))
+        blocks.update(new)
         self._count[replica] += len(new)
         self._entries += len(new)
 
     def _remove(self, replica: str, m: _Model, keys: Iterable[int]) -> None:
         bit = 1 << m.slot_of[replica]
         blocks = m.blocks
-        ks = list(dict.fromkeys(keys))
-        masks = list(map(blocks.get, ks, repeat(0)))
-        has = list(map(bit.__and__, masks))
-        self._unmark(replica, m, bit, list(compress(ks, has)), list(compress(masks, has)))
+        ks = keys if isinstance(keys, list) else list(keys)
+        # Popped first: most removed keys were held by this replica alone (their mask exactly ``bit``), and
+        # one pop both reads and deletes them. A key listed twice pops 0 the second time.
+        popped = list(map(blocks.pop, ks, repeat(0)))
+        n = popped.count(bit)
+        if n + popped.count(0) != len(popped):
+            # Keys other replicas hold too go back without this replica's bit (or whole, where it had none).
+            back = {k: mask for k, mask in zip(ks, popped, strict=True) if mask and mask != bit}
+            n += sum(1 for mask in back.values() if mask & bit)
+            blocks.update(zip(back, map(int.__and__, back.values(), repeat(~bit)), strict=True))
+        if n:
+            self._count[replica] -= n
+            self._entries -= n
+            self._room_again()
 
     def _clear(self, replica: str) -> None:
         """Every key of ``replica`` forgotten: its slot given up at once (no match sees it), its bits left
@@ -358,22 +386,6 @@ class KvIndex:
                     del self._models[name]
             return True
         return False
-
-    def _unmark(self, replica: str, m: _Model, bit: int, keys: list[int], masks: list[int]) -> None:
-        """Clear ``bit`` on ``keys`` (each held by it, with its mask), deleting keys no one holds any more."""
-        if not keys:
-            return
-        blocks = m.blocks
-        sole = list(map(bit.__eq__, masks))
-        for k in compress(keys, sole):
-            del blocks[k]
-        if not all(sole):
-            shared = list(map(not_, sole))
-            rest = map(int.__and__, compress(masks, shared), repeat(~bit))
-            blocks.update(zip(compress(keys, shared), rest, strict=False))
-        self._count[replica] -= len(keys)
-        self._entries -= len(keys)
-        self._room_again()
 
     def _where(self, replica: str) -> tuple[_Model, int] | None:
         model = self._model_of.get(replica)
