@@ -33,7 +33,7 @@ OUTSIDE = {
     "llmgw_router.http.connection._Stop",
     "llmgw_agent.weight_files._Truncated",
     "llmgw_agent.kvtranslate._Unfit",
-    "llmgw_router.cache.hf_tokenizer._Unpredictable",
+    "llmgw_router.cache.hf_messages.Unpredictable",
 }
 # Without a kind: their cases differ (a control plane's refusal, any reason `up` cannot go on).
 NO_KIND = {"llmgw_runtime.ctl_client.CtlError", "llmgw_cli.cmd_up.UpError"}

@@ -33,7 +33,8 @@ import zmq
 
 from llmgw_common.kvcache import block_keys
 from llmgw_common.vllm_kv_events import BlockStored, decode_frames
-from llmgw_router.cache.hf_tokenizer import TOKENIZER_FILES, HfPromptTokenizer
+from llmgw_router.cache.hf_files import TOKENIZER_FILES
+from llmgw_router.cache.hf_tokenizer import HfPromptTokenizer
 from tests.vllm.vllm_kit import VllmInstall, VllmServer, engine_env, require_vllm, start_vllm
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group("vllm"), pytest.mark.timeout(1500)]

@@ -17,13 +17,9 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from llmgw_router.cache.hf_tokenizer import (
-    TOKENIZER_FILES,
-    HfPromptTokenizer,
-    detect_content_format,
-    merge_kwargs,
-    special_tokens,
-)
+from llmgw_router.cache.hf_files import TOKENIZER_FILES, special_tokens
+from llmgw_router.cache.hf_template import detect_content_format
+from llmgw_router.cache.hf_tokenizer import HfPromptTokenizer, merge_kwargs
 from tests.vllm.vllm_kit import GEMMA, install_root
 
 GEMMA_DIR = install_root() / "models" / GEMMA
