@@ -124,6 +124,10 @@ class Result:
     cold_to_assigned_p50_s: float = float("nan")
     cold_to_loaded_p50_s: float = float("nan")
     cold_to_token_p50_s: float = float("nan")
+    # The same at p99: where a cold request's tail time goes.
+    cold_to_assigned_p99_s: float = float("nan")
+    cold_to_loaded_p99_s: float = float("nan")
+    cold_to_token_p99_s: float = float("nan")
     cards_per_adapter: float = float("nan")
     loads: int = 0
     unloads: int = 0
@@ -338,6 +342,9 @@ def run(args: argparse.Namespace) -> Result:
         cold_to_assigned_p50_s=round(percentile(d.to_assigned, 0.5), 2),
         cold_to_loaded_p50_s=round(percentile(d.to_loaded, 0.5), 2),
         cold_to_token_p50_s=round(percentile(d.to_token, 0.5), 2),
+        cold_to_assigned_p99_s=round(percentile(d.to_assigned, 0.99), 2),
+        cold_to_loaded_p99_s=round(percentile(d.to_loaded, 0.99), 2),
+        cold_to_token_p99_s=round(percentile(d.to_token, 0.99), 2),
         # One card per replica of the base, shared by every adapter.
         cards_per_adapter=round(args.replicas / args.adapters, 3),
         loads=loads,
@@ -371,7 +378,8 @@ def main() -> None:
         f"(goal p99 <= load {res.load_s}s + 1s = {res.cold_goal_s}s); warm p50 {res.warm_ttft_p50_s}s "
         f"p99 {res.warm_ttft_p99_s}s\n"
         f"cold path p50: asked of a replica after {res.cold_to_assigned_p50_s}s, reported loaded "
-        f"{res.cold_to_loaded_p50_s}s later, first token {res.cold_to_token_p50_s}s after that\n"
+        f"{res.cold_to_loaded_p50_s}s later, first token {res.cold_to_token_p50_s}s after that "
+        f"(p99: {res.cold_to_assigned_p99_s} / {res.cold_to_loaded_p99_s} / {res.cold_to_token_p99_s}s)\n"
         f"cards per adapter {res.cards_per_adapter} (goal <= 0.1); {res.loads} loads, {res.unloads} unloads"
     )
     for e in res.errors:

@@ -4,9 +4,11 @@ asks, through the engine's runtime API, and reported (issue 33).
 Once a tick, for shard 0 of every ready replica that serves adapters (``LaunchSpec.lora_url``) or is
 asked for some: read what the engine holds (``GET /v1/models``: a card with a ``parent`` is an
 adapter, its ``root`` the path it came from), plan (:func:`llmgw_agent.adapter_plan.plan_adapters`),
-then unload (``POST /v1/unload_lora_adapter``) and load (``POST /v1/load_lora_adapter``, side by side).
-A change of the assignment starts a pass at once, not at the next tick. Each replica has at most one
-pass under way, off the tick (a load may take seconds); asked again meanwhile, it makes another. When
+then unload (``POST /v1/unload_lora_adapter``) and load (``POST /v1/load_lora_adapter``, side by side,
+each its own task). A change of the assignment starts a pass at once, not at the next tick. Each
+replica has at most one pass under way, off the tick; asked again meanwhile, it makes another. A pass
+does not wait for its loads (a load may take seconds): an adapter asked for while others load starts
+loading at once; the engine's list is read by a pass with no load under way. When
 a load or unload ends (or a refusal or the engine's own list changes what is reported), ``changed`` is
 told the replica at once: its load line goes out then, not at the next reading, as requests held for the
 adapter wait for it (:meth:`llmgw_agent.load_feed.LoadFeed.read_now`). The engine's own list is the
@@ -67,6 +69,14 @@ class _Replica:
     task: asyncio.Task[None] | None = None
     # Asked for again while a pass was under way (the assignment changed): another pass follows at once.
     again: bool = False
+    # Loads under way, by adapter: a pass starts them and ends, so that an adapter asked for meanwhile
+    # starts loading at once rather than after them.
+    loading: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+
+    def stop(self) -> None:
+        for t in [self.task, *self.loading.values()]:
+            if t is not None:
+                t.cancel()
 
 
 def describe_failure(status: int, body: str, path: str) -> str:
@@ -138,17 +148,15 @@ class AdapterSync:
             live.add(sh.key)
             r = self._replicas.get(sh.key)
             if r is None or r.pid != sh.pid:
-                if r is not None and r.task is not None:
-                    r.task.cancel()
+                if r is not None:
+                    r.stop()
                 r = self._replicas[sh.key] = _Replica(pid=sh.pid)
             if r.task is None or r.task.done():
                 r.task = self._spawn(self._passes(sh, r), f"adapters-{a.replica_id}")
             else:
                 r.again = True
         for key in set(self._replicas) - live:
-            gone = self._replicas.pop(key)
-            if gone.task is not None:
-                gone.task.cancel()
+            self._replicas.pop(key).stop()
 
     def report(self, key: ShardKey) -> tuple[tuple[str, ...], dict[str, str]]:
         """(adapters loaded, adapter -> why its last load failed) of one replica's engine."""
@@ -224,26 +232,36 @@ class AdapterSync:
             r.failures = {ad.name: Failure(None, why, now) for ad in a.adapters}
             self._tell(key, before)
             return
-        try:
-            r.loaded = await self._read(url)
-        except (httpx.HTTPError, ValueError) as e:
-            log.debug("cannot read the adapters of %s at %s: %s", a.replica_id, url, e)
-            return
+        if not r.loading:
+            # With loads under way the engine's list lacks them yet (a read racing one would drop it
+            # from what is reported): what the loads made is kept, and a later pass reads.
+            try:
+                r.loaded = await self._read(url)
+            except (httpx.HTTPError, ValueError) as e:
+                log.debug("cannot read the adapters of %s at %s: %s", a.replica_id, url, e)
+                return
         wanted = [self._resolve(ad, a, sh.spec.simulated) for ad in a.adapters]
         plan = plan_adapters(wanted, r.loaded, r.failures, now, self.retry_s)
         for name, why in plan.refused.items():
             r.failures[name] = Failure(None, why, now)
         # What the engine lists (a restart dropped its adapters) and the refusals, told before the loads.
         self._tell(key, before)
-        # Unloads first (they free the slots the loads take), then the loads side by side: a request
-        # held for one adapter does not wait for another's load.
-        await asyncio.gather(*(self._told(key, self._unload(url, name, r)) for name in plan.unload))
-        await asyncio.gather(
-            *(
-                self._told(key, self._checked_load(url, name, path, r, sh.spec.simulated))
-                for name, path in plan.load
-            )
-        )
+        # Unloads first (they free the slots the loads take), then the loads side by side, each its own
+        # task: a request held for one adapter waits neither for another's load nor for this pass.
+        unload = [name for name in plan.unload if name not in r.loading]
+        await asyncio.gather(*(self._told(key, self._unload(url, name, r)) for name in unload))
+        for name, path in plan.load:
+            if name not in r.loading:
+                work = self._loading(key, url, name, path, r, sh.spec.simulated)
+                r.loading[name] = self._spawn(work, f"adapter-load-{a.replica_id}-{name}")
+
+    async def _loading(
+        self, key: ShardKey, url: str, name: str, path: str, r: _Replica, simulated: bool
+    ) -> None:
+        try:
+            await self._told(key, self._checked_load(url, name, path, r, simulated))
+        finally:
+            r.loading.pop(name, None)
 
     async def _checked_load(self, url: str, name: str, path: str, r: _Replica, simulated: bool) -> None:
         """Load one adapter, on a real engine only once its weights are whole on disk."""
