@@ -32,16 +32,43 @@ def apply(held: dict[str, set[int]], msgs: list[KvDeltas]) -> None:
 
 def test_due_after_a_tick_when_changed_and_after_idle_s_when_not() -> None:
     b = batcher()
-    assert b.due(0.0)  # never sent: the first (empty) message goes at once
-    first = b.take(0.0)
-    assert [m.seq for m in first] == [1] and first[0].replicas == []
-    assert not b.due(4.9)
     b.add("r1", "m", 16, Change(stored=(1, 2)))
+    assert b.due(0.0)  # never sent: the first message goes at once
+    first = b.take(0.0)
+    assert [m.seq for m in first] == [1] and first[0].replicas[0].stored == [1, 2]
+    assert not b.due(4.9)
+    b.add("r1", "m", 16, Change(stored=(3,)))
     assert not b.due(0.05) and b.due(0.1)
     msgs = b.take(0.1)
-    assert [m.seq for m in msgs] == [2] and msgs[0].replicas[0].stored == [1, 2]
+    assert [m.seq for m in msgs] == [2] and msgs[0].replicas[0].stored == [3]
     assert not b.due(5.0) and b.due(5.1)
     assert b.take(5.1)[0].replicas == [] and b.seq == 3
+    # r1 held by receivers: the empty message keeps coming every idle_s.
+    assert not b.due(10.0) and b.due(10.1)
+
+
+def test_a_node_holding_no_replica_sends_no_idle_message() -> None:
+    # Issue 35: every node's empty batch every 5 s, to every router, was 10,000 messages a second at
+    # 50,000 nodes; a node with no replica that publishes KV events must send none.
+    b = batcher()
+    assert not any(b.due(t) for t in (0.0, 5.0, 60.0, 3600.0))
+    assert b.seq == 0
+    # A replica comes and goes: its gone message, then one empty one (a lost gone is noticed), then none.
+    b.add("r1", "m", 16, Change(stored=(1,)))
+    assert b.due(3600.0)
+    b.take(3600.0)
+    b.gone("r1", "m", 16)
+    (gone,) = b.take(3601.0)
+    assert gone.replicas[0].gone and b.held == set()
+    assert not b.due(3605.0) and b.due(3606.0)
+    (trailing,) = b.take(3606.0)
+    assert trailing.replicas == [] and trailing.seq == gone.seq + 1
+    assert not any(b.due(t) for t in (3611.0, 3700.0, 9999.0))
+    # A replica that failed to open (cleared, never gone) is held: its idle messages go on.
+    b.add("r2", "m", 16, Change(cleared=True))
+    b.take(10_000.0)
+    b.take(10_005.0)
+    assert b.due(10_010.0)
 
 
 def test_stored_then_removed_between_ticks_is_sent_as_nothing() -> None:

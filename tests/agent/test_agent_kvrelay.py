@@ -131,12 +131,39 @@ async def test_deltas_restart_gap_garbage_snapshot_and_gone(
         pub.close()
 
 
-async def test_an_idle_relay_sends_an_empty_batch_now_and_then(nc: NATS, prefix: str, relay: KvRelay) -> None:
+async def test_an_idle_relay_sends_empty_batches_only_while_it_follows_a_replica(
+    nc: NATS, prefix: str, relay: KvRelay, tmp_path: Path
+) -> None:
     seen = KvTap()
     await nc.subscribe(Subjects(prefix).kv(NODE), cb=seen.heard)
-    await eventually(lambda: len(seen.deltas) >= 2, timeout=5, what="two idle batches")
-    assert all(m.replicas == [] for m in seen.deltas)
-    assert seen.deltas[1].seq == seen.deltas[0].seq + 1
+    await asyncio.sleep(1.2)  # idle_s 0.5: two idle batches were due before issue 35
+    assert seen.deltas == []  # a node with no replica that publishes KV events sends nothing
+    # A followed replica: its first stored blocks, then empty batches now and then.
+    endpoint = f"ipc://{tmp_path / 'kv.sock'}"
+    relay.sync({"r1": Feed("m", KvSource(endpoint, "kv", BS))})
+    pub = Pub(endpoint)
+    try:
+        seq = 0
+
+        async def first_through() -> bool:
+            nonlocal seq
+            if not relay.readers["r1"].blocks.keys:
+                pub.send(seq, stored((1,), None, 0))
+                seq += 1
+            return bool(seen.held().get("r1"))
+
+        await eventually(first_through, timeout=10, what="the first stored blocks relayed")
+        await eventually(lambda: len(seen.deltas) >= 3, timeout=5, what="two idle batches")
+    finally:
+        pub.close()
+    assert seen.deltas[0].replicas and all(m.replicas == [] for m in seen.deltas[1:])
+    assert [m.seq for m in seen.deltas] == list(range(1, len(seen.deltas) + 1))
+    # It leaves: gone, one empty batch after it, then nothing.
+    relay.sync({})
+    await eventually(lambda: any(r.gone for m in seen.deltas for r in m.replicas), timeout=5, what="gone")
+    await asyncio.sleep(1.5)
+    after = [m for m in seen.deltas if m.seq > max(m.seq for m in seen.deltas if m.replicas)]
+    assert [m.replicas for m in after] == [[]]
 
 
 async def test_a_garbage_snapshot_request_is_dropped(nc: NATS, prefix: str, relay: KvRelay) -> None:

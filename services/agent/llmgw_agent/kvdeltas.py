@@ -3,7 +3,11 @@
 :class:`DeltaBatcher` keeps, per replica, what changed since the last message it produced, net of
 itself (a block stored then removed before a tick is sent as nothing), and decides when a message is
 due: every ``tick_s`` while something changed, and an empty one every ``idle_s`` otherwise, so a router
-that missed the last batch sees the next ``seq`` and asks for a snapshot. A message over
+that missed the last batch sees the next ``seq`` and asks for a snapshot. The empty ones go only while
+a receiver holds some replica of the node, and once more after the message that left it holding none
+(its loss is then noticed too): a node with no replica that publishes KV events sends nothing, which at
+50,000 nodes was 10,000 messages a second to every router (bench/RESULTS.md, issue 35). A router learns
+of such a node's stream from its snapshot or its first batch that names a replica. A message over
 :data:`MAX_KEYS_PER_MESSAGE` keys is split into several, with consecutive ``seq``.
 
 :func:`snapshot_page` answers one :class:`KvSnapshotRequest` from the node's current key sets, which
@@ -73,6 +77,10 @@ class DeltaBatcher:
     seq: int = 0
     sent_at: float = float("-inf")
     pending: dict[str, Pending] = field(default_factory=dict)
+    # The replicas a receiver of every message so far holds (named, not gone since).
+    held: set[str] = field(default_factory=set)
+    # The last message named some replica: one empty message is owed even when none is held.
+    trailing: bool = False
 
     def add(self, replica: str, model: str, block_size: int, c: Change) -> None:
         if c.empty:
@@ -93,6 +101,8 @@ class DeltaBatcher:
     def due(self, now: float) -> bool:
         if self.changed():
             return now - self.sent_at >= self.tick_s
+        if not (self.held or self.trailing):
+            return False  # nothing held anywhere: a lost message would have nothing to be noticed for
         return now - self.sent_at >= self.idle_s
 
     def take(self, now: float) -> list[KvDeltas]:
@@ -102,7 +112,12 @@ class DeltaBatcher:
             p = self.pending[rid]
             if not p.empty:
                 entries += _split(rid, p, self.max_keys)
+                if p.gone:
+                    self.held.discard(rid)
+                else:
+                    self.held.add(rid)
         self.pending.clear()
+        self.trailing = bool(entries)
         self.sent_at = now
         out: list[KvDeltas] = []
         batch: list[ReplicaKv] = []
