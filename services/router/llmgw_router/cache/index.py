@@ -283,10 +283,9 @@ class KvIndex:
         self._count.setdefault(replica, 0)
         return m
 
-    # The writers loop in C (map, dict.update, the keys view's intersection, list.count) rather than per key
-    # in Python, build no object per key, and touch each key's dict entry as few times as they can: the
-    # common case is one probe to store a key no replica holds, and one pop to remove a key only this
-    # replica held. Following the events is the router's steady background cost, bound by memory access
+    # The writers loop in C (map, dict.update, list.count) rather than per key in Python, build no object
+    # per key, and touch each key's dict entry once in the common cases: one setdefault to store a key,
+    # one pop to remove a key only this replica held. Following the events is the router's steady background cost, bound by memory access
     # on a large index. Counts come from the dict's size and the masks seen, so a key listed twice in
     # one batch counts once.
 
@@ -298,15 +297,16 @@ class KvIndex:
         if len(ks) > room:
             self._store_at_cap(replica, m, bit, ks, room)
             return
-        # The keys the index has already (few, where prompts are new): one probe each, in C.
-        olds = {k: blocks[k] for k in blocks.keys() & ks}
+        # One setdefault a key, in C: a key no replica holds gets this replica's bit, and each returns the
+        # mask the key has now, which is the bit itself unless other replicas held the key before.
         before = len(blocks)
-        blocks.update(zip(ks, repeat(bit)))
+        got = list(map(blocks.setdefault, ks, repeat(bit)))
         added = len(blocks) - before
-        if olds:
-            # Those keep their other replicas' bits; the ones this replica lacked count as stored.
-            blocks.update(zip(olds, map(bit.__or__, olds.values()), strict=True))
-            added += sum(1 for mask in olds.values() if not mask & bit)
+        if got.count(bit) != len(got):
+            # Keys other replicas held: this replica's bit added (each once, where it lacked it).
+            lacking = {k: mask for k, mask in zip(ks, got, strict=True) if not mask & bit}
+            blocks.update(zip(lacking, map(bit.__or__, lacking.values()), strict=True))
+            added += len(lacking)
         self._count[replica] += added
         self._entries += added
 
