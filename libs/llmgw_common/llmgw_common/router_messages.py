@@ -74,12 +74,21 @@ class ModelDemand(Message):
 
 
 class DemandReport(Message):
-    """Router -> control plane, every tick on ``Subjects.demand``: what it sees of each model's load."""
+    """Router -> control plane, every tick on ``Subjects.demand``: what it sees of each model's load.
+
+    Since issue 35 a tick's report is what changed (``llmgw_router.demand_deltas``): ``models`` holds the
+    entries that changed, ``gone`` the models no longer reported, and a model named in neither is as the
+    router last said. A ``whole`` message starts the router's view anew (the entries of the messages
+    after it with the same ``sent_at`` complete it). One tick's may be several messages, each bounded."""
 
     router: RouterId
     since: float
     sent_at: float
     models: dict[str, ModelDemand] = Field(default_factory=dict)
+    # True (as from routers before issue 35, whose every report was whole): forget what this router said
+    # before this message.
+    whole: bool = True
+    gone: list[str] = Field(default_factory=list)
 
 
 class WakeState(StrEnum):

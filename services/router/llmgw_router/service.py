@@ -33,6 +33,7 @@ from llmgw_router.cache.router import CacheLimits
 from llmgw_router.cache.service import CacheService
 from llmgw_router.context import Limits, RouterContext
 from llmgw_router.demand import DemandMeter
+from llmgw_router.demand_deltas import DemandDeltas
 from llmgw_router.errors import error_body
 from llmgw_router.failover.migration import abort_withdrawn
 from llmgw_router.http.guard import ConnectionGuard, ConnectionMetrics, fit_to_fd_limit
@@ -141,6 +142,11 @@ class Router:
                 settings.trace_sample_ratio,
             )
         self.demand = DemandMeter(self.ctx)
+        # The demand report as it goes out: what changed, bounded messages (issue 35).
+        self.demand_deltas = DemandDeltas()
+        # The tick's reports failed to publish (a message over max_payload, NATS away): said at warning
+        # once, then at debug until they go again.
+        self.publish_failing = False
         # Usage kept durably (KV <prefix>_usage), once the bus is reached.
         self.ledger: Ledger | None = None
         # Routing by cached prefix (cache/), once the bus is reached.
@@ -287,11 +293,20 @@ class Router:
                     self.ctx.upstream.sweep()
                 await self._publish_reports()
             except (nats.errors.Error, TimeoutError) as e:
-                log.debug("tick publish failed: %s", e)
+                self.publish_failed(e)
             except Exception as e:  # a bug in one tick must not end the ticks (nor the serving)
                 self.tick_guard.failure(e)
             else:
                 self.tick_guard.ok()
+
+    def publish_failed(self, e: BaseException) -> None:
+        why = f"{type(e).__name__}: {e}".rstrip(": ")
+        if self.publish_failing:
+            log.debug("tick reports not published: %s", why)
+            return
+        self.publish_failing = True
+        # At warning: a report that never goes (one over max_payload) leaves the control plane blind.
+        log.warning("tick reports not published: %s (said once until they are again)", why)
 
     async def _publish_reports(self) -> None:
         if self.nc is None or not self.nc.is_connected:
@@ -301,8 +316,14 @@ class Router:
         idle = self.ctx.idle.report(rid, now, self.ctx.pool.breakers_not_closed(), self.ctx.pool.busy())
         await self.nc.publish(self.subjects.idle(rid), encode(idle))
         await self.nc.publish(self.subjects.usage(rid), encode(self.ctx.usage.report(rid, now)))
-        await self.nc.publish(self.subjects.demand(rid), encode(self.demand.report(rid, now)))
+        demand = self.demand_deltas.messages(self.demand.report(rid, now))
+        for m in demand:
+            await self.nc.publish(self.subjects.demand(rid), encode(m))
         await bus.flush(self.nc, timeout=2)
+        self.demand_deltas.sent(demand)
+        if self.publish_failing:
+            self.publish_failing = False
+            log.info("tick reports published again")
 
     def _cache_service(self, nc: NATS) -> CacheService:
         s, pool = self.settings, self.ctx.pool

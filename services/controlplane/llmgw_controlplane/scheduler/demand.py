@@ -1,7 +1,8 @@
 """Routers' demand reports merged per model, and what a model's target measures from them (issue 21).
 
-Each router sends, once a tick, a :class:`~llmgw_common.router_messages.DemandReport`: per model that follows
-load, what it holds itself (in flight, queued, held; exact) and what the engines' load reports told it
+Each router sends, once a tick, a :class:`~llmgw_common.router_messages.DemandReport` (since issue 35 only
+what changed, in bounded messages, a whole one every minute: ``llmgw_router.demand_deltas``): per model
+that follows load, what it holds itself (in flight, queued, held; exact) and what the engines' load reports told it
 (running, waiting, KV use; None where it has none). Merging keeps the two apart:
 
 - a router's own figures add up across routers (each request passes one router);
@@ -105,8 +106,24 @@ class DemandBook:
         cur = self._routers.get(rep.router)
         if cur is not None and cur.since == rep.since and cur.order > rep.sent_at:
             return  # a delayed older report never replaces a newer one from the same router
+        # A report says what changed since the router's last (issue 35): its entries over what it said
+        # before, less ``gone``; a whole one (every report of routers before it) starts anew. A change
+        # whose base was missed (a router new to us, or restarted) starts from nothing: the whole report
+        # that follows within a minute fills it.
+        models: dict[str, ModelDemand] = {}
+        if not rep.whole and cur is not None and cur.since == rep.since:
+            models = dict(cur.models)
+            for m in rep.gone:
+                models.pop(m, None)
+        models.update(rep.models)
+        if len(models) > MAX_REPORT_MODELS:
+            self.doubts.refuse(
+                f"router {rep.router}", "demand report", f"{len(models)} models named (at most {MAX_REPORT_MODELS})",
+                received_at,
+            )  # fmt: skip
+            return
         self._routers[rep.router] = _View(
-            rep.since, order_time(rep.sent_at, received_at), received_at, dict(rep.models)
+            rep.since, order_time(rep.sent_at, received_at), received_at, models
         )
 
     def prune(self, now: float) -> None:
