@@ -13,7 +13,7 @@ from pathlib import Path
 from nats.js.kv import KeyValue
 
 from llmgw_common.messages import ApiKeyRecord
-from llmgw_runtime.apikeys import create_key, hash_key, list_keys, revoke_key
+from llmgw_runtime.apikeys import create_key, find_named, hash_key, revoke_key
 
 DEV_KEY_NAME = "llmgw up development key"
 
@@ -54,15 +54,13 @@ async def ensure_dev_key(
     (its name must stay unique) and is written to ``key_file``.
     """
     now = time.time() if now is None else now
-    records = await list_keys(kv, prefix)
+    # By the name index (a get or two), not a read of every key (issue 35).
+    live = await find_named(kv, prefix, DEV_KEY_NAME)
     old = read_key_file(key_file)
-    if old is not None:
-        want = hash_key(old)
-        if any(record_valid(r, old, now) for r in records if r.hash == want):
-            return old, False
-    for r in records:
-        if r.name == DEV_KEY_NAME and not r.revoked:
-            await revoke_key(kv, prefix, r.id)
+    if old is not None and live is not None and live.hash == hash_key(old) and record_valid(live, old, now):
+        return old, False
+    if live is not None:
+        await revoke_key(kv, prefix, live.id)
     key, _ = await create_key(kv, prefix, DEV_KEY_NAME, now=now)
     write_key_file(key_file, key)
     return key, True
