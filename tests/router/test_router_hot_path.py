@@ -134,6 +134,56 @@ def test_relayed_header_lines_are_those_the_header_dict_gave(pairs: list[tuple[b
     assert not RelayedResponse(200, b"", lines, has_type).headers
 
 
+class _Conn:
+    """The client connection as an answer's head asks of it."""
+
+    lost = False
+    trust_forwarded = False
+    date_header = b"Date: Thu, 03 Dec 2026 20:00:00 GMT\r\n"
+
+    def __init__(self, close: bool = False, gone: bool = False) -> None:
+        self.close, self._gone = close, gone
+
+    def write_continue(self) -> None: ...
+
+    def gone(self) -> bool:
+        return self._gone
+
+    def must_close(self, req: Request) -> bool:
+        return self.close or not req.keep_alive
+
+    async def send(self, data: bytes) -> None: ...
+
+
+@pytest.mark.parametrize("status", [200, 201, 204, 304, 400, 404, 500, 599])
+@pytest.mark.parametrize("body", [b"", b'{"id": 1}'])
+@pytest.mark.parametrize("has_type", [True, False])
+@pytest.mark.parametrize(
+    ("method", "version", "keep_alive", "close"),
+    [("POST", "1.1", True, False), ("POST", "1.1", False, False), ("POST", "1.1", True, True),
+     ("POST", "1.0", True, False), ("HEAD", "1.1", True, False)],
+)  # fmt: skip
+def test_a_relayed_answer_is_the_bytes_the_generic_answer_made(
+    status: int, body: bytes, has_type: bool, method: str, version: str, keep_alive: bool, close: bool
+) -> None:
+    """The relayed answer's own head (no pass over its header dict) against Response.whole's."""
+    from llmgw_router.http.response import RelayedResponse, Response
+
+    lines = b"Content-Type: application/json\r\nX-Req: 1\r\n" if has_type else b"X-Req: 1\r\n"
+    req = Request(_Conn(close), method, "/v1/x", "", [(b"Host", b"h")], version, keep_alive)  # type: ignore[arg-type]
+    fast, generic = (
+        RelayedResponse(status, body, lines, has_type),
+        RelayedResponse(status, body, lines, has_type),
+    )
+    got, want = fast.whole(req), Response.whole(generic, req)
+    assert got == want and fast.will_close == generic.will_close
+    assert got.startswith(b"HTTP/1.1 %d " % status)
+    with pytest.raises(ConnectionResetError):
+        RelayedResponse(status, body, lines, has_type).whole(
+            Request(_Conn(gone=True), method, "/", "", [(b"Host", b"h")], version, keep_alive)  # type: ignore[arg-type]
+        )
+
+
 ANSWER_HEADERS = [
     [],
     [(b"Content-Type", b"application/json"), (b"Content-Length", b"12")],

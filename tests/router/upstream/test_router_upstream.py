@@ -326,6 +326,38 @@ async def scenario_slow_first_byte_then_a_stall_and_an_abort() -> None:
         await srv.close()
 
 
+async def scenario_one_timer_serves_a_connection_and_each_wait_keeps_its_own_deadline() -> None:
+    """The read timeout is one timer per connection, not one per wait: a wait begun after the timer
+    was armed for an earlier one's deadline times out at its own, not at the timer's first firing."""
+
+    async def slow_then_silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        await asyncio.sleep(0.3)  # within the 0.5 s read timeout
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await w.drain()
+        await _read_request(r)
+        await r.read()  # the second request on the kept-alive connection: no answer
+
+    srv, url = await _raw_server(slow_then_silent)
+    c = UpstreamClient(1.0, 0.5)
+    loop = asyncio.get_running_loop()
+    try:
+        r = await c.post(url, "/", b"{}")
+        assert await r.read() == b"ok"
+        conn = r._conn
+        timer = conn._timer  # armed for the first wait's deadline, about 0.2 s from now
+        assert timer is not None and not timer.cancelled()
+        t0 = loop.time()
+        with pytest.raises(ReadTimeout, match=r"no answer for 0\.5s"):
+            await c.post(url, "/", b"{}")
+        # On the same connection, with no timer of its own: the first firing found it not yet due.
+        assert conn._timer is None
+        assert 0.45 <= loop.time() - t0 < 2.0
+    finally:
+        await c.close()
+        await srv.close()
+
+
 async def scenario_abort_while_the_head_is_awaited() -> None:
     async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         await _read_request(r)
@@ -381,6 +413,7 @@ SCENARIOS: list[Scenario] = [
     scenario_large_answer_with_flow_control,
     scenario_engine_closing_kept_alive_connections_at_random_never_stalls,
     scenario_slow_first_byte_then_a_stall_and_an_abort,
+    scenario_one_timer_serves_a_connection_and_each_wait_keeps_its_own_deadline,
     scenario_abort_while_the_head_is_awaited,
     scenario_an_attempt_that_reaches_a_withdrawn_endpoint_is_given_up,
 ]

@@ -95,9 +95,13 @@ class UpstreamConnection(asyncio.Protocol):
 
     __slots__ = (
         "_buffered",
+        "_deadline",
         "_exc",
         "_interim",
         "_paused",
+        "_timer",
+        "_timer_at",
+        "_wait_s",
         "_waiter",
         "chunks",
         "closed",
@@ -122,6 +126,14 @@ class UpstreamConnection(asyncio.Protocol):
         self.idle_since = 0.0
         # Bumped by each exchange: a check scheduled for one exchange is void in the next.
         self.exchange = 0
+        # The read timeout's one timer for the connection's life, not one per wait (a wait is one per
+        # answer and one per streamed chunk; a timer made and cancelled each time was ~1 µs of uvloop
+        # apiece): armed at the earliest deadline wanted, it re-arms itself for a wait's later one when
+        # it fires early, and lapses when nothing waits. ``_deadline``: the wait's (loop time).
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._deadline = 0.0
+        self._wait_s = 0.0
         self.reset()
 
     def reset(self) -> None:
@@ -162,6 +174,9 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self.complete:
             return
         if self.status and not self.keep_alive and exc is None:
@@ -234,24 +249,46 @@ class UpstreamConnection(asyncio.Protocol):
         return data
 
     async def wait(self, timeout: float) -> None:
+        """Until the engine sends something (or ends, or fails); :class:`ReadTimeout` after ``timeout``
+        seconds of nothing."""
         if self._exc is not None:
             raise self._exc
-        w = self._waiter = self.loop.create_future()
-        h = self.loop.call_later(timeout, self._timeout, w, timeout)
+        loop = self.loop
+        w = self._waiter = loop.create_future()
+        self._wait_s = timeout
+        deadline = self._deadline = loop.time() + timeout
+        if self._timer is None or self._timer_at > deadline:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer_at = deadline
+            self._timer = loop.call_at(deadline, self._check_deadline)
         try:
             await w
         finally:
-            h.cancel()
             self._waiter = None
 
-    def _timeout(self, w: asyncio.Future[None], timeout: float) -> None:
-        if not w.done():
-            e = ReadTimeout(f"no answer for {timeout:g}s")
+    def _check_deadline(self) -> None:
+        """The timer fired: the wait under way times out at its deadline; one begun since (a later
+        deadline) has the timer again; with none, the timer lapses."""
+        self._timer = None
+        w = self._waiter
+        if w is None or w.done():
+            return
+        # Within a millisecond counts as due: uvloop's clock is in whole milliseconds, and asyncio's
+        # fires timers up to its clock's resolution early; re-arming for less would spin.
+        if self.loop.time() + 0.001 >= self._deadline:
+            e = ReadTimeout(f"no answer for {self._wait_s:g}s")
             e.responded = self.responded
             w.set_exception(e)
+            return
+        self._timer_at = self._deadline
+        self._timer = self.loop.call_at(self._deadline, self._check_deadline)
 
     def close(self) -> None:
         self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self.transport is not None:
             self.transport.close()
 
