@@ -13,7 +13,6 @@ from nats.aio.client import Client as NATS
 from llmgw_common.codec import encode
 from llmgw_common.messages import ApiKeyRecord
 from llmgw_common.subjects import Subjects
-from llmgw_router.tenancy.keys import KeyTable
 from llmgw_runtime import bus
 from llmgw_runtime.apikeys import (
     INDEXED_MARK,
@@ -65,8 +64,9 @@ async def test_keys_made_before_the_index_keep_their_names(prefix: str, nc: NATS
     await kv.put("k1", encode(ApiKeyRecord(id="k1", name="key 1", hash="1" * 64, created=1.0, revoked=True)))
     with pytest.raises(KeyOpError, match="already exists \\(id k0\\)"):
         await create_key(nc, prefix, "key 0")
-    assert (await kv.get(INDEXED_MARK)).value == b"1"
-    assert (await kv.get(name_key("key 2"))).value == b"k2"
+    names = await nc.jetstream().key_value(Subjects(prefix).bucket_key_names)
+    assert (await names.get(INDEXED_MARK)).value == b"1"
+    assert (await names.get(name_key("key 2"))).value == b"k2"
     # A revoked key's name is free again; by name, revoke and update find the live key.
     _, again = await create_key(nc, prefix, "key 1")
     assert (await find_named(kv, prefix, "key 1")) == again
@@ -79,21 +79,19 @@ async def test_keys_made_before_the_index_keep_their_names(prefix: str, nc: NATS
     assert (await revoke_key(nc, prefix, "k2")).id == "k2"
     with pytest.raises(KeyOpError, match="no key"):
         await revoke_key(nc, prefix, "nobody at all")
-    # The index holds no key: listings skip it, and a router's key table ignores it.
+    # The index is a bucket of its own: the keys bucket, which routers follow, holds the records only.
     assert sorted(r.id for r in await list_keys(kv)) == sorted(["k0", "k1", "k2", again.id])
-    table = KeyTable()
-    table.on_kv_change(name_key("key 0"), b"k0", 1)
-    table.on_kv_change(INDEXED_MARK, b"1", 2)
-    assert table.check("llmgw-nothing", 0.0).record is None
+    assert sorted(await bus.kv_keys(kv)) == sorted(["k0", "k1", "k2", again.id])
 
 
 async def test_a_stale_entry_is_taken_over_and_a_name_is_taken_once(prefix: str, nc: NATS) -> None:
     kv = await bus.ensure_kv(nc.jetstream(), Subjects(prefix).bucket_keys)
     # A create that died between its two writes: the entry names a key that was never written.
     await create_key(nc, prefix, "seed")
-    await kv.create(name_key("ghost"), b"k-never")
+    names = await nc.jetstream().key_value(Subjects(prefix).bucket_key_names)
+    await names.create(name_key("ghost"), b"k-never")
     _, rec = await create_key(nc, prefix, "ghost")
-    assert (await kv.get(name_key("ghost"))).value == rec.id.encode()
+    assert (await names.get(name_key("ghost"))).value == rec.id.encode()
     # Ten creates of one name at once: one key takes it, the others are refused.
     results = await asyncio.gather(
         *(create_key(nc, prefix, "race") for _ in range(10)), return_exceptions=True

@@ -365,10 +365,6 @@ class ApiKeyRecord(Message):
 
 # Key of a team's record in ``<prefix>_keys``: key ids start with ``k-``, so they never collide.
 TEAM_KEY_PREFIX = "team."
-# Keys of ``<prefix>_keys``' name index (``llmgw_runtime.apikeys``, issue 35): ``name.<sha256 of a name>``
-# holds the id of the live key of that name, so a name is checked by one get, not a read of every key.
-# Routers skip them.
-NAME_KEY_PREFIX = "name."
 
 
 class TeamRecord(Message):

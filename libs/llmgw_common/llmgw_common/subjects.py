@@ -123,6 +123,11 @@ class Subjects:
         return f"{self.prefix}_keys"
 
     @property
+    def bucket_key_names(self) -> str:
+        """Live keys' names -> their ids (``llmgw_runtime.apikeys``): written and read by the CLI only."""
+        return f"{self.prefix}_key_names"
+
+    @property
     def bucket_leader(self) -> str:
         return f"{self.prefix}_leader"
 

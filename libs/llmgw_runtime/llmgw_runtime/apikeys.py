@@ -3,13 +3,14 @@
 A key is shown once, when it is made; the bucket holds only its sha256 (hex). ``llmgw keys`` and
 ``llmgw up`` write the records here; routers follow the bucket (``llmgw_router.keys``).
 
-Names are unique among live keys. They are checked by a name index in the same bucket (issue 35): the
-key ``name.<sha256 of the name>`` holds the id of the key that took the name, written create-only, so
-two keys made at once cannot both take it, and checking a name is one get whatever the number of keys
-(it was a read of every key: 4-9 s at 10,000 keys, and JetStream's answer listing 100,000 keys was the
-bus's largest message, ~2.9 MB). An entry whose key was revoked (or never written: a create that died
-between the two writes) is stale and taken over. Keys made before the index are indexed once, by the
-first create or lookup by name that finds no ``name.indexed`` mark: the last read of every key.
+Names are unique among live keys. They are checked by a name index, the bucket ``<prefix>_key_names``
+(issue 35): the key ``<sha256 of the name>`` holds the id of the key that took the name, written
+create-only, so two keys made at once cannot both take it, and checking a name is one get whatever the
+number of keys (it was a read of every key: 4-9 s at 10,000 keys, and JetStream's answer listing 100,000
+keys was the bus's largest message, ~2.9 MB). A bucket of its own: routers, which follow ``<prefix>_keys``,
+never see it. An entry whose key was revoked (or never written: a create that died between the two
+writes) is stale and taken over. Keys made before the index are indexed once, by the first create or
+lookup by name that finds no ``indexed`` mark: the last read of every key.
 """
 
 from __future__ import annotations
@@ -22,25 +23,18 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
 from llmgw_common.codec import encode
 from llmgw_common.errors import InvalidInput
-from llmgw_common.messages import (
-    NAME_KEY_PREFIX,
-    TEAM_KEY_PREFIX,
-    ApiKeyRecord,
-    CacheScope,
-    KeyLimits,
-    TeamRecord,
-)
+from llmgw_common.messages import TEAM_KEY_PREFIX, ApiKeyRecord, CacheScope, KeyLimits, TeamRecord
 from llmgw_common.subjects import Subjects
 from llmgw_runtime import bus
 
 KEY_PREFIX = "llmgw-"
-# Set once every key made before the name index is in it.
-INDEXED_MARK = NAME_KEY_PREFIX + "indexed"
+# In the name index, once every key made before it is in it.
+INDEXED_MARK = "indexed"
 # What a KV key may hold: a key id or name outside it is no key of the bucket.
 _KV_KEY = re.compile(r"^[-/_=.a-zA-Z0-9]+$")
 
@@ -68,6 +62,16 @@ async def _keys_kv(nc_or_kv: Any, prefix: str) -> KeyValue:
     return await bus.ensure_kv(nc_or_kv.jetstream(), Subjects(prefix).bucket_keys)
 
 
+async def _names_kv(keys: KeyValue, prefix: str) -> KeyValue:
+    """The name index, made beside the keys bucket with its replica count when it does not exist."""
+    js = keys._js
+    try:
+        return await js.key_value(Subjects(prefix).bucket_key_names)
+    except BucketNotFoundError:
+        replicas = (await keys.status()).stream_info.config.num_replicas or 1
+    return await bus.ensure_kv(js, Subjects(prefix).bucket_key_names, replicas=replicas)
+
+
 async def create_key(
     nc_or_kv: Any,
     prefix: str,
@@ -87,7 +91,7 @@ async def create_key(
     A name already used by a key that is not revoked is refused, so names can address keys.
     """
     kv = await _keys_kv(nc_or_kv, prefix)
-    await _ensure_index(kv)
+    names = await _ensure_index(kv, prefix)
     key = generate_key()
     rec = ApiKeyRecord(
         id=new_key_id(),
@@ -103,15 +107,15 @@ async def create_key(
     )
     entry = name_key(name)
     try:
-        await kv.create(entry, rec.id.encode())
+        await names.create(entry, rec.id.encode())
     except KeyWrongLastSequenceError:
-        held, revision = await _named(kv, name)
+        held, revision = await _named(kv, names, name)
         if held is not None:
             raise KeyOpError(
                 f"a key named {name!r} already exists (id {held.id}); revoke it or pick another name"
             ) from None
         try:
-            await kv.update(entry, rec.id.encode(), last=revision)  # a stale entry: taken over
+            await names.update(entry, rec.id.encode(), last=revision)  # a stale entry: taken over
         except KeyWrongLastSequenceError:
             raise KeyOpError(f"another key named {name!r} is being made at this moment; try again") from None
     await kv.create(rec.id, encode(rec))
@@ -120,13 +124,13 @@ async def create_key(
 
 def name_key(name: str) -> str:
     """The name index's key of ``name`` (any text: hashed into what a KV key may hold)."""
-    return NAME_KEY_PREFIX + hashlib.sha256(name.encode("utf-8")).hexdigest()[:40]
+    return hashlib.sha256(name.encode("utf-8")).hexdigest()[:40]
 
 
-async def _named(kv: KeyValue, name: str) -> tuple[ApiKeyRecord | None, int]:
+async def _named(kv: KeyValue, names: KeyValue, name: str) -> tuple[ApiKeyRecord | None, int]:
     """The live key named ``name`` by the index (None: none), and its entry's revision (0: no entry)."""
     try:
-        e = await kv.get(name_key(name))
+        e = await names.get(name_key(name))
     except NotFoundError:  # absent or deleted
         return None, 0
     if e.value is None:
@@ -140,30 +144,32 @@ async def _named(kv: KeyValue, name: str) -> tuple[ApiKeyRecord | None, int]:
 async def find_named(nc_or_kv: Any, prefix: str, name: str) -> ApiKeyRecord | None:
     """The live key named ``name``, by the name index: a get or two, whatever the number of keys."""
     kv = await _keys_kv(nc_or_kv, prefix)
-    await _ensure_index(kv)
-    return (await _named(kv, name))[0]
+    names = await _ensure_index(kv, prefix)
+    return (await _named(kv, names, name))[0]
 
 
-async def _ensure_index(kv: KeyValue) -> None:
-    """Keys made before the name index: indexed once, by one read of every key (the last such read)."""
+async def _ensure_index(kv: KeyValue, prefix: str) -> KeyValue:
+    """The name index; keys made before it indexed once, by one read of every key (the last such read)."""
+    names = await _names_kv(kv, prefix)
     try:
-        await kv.get(INDEXED_MARK)
-        return
+        await names.get(INDEXED_MARK)
+        return names
     except NotFoundError:
         pass
     for rec in await list_keys(kv):
         if not rec.revoked:
             # Two live keys of one name (made before names were unique): the first made keeps it.
             with contextlib.suppress(KeyWrongLastSequenceError):
-                await kv.create(name_key(rec.name), rec.id.encode())
-    await kv.put(INDEXED_MARK, b"1")
+                await names.create(name_key(rec.name), rec.id.encode())
+    await names.put(INDEXED_MARK, b"1")
+    return names
 
 
 async def list_keys(nc_or_kv: Any, prefix: str = "llmgw") -> list[ApiKeyRecord]:
     kv = await _keys_kv(nc_or_kv, prefix)
     out: list[ApiKeyRecord] = []
     for k in await bus.kv_keys(kv):
-        if k.startswith((TEAM_KEY_PREFIX, NAME_KEY_PREFIX)):
+        if k.startswith(TEAM_KEY_PREFIX):
             continue
         rec, _ = await bus.kv_get(kv, k, ApiKeyRecord)
         if rec is not None:
@@ -172,14 +178,14 @@ async def list_keys(nc_or_kv: Any, prefix: str = "llmgw") -> list[ApiKeyRecord]:
     return out
 
 
-async def _find(kv: KeyValue, id_or_name: str, verb: str) -> ApiKeyRecord:
-    """The key of this id, else the live key of this name: a get or two (``verb`` is kept for callers)."""
-    if _KV_KEY.match(id_or_name) and not id_or_name.startswith((TEAM_KEY_PREFIX, NAME_KEY_PREFIX)):
+async def _find(kv: KeyValue, prefix: str, id_or_name: str) -> ApiKeyRecord:
+    """The key of this id, else the live key of this name: a get or two, whatever the number of keys."""
+    if _KV_KEY.match(id_or_name) and not id_or_name.startswith(TEAM_KEY_PREFIX):
         rec, _ = await bus.kv_get(kv, id_or_name, ApiKeyRecord)
         if rec is not None:
             return rec
-    await _ensure_index(kv)
-    rec, _ = await _named(kv, id_or_name)
+    names = await _ensure_index(kv, prefix)
+    rec, _ = await _named(kv, names, id_or_name)
     if rec is None:
         raise KeyOpError(f"no key with id or name {id_or_name!r}")
     return rec
@@ -188,7 +194,7 @@ async def _find(kv: KeyValue, id_or_name: str, verb: str) -> ApiKeyRecord:
 async def revoke_key(nc_or_kv: Any, prefix: str, id_or_name: str) -> ApiKeyRecord:
     """Mark a key revoked, by id or by name (a name must match exactly one key not yet revoked)."""
     kv = await _keys_kv(nc_or_kv, prefix)
-    rec = (await _find(kv, id_or_name, "revoke")).model_copy(update={"revoked": True})
+    rec = (await _find(kv, prefix, id_or_name)).model_copy(update={"revoked": True})
     await kv.put(rec.id, encode(rec))
     return rec
 
@@ -209,7 +215,7 @@ async def update_key(
     """Change a key's limits, team, weight or cache scope (what is not given stays). Routers follow the bucket, so
     the change holds on every router within a tick. Validated as a whole record before it is written."""
     kv = await _keys_kv(nc_or_kv, prefix)
-    old = await _find(kv, id_or_name, "update")
+    old = await _find(kv, prefix, id_or_name)
     if old.revoked:
         raise KeyOpError(f"key {old.id} ({old.name}) is revoked")
     data = old.model_dump()

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from llmgw_common.codec import DecodeError, decode
-from llmgw_common.messages import NAME_KEY_PREFIX, TEAM_KEY_PREFIX, ApiKeyRecord, TeamRecord
+from llmgw_common.messages import TEAM_KEY_PREFIX, ApiKeyRecord, TeamRecord
 from llmgw_runtime.apikeys import hash_key
 
 
@@ -97,8 +97,6 @@ class KeyTable:
         if key.startswith(TEAM_KEY_PREFIX):
             self._on_team(key[len(TEAM_KEY_PREFIX) :], value)
             return
-        if key.startswith(NAME_KEY_PREFIX):
-            return  # the CLI's name index: no key of its own
         if value is None:
             self.remove(key)
             return
