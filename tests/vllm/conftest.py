@@ -11,7 +11,8 @@ default catalog; ``cluster`` starts on the default catalog, fails two starts,
 then takes minilm away; ``cluster_lifecycle`` drains and wakes on gemma alone; ``failover`` SIGKILLs a
 gemma last, so the replacement's start is one nobody waits for; ``kv_prediction`` runs a vLLM of its own
 (the router's predicted blocks against the events vLLM publishes); ``lora`` brings gemma alone with LoRA
-on and two adapters (one more start, and nothing after it needs the default catalog). Every start saved is 30-100 s of both
+on and two adapters (one more start, and nothing after it needs the default catalog). ``tracing``, last by name, runs a
+vLLM of its own (traced to Arize Phoenix), whatever the stage holds. Every start saved is 30-100 s of both
 cores (a vLLM start here is about 55 s of CPU, a 4-token chat about 0.45 s).
 """
 
