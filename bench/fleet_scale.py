@@ -74,7 +74,7 @@ from llmgw_common.messages import (
 from llmgw_common.routing_table import ModelRouting, row_key
 from llmgw_common.subjects import Subjects
 from llmgw_runtime import bus
-from llmgw_runtime.apikeys import create_key, revoke_key
+from llmgw_runtime.apikeys import INDEXED_MARK, create_key, name_key, revoke_key
 from llmgw_runtime.ctl_client import CtlClient, CtlUnavailable
 from llmgw_runtime.natsserver import ensure_on_path
 from llmgw_runtime.runtime import cancel_and_wait
@@ -125,6 +125,10 @@ class Fleet:
     # Nodes whose agents are silent (lost): no heartbeat, no load, no KV batch.
     silent: set[str] = field(default_factory=set)
     published: int = 0
+    # Which nodes send the empty KV batch every KV_IDLE_S: "replicas" (since issue 35's fix, only a node
+    # holding a replica whose engine publishes KV events does: counted as if every replica's did, an
+    # upper bound), "all" (every node, as before it), "none" (the sim engines here publish none).
+    kv_idle_from: str = "replicas"
 
     def node(self, i: int) -> str:
         return f"n{i:05d}"
@@ -212,7 +216,9 @@ class Fleet:
             return None
         return encode(LoadReport(node=name, sent_at=time.time(), replicas=reps))
 
-    def kv_idle(self, name: str) -> bytes:
+    def kv_idle(self, name: str) -> bytes | None:
+        if self.kv_idle_from == "none" or (self.kv_idle_from == "replicas" and not self.shards.get(name)):
+            return None
         return encode(KvDeltas(node=name, stream=self.boot, seq=self.kv_seq, sent_at=time.time()))
 
     async def every(self, interval: float, subject: Any, make: Any, slices: int = 20) -> None:
@@ -439,12 +445,16 @@ class Bench:
         subjects = Subjects(PREFIX)
         js = nc.jetstream()
         buckets = await bus.ensure_all(js, subjects, replicas=3)
-        # K keys, as `llmgw keys create` stores them (records by raw publish: a put each takes minutes).
+        # K keys, as `llmgw keys create` stores them (records by raw publish: a put each takes minutes),
+        # with their names' index (issue 35: a name is checked by one get, apikeys.py).
+        await bus.ensure_kv(js, subjects.bucket_key_names, replicas=3)
         for i in range(a.keys):
             rec = ApiKeyRecord(id=f"k{i:06d}", name=f"key {i}", hash=f"{i:064x}", created=time.time())
             await nc.publish(f"$KV.{subjects.bucket_keys}.k{i:06d}", encode(rec))
+            await nc.publish(f"$KV.{subjects.bucket_key_names}.{name_key(rec.name)}", rec.id.encode())
             if i % 1000 == 999:
                 await nc.flush()
+        await nc.publish(f"$KV.{subjects.bucket_key_names}.{INDEXED_MARK}", b"1")
         await nc.flush()
         client_key, _ = await create_key(nc, PREFIX, "client")
         cat = self.root / "catalog.yaml"
@@ -453,7 +463,7 @@ class Bench:
         ctl = CtlClient(nc, PREFIX, timeout=20.0)
         await _until("a leading control plane", lambda: self._leads(ctl), 60, 0.2)
         self.cps.append(self.start_cp(1, cat))
-        fleet = Fleet(nc, subjects, a.nodes)
+        fleet = Fleet(nc, subjects, a.nodes, kv_idle_from=a.kv_idle_from)
         await nc.subscribe(f"$KV.{subjects.bucket_assign}.>", cb=fleet.on_assign)
         await nc.subscribe(f"{PREFIX}.node.*.kv-snapshot", cb=fleet.on_snapshot)
         await nc.subscribe(f"{PREFIX}.node.*.inventory-request", cb=fleet.on_inventory_request)
@@ -814,6 +824,12 @@ def main() -> None:
     ap.add_argument("--node-lost-s", type=float, default=30.0)
     ap.add_argument("--place-timeout-s", type=float, default=600.0)
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--kv-idle-from",
+        choices=("replicas", "all", "none"),
+        default="replicas",
+        help="nodes sending the idle KV batch: with a replica (the agent since issue 35), all (before), none",
+    )
     args = ap.parse_args()
     n, m, r, k, rt = SIZES[args.size]
     args.nodes = args.nodes or n
