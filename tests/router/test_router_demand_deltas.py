@@ -129,15 +129,20 @@ def test_the_control_plane_book_holds_what_whole_reports_say() -> None:
                 assert g.in_flight == w.in_flight and abs(g.rate_s - w.rate_s) < 0.5, (now, name)
 
 
-def test_a_delta_for_a_router_unknown_or_restarted_starts_from_nothing() -> None:
+def test_a_router_whose_whole_report_was_missed_counts_only_from_its_next() -> None:
     book = DemandBook(stale_s=30.0)
     book.add(report(steady(3), T0 + 1), T0 + 1)
+    # It restarted (another since), its whole report lost: its changes are kept, but it reports nothing
+    # until its next whole one (a model it did not name must not look unreported).
     delta = report({"m00007": entry(7)}, T0 + 3, since=T0 + 2).model_copy(update={"whole": False})
     book.add(delta, T0 + 3)
-    assert sorted(book.merged(T0 + 3)) == ["m00007"]
+    assert book.merged(T0 + 3) == {} and book.cache(T0 + 3) == {}
     gone = report({}, T0 + 4, since=T0 + 2).model_copy(update={"whole": False, "gone": ["m00007"]})
     book.add(gone, T0 + 4)
     assert book.merged(T0 + 4) == {}
+    book.add(report({"m00001": entry(1)}, T0 + 5, since=T0 + 2), T0 + 5)
+    book.add(report({"m00002": entry(2)}, T0 + 6, since=T0 + 2).model_copy(update={"whole": False}), T0 + 6)
+    assert sorted(book.merged(T0 + 6)) == ["m00001", "m00002"]
 
 
 @pytest.mark.slow

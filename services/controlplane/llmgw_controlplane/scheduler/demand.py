@@ -71,6 +71,8 @@ class _View:
     order: float
     received_at: float
     models: dict[str, ModelDemand]
+    # A whole report of this incarnation was applied: the view names every model the router reports.
+    whole: bool = True
 
 
 def _believable(d: ModelDemand) -> bool:
@@ -107,12 +109,15 @@ class DemandBook:
         if cur is not None and cur.since == rep.since and cur.order > rep.sent_at:
             return  # a delayed older report never replaces a newer one from the same router
         # A report says what changed since the router's last (issue 35): its entries over what it said
-        # before, less ``gone``; a whole one (every report of routers before it) starts anew. A change
-        # whose base was missed (a router new to us, or restarted) starts from nothing: the whole report
-        # that follows within a minute fills it.
+        # before, less ``gone``; a whole one (every report of routers before it) starts anew. Changes
+        # whose base was missed (a router new to us, or we just started) are kept, but the router counts
+        # as not reporting until its next whole report (within a minute): a model it did not name since
+        # must not look unreported by it.
         models: dict[str, ModelDemand] = {}
+        whole = rep.whole
         if not rep.whole and cur is not None and cur.since == rep.since:
             models = dict(cur.models)
+            whole = cur.whole
             for m in rep.gone:
                 models.pop(m, None)
         models.update(rep.models)
@@ -123,7 +128,7 @@ class DemandBook:
             )  # fmt: skip
             return
         self._routers[rep.router] = _View(
-            rep.since, order_time(rep.sent_at, received_at), received_at, models
+            rep.since, order_time(rep.sent_at, received_at), received_at, models, whole
         )
 
     def prune(self, now: float) -> None:
@@ -139,7 +144,7 @@ class DemandBook:
         self.prune(now)
         per: dict[str, list[ModelDemand]] = {}
         for v in self._routers.values():
-            for m, d in v.models.items():
+            for m, d in v.models.items() if v.whole else ():
                 per.setdefault(m, []).append(d)
         return {m: merge(ds) for m, ds in per.items()}
 
@@ -148,7 +153,7 @@ class DemandBook:
         self.prune(now)
         per: dict[str, list[ModelCache]] = {}
         for v in self._routers.values():
-            for m, d in v.models.items():
+            for m, d in v.models.items() if v.whole else ():
                 if d.cache is not None:
                     per.setdefault(m, []).append(d.cache)
         return {m: merge_cache(cs) for m, cs in per.items()}
