@@ -59,7 +59,7 @@ def test_a_node_holding_no_replica_sends_no_idle_message() -> None:
     b.take(3600.0)
     b.gone("r1", "m", 16)
     (gone,) = b.take(3601.0)
-    assert gone.replicas[0].gone and b.held == set()
+    assert gone.replicas[0].gone and b.held == {}
     assert not b.due(3605.0) and b.due(3606.0)
     (trailing,) = b.take(3606.0)
     assert trailing.replicas == [] and trailing.seq == gone.seq + 1

@@ -319,3 +319,7 @@ async def test_a_reader_that_fails_the_same_way_at_every_sync_says_so_once(
     warned = [r for r in caplog.records if r.levelname == "WARNING" and "r1" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in warned]
     assert relay.counters.clears >= 4  # each failure still clears the replica: never stale entries
+    # It leaves with no reader: gone to receivers all the same (no idle batches for it ever after).
+    await eventually(lambda: "r1" in relay.batcher.held, timeout=5, what="the cleared replica sent")
+    relay.sync({})
+    await eventually(lambda: not relay.batcher.held, timeout=5, what="its gone sent")

@@ -77,8 +77,8 @@ class DeltaBatcher:
     seq: int = 0
     sent_at: float = float("-inf")
     pending: dict[str, Pending] = field(default_factory=dict)
-    # The replicas a receiver of every message so far holds (named, not gone since).
-    held: set[str] = field(default_factory=set)
+    # The replicas a receiver of every message so far holds (named, not gone since): model, block size.
+    held: dict[str, tuple[str, int]] = field(default_factory=dict)
     # The last message named some replica: one empty message is owed even when none is held.
     trailing: bool = False
 
@@ -113,9 +113,9 @@ class DeltaBatcher:
             if not p.empty:
                 entries += _split(rid, p, self.max_keys)
                 if p.gone:
-                    self.held.discard(rid)
+                    self.held.pop(rid, None)
                 else:
-                    self.held.add(rid)
+                    self.held[rid] = (p.model, p.block_size)
         self.pending.clear()
         self.trailing = bool(entries)
         self.sent_at = now

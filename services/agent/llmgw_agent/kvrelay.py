@@ -153,6 +153,12 @@ class KvRelay:
         for rid, feed in feeds.items():
             if rid not in self.readers:
                 self._add_reader(rid, feed)
+        # A replica whose reader failed (cleared, no reader since) and that left: gone to receivers too,
+        # or they would hold it, and this node send its idle batches, for ever.
+        for rid, (model, block_size) in list(self.batcher.held.items()):
+            if rid not in feeds and rid not in self.readers and rid not in self.batcher.pending:
+                self.batcher.gone(rid, model, block_size)
+                self._failing.pop(rid, None)
 
     def _add_reader(self, rid: str, feed: Feed) -> None:
         if self._ctx is None:
