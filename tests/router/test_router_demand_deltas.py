@@ -3,6 +3,7 @@ plane's book holding what whole reports would have said."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from types import SimpleNamespace
@@ -13,9 +14,15 @@ from nats.aio.client import Client as NATS
 
 from llmgw_common.codec import encode
 from llmgw_common.router_messages import DemandReport, ModelCache, ModelDemand
+from llmgw_common.subjects import Subjects
 from llmgw_controlplane.scheduler.demand import DemandBook
 from llmgw_router.demand_deltas import MAX_MODELS_PER_MESSAGE, WHOLE_EVERY_S, DemandDeltas
 from llmgw_router.service import Router
+from llmgw_runtime import bus
+from llmgw_runtime.natsserver import NatsServer
+from tests.controlplane.cp_helpers import cp_settings, start_cp
+from tests.kit.poll import eventually
+from tests.router.router_helpers import RouterFactory
 
 T0 = 50_000.0
 MAX_PAYLOAD = 1024 * 1024
@@ -159,3 +166,30 @@ async def test_a_report_over_max_payload_is_said_at_warning_once(
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "MaxPayloadError" in warned[0].getMessage()
     assert sum(r.levelno == logging.DEBUG for r in caplog.records) == 2
+
+
+@pytest.mark.slow
+async def test_a_control_plane_that_starts_gets_every_routers_whole_report_at_its_next_tick(
+    nats_server: NatsServer, prefix: str, nc: NATS, routers: RouterFactory
+) -> None:
+    # A router sends only what changed; a control plane started after it holds nothing of it and would
+    # count it as not reporting until its minute is up. The new one asks, and the next tick is whole.
+    subj = Subjects(prefix)
+    seen: list[DemandReport] = []
+    drops = bus.DropLog(logging.getLogger("t"))
+    await bus.subscribe(nc, subj.all_demand(), DemandReport, lambda m, _: seen.append(m), drops)
+    r = await routers(nats_urls=[nats_server.url], prefix=prefix, tick_s=0.1, auth=False, router_id="rW")
+    await asyncio.wait_for(r.synced.wait(), 10)
+    await eventually(lambda: sum(not m.whole for m in seen) >= 3, timeout=5.0, what="deltas after the whole")
+    assert seen[0].whole and not any(m.whole for m in seen[1:])
+    before = len(seen)
+    cp = await start_cp(cp_settings(nats_server.url, prefix, tick_s=0.1))
+    try:
+        await eventually(
+            lambda: any(m.whole for m in seen[before:]), timeout=3.0, what="a whole report after the ask"
+        )
+    finally:
+        await cp.stop()
+    # Asked once, whole once: the ticks after it go back to what changed.
+    await eventually(lambda: len(seen) >= before + 8, timeout=5.0, what="more ticks")
+    assert sum(m.whole for m in seen[before:]) == 1

@@ -151,6 +151,8 @@ def router_role(subjects: Subjects, password: str) -> Role:
             subjects.all_nodes("load"),
             f"{subjects.prefix}.router.*.usage",
             subjects.all_nodes("kv"),
+            # A control plane just started asks for whole demand reports (DemandWholeAsk).
+            subjects.demand_whole(),
         ),
     )
 

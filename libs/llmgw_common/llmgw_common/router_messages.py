@@ -91,6 +91,14 @@ class DemandReport(Message):
     gone: list[str] = Field(default_factory=list)
 
 
+class DemandWholeAsk(Message):
+    """Control plane -> routers on ``Subjects.demand_whole``: a control plane that has just started
+    (and so holds no router's view) asks every router for its whole demand report."""
+
+    asked_at: float
+    by: str = ""
+
+
 class WakeState(StrEnum):
     SERVING = "serving"  # a ready replica exists already (the asker's view was stale)
     WAKING = "waking"  # a replica is placed or starting; watch the routing endpoints for it

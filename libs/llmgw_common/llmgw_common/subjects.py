@@ -78,6 +78,12 @@ class Subjects:
     def all_demand(self) -> str:
         return f"{self.prefix}.router.*.demand"
 
+    def demand_whole(self) -> str:
+        """Control plane -> every router: send your whole demand report at your next tick
+        (DemandWholeAsk). A control plane that starts holds nobody's view; without it, reports that
+        carry only what changed would leave it blind until each router's minute is up."""
+        return f"{self.prefix}.controlplane.demand-whole"
+
     # ctl micro service
     @property
     def ctl_service(self) -> str:

@@ -26,9 +26,10 @@ from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
 from llmgw_common.catalog import CatalogError
+from llmgw_common.codec import encode
 from llmgw_common.ctl import DebugStatsReply
 from llmgw_common.errors import InvalidInput
-from llmgw_common.router_messages import WakeReply, WakeRequest, WakeState
+from llmgw_common.router_messages import DemandWholeAsk, WakeReply, WakeRequest, WakeState
 from llmgw_common.subjects import Subjects
 from llmgw_controlplane.admin import AdminBindError, AdminServer, CtlApiSource, build_admin_app
 from llmgw_controlplane.admin.usage_history import add_usage_history_route, ledger_readers
@@ -219,6 +220,10 @@ class ControlPlane:
             raise StartupError(f"catalog {self.s.catalog_file}: {e}") from None
         await self.desired.load_marks()
         self._subs = await self.ingest.subscribe()
+        # Routers send only what changed in their demand; we hold no view yet, so ask for the whole.
+        await self.nc.publish(
+            self.subjects.demand_whole(), encode(DemandWholeAsk(asked_at=time.time(), by=self.holder))
+        )
         await bus.flush(self.nc)
         self.settling.listening_from(self.clock())
 

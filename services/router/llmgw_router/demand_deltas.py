@@ -8,7 +8,8 @@ nobody calls reports zeros), so :class:`DemandDeltas` sends:
 - each tick, the entries that changed since the last sent, and the models no longer reported (``gone``);
   a ``window_s`` or ``rate_s`` that moved by less than :data:`SECONDS_SAME` is no change (they follow
   the tick's own jitter);
-- every :data:`WHOLE_EVERY_S`, and whenever the router restarted, every entry, the first message saying
+- every :data:`WHOLE_EVERY_S`, whenever the router restarted, and when a control plane that has just
+  started asks (:meth:`ask_whole`), every entry, the first message saying
   ``whole`` (the receiver starts the router's view anew): a lost message is made good by then;
 - at most :data:`MAX_MODELS_PER_MESSAGE` entries a message, in as many messages as it takes, the same
   ``sent_at`` on each.
@@ -69,6 +70,10 @@ class DemandDeltas:
                 )
             )
         return out
+
+    def ask_whole(self) -> None:
+        """A control plane asked (it has just started and holds no view): the next tick sends all."""
+        self.whole_at = float("-inf")
 
     def sent(self, messages: list[DemandReport]) -> None:
         """Every one of ``messages`` (one tick's) was published: the receiver holds them now."""

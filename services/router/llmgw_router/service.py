@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 
 from llmgw_common.codec import DecodeError, decode, encode
 from llmgw_common.messages import LoadReport, RoutingCatalog
-from llmgw_common.router_messages import ModelCache, UsageReport, WakeReply, WakeRequest
+from llmgw_common.router_messages import DemandWholeAsk, ModelCache, UsageReport, WakeReply, WakeRequest
 from llmgw_common.routing_table import RowFold
 from llmgw_common.subjects import ROUTING_CATALOG, Subjects
 from llmgw_common.tenancy import month_bounds
@@ -240,6 +240,9 @@ class Router:
         await bus.subscribe(nc, self.subjects.all_nodes("load"), LoadReport, self._on_load, self.drops)
         # Peers' usage reports: their use of limited keys, from which each router's share is computed.
         await bus.subscribe(nc, self.subjects.all_usage(), UsageReport, self._on_usage, self.drops)
+        await bus.subscribe(
+            nc, self.subjects.demand_whole(), DemandWholeAsk, self._on_demand_whole_ask, self.drops
+        )
         routing = KvFollower(routing_kv, self._on_routing, name="router-routing", resync_s=FOLLOW_CHECK_S)
         keyf = KvFollower(keys_kv, self._on_key, name="router-keys", resync_s=FOLLOW_CHECK_S)
         self._followers = [routing, keyf]
@@ -350,6 +353,9 @@ class Router:
             return None
         q, h = self.ctx.pool.prefix_counters(model)
         return self.cache.report(model, q, h)
+
+    def _on_demand_whole_ask(self, ask: DemandWholeAsk, _: Msg) -> None:
+        self.demand_deltas.ask_whole()
 
     def _on_usage(self, report: UsageReport, _: Msg) -> None:
         self.ctx.quota.on_report(report, self.ctx.clock())
