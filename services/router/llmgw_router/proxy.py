@@ -721,7 +721,10 @@ async def attempt(
             # OpenAI sends its x-ratelimit-* on every answer, not only on a 429.
             lines += ticket.header_lines(ctx.clock())
         if clen is not None and clen.isdigit() and not (ctype or b"").startswith(b"text/event-stream"):
-            data = await up.read()
+            # Taken as it is when it is all here (no read coroutine), else read to its end.
+            data = up.take_whole()
+            if data is None:
+                data = await up.read()
             verdict = status < 500
             elapsed = time.perf_counter() - a.t0
             ep.observe_latency(elapsed)

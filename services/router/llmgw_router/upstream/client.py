@@ -91,12 +91,19 @@ class UpstreamResponse:
             self._finish()
         return data
 
-    async def read(self) -> bytes:
+    def take_whole(self) -> bytes | None:
+        """The whole body when all of it is here already (a short answer usually is), taken without a
+        wait; None when more is to come (then :meth:`read`), or when it was already handed out."""
         c = self._conn
-        if not self._done and c.complete:
-            # The whole answer is here already (a short answer usually is): take it, no read loop.
-            data = c.take()
-            self._finish()
+        if self._done or not c.complete:
+            return None
+        data = c.take()
+        self._finish()
+        return data
+
+    async def read(self) -> bytes:
+        data = self.take_whole()
+        if data is not None:
             return data
         parts: list[bytes] = []
         while True:
