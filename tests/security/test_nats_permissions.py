@@ -32,8 +32,9 @@ SUBJ = Subjects(PREFIX)
 EVERY_BUCKET = sorted(
     getattr(SUBJ, n)
     for n in vars(Subjects)
-    # The control planes' own bucket; the tokenizers are an object store (tests/common/test_natsauth_kv.py).
-    if n.startswith("bucket_") and n not in ("bucket_announced", "bucket_tokenizers")
+    # The control planes' own bucket; the tokenizers are an object store (tests/common/test_natsauth_kv.py);
+    # the key-name index is `llmgw keys`' own (routers and the notifier never read it).
+    if n.startswith("bucket_") and n not in ("bucket_announced", "bucket_tokenizers", "bucket_key_names")
 )
 
 
